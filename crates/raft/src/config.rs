@@ -1,0 +1,76 @@
+//! How a core is tuned. Every limit the core enforces is here, with its unit in its name.
+
+use crate::types::NodeId;
+
+/// Configuration of one Raft core.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// This node's id; never 0.
+    pub id: NodeId,
+    /// T: a follower that hears nothing for a random number of ticks in `[T, 2T)` campaigns.
+    pub election_ticks: u64,
+    /// A leader sends heartbeats every this many ticks. Must be below `election_ticks`.
+    pub heartbeat_ticks: u64,
+    /// Run a PreVote round before raising the term, so a rejoining node cannot disrupt.
+    pub pre_vote: bool,
+    /// A leader that has not heard from a quorum for `election_ticks` steps down, and followers
+    /// that heard from a leader within `election_ticks` ignore vote requests.
+    pub check_quorum: bool,
+    /// Upper bound on the payload bytes of entries in one `Append` message (at least one
+    /// entry is always sent, so one big entry still moves).
+    pub max_append_bytes: u64,
+    /// Upper bound on `Append` messages in flight to one follower in replicate mode.
+    pub max_inflight_appends: usize,
+    /// Upper bound on the payload bytes of proposed but uncommitted entries on a leader.
+    pub max_uncommitted_bytes: u64,
+    /// Snapshots go out in chunks of at most this many bytes.
+    pub snapshot_chunk_bytes: u64,
+    /// Seed of the PRNG behind election timeouts. Give each node its own.
+    pub seed: u64,
+    /// Deliberately broken behaviour for negative-control tests of the simulator's checkers.
+    #[cfg(feature = "negative-controls")]
+    pub bugs: crate::Bugs,
+}
+
+impl Config {
+    /// A configuration with Conclave's defaults for node `id`.
+    pub fn new(id: NodeId) -> Self {
+        Config {
+            id,
+            election_ticks: 10,
+            heartbeat_ticks: 2,
+            pre_vote: true,
+            check_quorum: true,
+            max_append_bytes: 1024 * 1024,
+            max_inflight_appends: 256,
+            max_uncommitted_bytes: 64 * 1024 * 1024,
+            snapshot_chunk_bytes: 1024 * 1024,
+            seed: id,
+            #[cfg(feature = "negative-controls")]
+            bugs: crate::Bugs::default(),
+        }
+    }
+
+    /// Checks the configuration, returning one sentence on what is wrong.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.id == 0 {
+            return Err("node id 0 is reserved".into());
+        }
+        if self.heartbeat_ticks == 0 {
+            return Err("heartbeat_ticks must be at least 1".into());
+        }
+        if self.election_ticks <= self.heartbeat_ticks {
+            return Err("election_ticks must exceed heartbeat_ticks".into());
+        }
+        if self.max_inflight_appends == 0 {
+            return Err("max_inflight_appends must be at least 1".into());
+        }
+        if self.max_append_bytes == 0 || self.snapshot_chunk_bytes == 0 {
+            return Err("max_append_bytes and snapshot_chunk_bytes must be at least 1".into());
+        }
+        if self.max_uncommitted_bytes == 0 {
+            return Err("max_uncommitted_bytes must be at least 1".into());
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,41 @@
+//! # conclave-raft
+//!
+//! Conclave's Raft consensus core. It is a pure state machine: messages and ticks go in;
+//! entries to persist, messages to send and entries to apply come out as a [`Ready`]. It does
+//! no I/O, reads no clock and takes its randomness from [`Config::seed`], so one seed replays a
+//! whole cluster exactly (the simulator in `conclave-sim` depends on that).
+//!
+//! See `docs/raft.md` for the API walk-through and the Ready ordering contract.
+//!
+//! ## Layout
+//! - [`types`]: entries, hard state, snapshots, membership, messages.
+//! - [`storage`]: the read-only [`Storage`] trait and [`MemStorage`].
+//! - `log`: the log as the core sees it: durable part (storage) + unstable tail.
+//! - `progress`: the leader's per-follower replication state and in-flight window.
+//! - `quorum`: majority and joint-majority arithmetic.
+//! - `raft`: the protocol itself.
+//! - `raw_node`: [`RawNode`] and [`Ready`], the application-facing API.
+
+pub mod config;
+pub mod error;
+mod prng;
+pub mod storage;
+pub mod types;
+
+pub use config::Config;
+pub use error::{Error, StorageError};
+pub use storage::{MemStorage, Storage};
+pub use types::*;
+
+/// Switches for deliberately broken behaviour, used only by the simulator's negative-control
+/// tests to prove its checkers catch each bug.
+#[cfg(feature = "negative-controls")]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Bugs {
+    /// Commit an entry of an earlier term once a majority stores it (ignores Raft §5.4.2).
+    pub commit_earlier_term_by_count: bool,
+    /// Leave the vote out of the hard state handed to the application to persist.
+    pub forget_to_persist_vote: bool,
+    /// Answer ReadIndex at once from the local commit index, without a heartbeat round.
+    pub read_index_without_quorum_check: bool,
+}

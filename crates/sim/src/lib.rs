@@ -1,0 +1,1 @@
+//! conclave-sim (under construction).

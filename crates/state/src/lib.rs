@@ -1,0 +1,1 @@
+//! conclave-state (under construction).

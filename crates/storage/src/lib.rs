@@ -1,0 +1,1 @@
+//! conclave-storage (under construction).
