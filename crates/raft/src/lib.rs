@@ -18,12 +18,19 @@
 
 pub mod config;
 pub mod error;
+mod log;
 mod prng;
+mod progress;
+mod quorum;
+mod raft;
+mod raw_node;
 pub mod storage;
 pub mod types;
 
 pub use config::Config;
 pub use error::{Error, StorageError};
+pub use raft::apply_steps;
+pub use raw_node::{MAX_COMMITTED_BYTES_PER_READY, RawNode, Ready};
 pub use storage::{MemStorage, Storage};
 pub use types::*;
 

@@ -1,0 +1,1082 @@
+//! The Raft protocol: roles, elections, replication, reads, transfers, membership, snapshots.
+//!
+//! [`Raft::step`] applies the term rules to every message first, then dispatches on the role.
+//! Nothing here does I/O; outgoing messages collect in `msgs` and leave through a Ready.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+use bytes::{Bytes, BytesMut};
+
+use crate::config::Config;
+use crate::error::{Error, StorageError};
+use crate::log::RaftLog;
+use crate::prng::Prng;
+use crate::progress::{Progress, ReplicationMode};
+use crate::quorum::{self, VoteResult};
+use crate::storage::Storage;
+use crate::types::*;
+
+/// Why a node starts an election.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CampaignKind {
+    /// Its election timer ran out (starts with PreVote when enabled).
+    Timeout,
+    /// Its PreVote round succeeded: now the real election.
+    PreVoteWon,
+    /// The leader ordered it (TimeoutNow): no PreVote, and voters drop their leader lease.
+    Transfer,
+}
+
+/// A linearizable read waiting for its heartbeat round.
+#[derive(Debug)]
+struct PendingRead {
+    context: Bytes,
+    /// The commit index when the read arrived: the read may be served once this is applied.
+    index: Index,
+    /// Who asked: this node, or a follower to answer with `ReadIndexResponse`.
+    requester: NodeId,
+    acks: BTreeSet<NodeId>,
+}
+
+/// A snapshot arriving in chunks from the leader.
+#[derive(Debug)]
+struct IncomingSnapshot {
+    meta: SnapshotMeta,
+    data: BytesMut,
+}
+
+/// The Raft state machine of one node.
+pub struct Raft<S> {
+    pub id: NodeId,
+    pub term: Term,
+    pub vote: Option<NodeId>,
+    pub log: RaftLog<S>,
+    pub role: Role,
+    pub leader: Option<NodeId>,
+    pub conf: ConfState,
+    /// Replication state per member other than self (leader only; rebuilt on election).
+    pub progress: BTreeMap<NodeId, Progress>,
+    votes: BTreeMap<NodeId, bool>,
+    pub msgs: Vec<Message>,
+    pub read_states: Vec<ReadState>,
+    election_elapsed: u64,
+    heartbeat_elapsed: u64,
+    randomized_election_ticks: u64,
+    /// The node a leadership transfer is handing over to.
+    pub transferee: Option<NodeId>,
+    /// Index of the latest membership change entry; no new one until it is applied.
+    pending_conf_index: Index,
+    uncommitted_bytes: u64,
+    /// Reads waiting for a heartbeat quorum, oldest first.
+    pending_reads: VecDeque<PendingRead>,
+    /// Reads that arrived before this leader committed an entry of its term.
+    reads_awaiting_commit: Vec<(Bytes, NodeId)>,
+    incoming_snapshot: Option<IncomingSnapshot>,
+    /// Proposals are appended at once but broadcast when the application next asks for a
+    /// Ready, so that many proposals travel in one message.
+    broadcast_pending: bool,
+    config: Config,
+    prng: Prng,
+}
+
+impl<S: Storage> Raft<S> {
+    pub fn new(config: Config, store: S) -> Result<Self, String> {
+        config.validate()?;
+        let (hard_state, conf) =
+            store.initial_state().map_err(|e| format!("cannot read initial state: {e}"))?;
+        let log = RaftLog::new(store, hard_state.commit);
+        let mut raft = Raft {
+            id: config.id,
+            term: hard_state.term,
+            vote: hard_state.vote,
+            log,
+            role: Role::Follower,
+            leader: None,
+            conf,
+            progress: BTreeMap::new(),
+            votes: BTreeMap::new(),
+            msgs: Vec::new(),
+            read_states: Vec::new(),
+            election_elapsed: 0,
+            heartbeat_elapsed: 0,
+            randomized_election_ticks: config.election_ticks,
+            transferee: None,
+            pending_conf_index: 0,
+            uncommitted_bytes: 0,
+            pending_reads: VecDeque::new(),
+            reads_awaiting_commit: Vec::new(),
+            incoming_snapshot: None,
+            broadcast_pending: false,
+            prng: Prng::new(config.seed),
+            config,
+        };
+        raft.become_follower(raft.term, None);
+        Ok(raft)
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    pub fn hard_state(&self) -> HardState {
+        HardState { term: self.term, vote: self.vote, commit: self.log.committed }
+    }
+
+    pub fn soft_state(&self) -> SoftState {
+        SoftState { role: self.role, leader: self.leader, term: self.term }
+    }
+
+    /// Whether this node may become leader: it votes in the current configuration.
+    pub fn promotable(&self) -> bool {
+        self.conf.is_voter(self.id)
+    }
+
+    // ---- roles -------------------------------------------------------------------------
+
+    fn reset(&mut self, term: Term) {
+        if self.term != term {
+            assert!(term > self.term, "term going backwards: {} -> {term}", self.term);
+            self.term = term;
+            self.vote = None;
+        }
+        self.leader = None;
+        self.election_elapsed = 0;
+        self.heartbeat_elapsed = 0;
+        self.randomized_election_ticks =
+            self.prng.range(self.config.election_ticks, 2 * self.config.election_ticks);
+        self.votes.clear();
+        self.transferee = None;
+        self.pending_reads.clear();
+        self.reads_awaiting_commit.clear();
+        self.broadcast_pending = false;
+        self.uncommitted_bytes = 0;
+        let next = self.log.last_index() + 1;
+        self.progress = self
+            .conf
+            .members()
+            .into_iter()
+            .filter(|&id| id != self.id)
+            .map(|id| (id, Progress::new(next)))
+            .collect();
+    }
+
+    pub fn become_follower(&mut self, term: Term, leader: Option<NodeId>) {
+        self.reset(term);
+        self.role = Role::Follower;
+        self.leader = leader;
+    }
+
+    fn become_pre_candidate(&mut self) {
+        assert_ne!(self.role, Role::Leader, "invalid transition leader -> pre-candidate");
+        // PreVote changes neither term nor vote: a node that cannot win disturbs nobody.
+        self.role = Role::PreCandidate;
+        self.votes.clear();
+        self.leader = None;
+    }
+
+    fn become_candidate(&mut self) {
+        assert_ne!(self.role, Role::Leader, "invalid transition leader -> candidate");
+        self.reset(self.term + 1);
+        self.vote = Some(self.id);
+        self.role = Role::Candidate;
+    }
+
+    fn become_leader(&mut self) {
+        assert_ne!(self.role, Role::Follower, "invalid transition follower -> leader");
+        self.reset(self.term);
+        self.role = Role::Leader;
+        self.leader = Some(self.id);
+        for pr in self.progress.values_mut() {
+            pr.recent_active = true;
+        }
+        // Any membership change still in the log must be applied before another is accepted.
+        self.pending_conf_index = self.log.last_index();
+        // The empty entry of our term is what lets earlier-term entries commit (§5.4.2).
+        let index = self.log.last_index() + 1;
+        let noop = Entry { term: self.term, index, kind: EntryKind::Normal, data: Bytes::new() };
+        self.log.append(&[noop]);
+        self.maybe_commit();
+        self.broadcast_append();
+    }
+
+    // ---- ticks ---------------------------------------------------------------------------
+
+    pub fn tick(&mut self) {
+        match self.role {
+            Role::Leader => self.tick_leader(),
+            _ => self.tick_election(),
+        }
+    }
+
+    fn tick_election(&mut self) {
+        self.election_elapsed += 1;
+        if self.election_elapsed >= self.randomized_election_ticks {
+            self.election_elapsed = 0;
+            self.campaign(CampaignKind::Timeout);
+        }
+    }
+
+    fn tick_leader(&mut self) {
+        self.heartbeat_elapsed += 1;
+        self.election_elapsed += 1;
+        if self.election_elapsed >= self.config.election_ticks {
+            self.election_elapsed = 0;
+            if self.config.check_quorum && !self.quorum_recently_active() {
+                self.become_follower(self.term, None);
+                return;
+            }
+            // A transfer that did not finish within an election timeout is abandoned.
+            self.transferee = None;
+        }
+        if self.heartbeat_elapsed >= self.config.heartbeat_ticks {
+            self.heartbeat_elapsed = 0;
+            self.broadcast_heartbeat(None);
+        }
+    }
+
+    fn quorum_recently_active(&mut self) -> bool {
+        let mut votes = BTreeMap::new();
+        votes.insert(self.id, true);
+        for (&id, pr) in self.progress.iter_mut() {
+            if pr.recent_active {
+                votes.insert(id, true);
+            }
+            pr.recent_active = false;
+        }
+        // Absent voters count as "no" once the round is over.
+        for id in self.conf.members() {
+            votes.entry(id).or_insert(false);
+        }
+        quorum::vote_result(&self.conf, &votes) == VoteResult::Won
+    }
+
+    // ---- elections -----------------------------------------------------------------------
+
+    /// Starts an election: a PreVote round first when configured, unless `kind` says the
+    /// PreVote already succeeded or a leadership transfer ordered it.
+    pub fn campaign(&mut self, kind: CampaignKind) {
+        if !self.promotable() || self.has_unapplied_conf_change() {
+            return;
+        }
+        let pre = self.config.pre_vote && kind == CampaignKind::Timeout;
+        let transfer = kind == CampaignKind::Transfer;
+        if pre {
+            self.become_pre_candidate();
+        } else {
+            self.become_candidate();
+        }
+        let vote_term = if pre { self.term + 1 } else { self.term };
+        self.votes.insert(self.id, true);
+        if self.tally_votes() == VoteResult::Won {
+            self.on_election_won(pre);
+            return;
+        }
+        let last_index = self.log.last_index();
+        let last_term = self.log.last_term();
+        let voters: BTreeSet<NodeId> =
+            self.conf.voters.union(&self.conf.voters_outgoing).copied().collect();
+        for id in voters.into_iter().filter(|&id| id != self.id) {
+            let body = MessageBody::Vote { pre, last_index, last_term, transfer };
+            self.msgs.push(Message { from: self.id, to: id, term: vote_term, body });
+        }
+    }
+
+    fn tally_votes(&self) -> VoteResult {
+        quorum::vote_result(&self.conf, &self.votes)
+    }
+
+    fn on_election_won(&mut self, pre: bool) {
+        if pre {
+            self.campaign(CampaignKind::PreVoteWon);
+        } else {
+            self.become_leader();
+        }
+    }
+
+    fn has_unapplied_conf_change(&self) -> bool {
+        if self.log.committed <= self.log.applied || !self.log.has_next_committed() {
+            return false;
+        }
+        let low = self.log.applied + 1;
+        match self.log.entries(low, self.log.committed + 1, u64::MAX) {
+            Ok(entries) => entries.iter().any(|e| e.kind == EntryKind::ConfChange),
+            Err(_) => false,
+        }
+    }
+
+    // ---- the step function ---------------------------------------------------------------
+
+    pub fn step(&mut self, m: Message) -> Result<(), Error> {
+        if m.term > self.term {
+            let in_lease = self.config.check_quorum
+                && self.leader.is_some()
+                && self.election_elapsed < self.config.election_ticks;
+            match &m.body {
+                MessageBody::Vote { transfer, .. } if in_lease && !transfer => {
+                    // A leader is alive: ignore a disruptive candidate without raising our term.
+                    return Ok(());
+                }
+                MessageBody::Vote { pre: true, .. } => {}
+                MessageBody::VoteResponse { pre: true, granted: true } => {}
+                MessageBody::Append { .. }
+                | MessageBody::Heartbeat { .. }
+                | MessageBody::SnapshotChunk { .. } => {
+                    self.become_follower(m.term, Some(m.from));
+                }
+                _ => self.become_follower(m.term, None),
+            }
+        } else if m.term < self.term {
+            match m.body {
+                MessageBody::Append { .. } | MessageBody::Heartbeat { .. }
+                    if self.config.check_quorum || self.config.pre_vote =>
+                {
+                    // A stale leader learns our term from this and steps down.
+                    let body = MessageBody::AppendResponse {
+                        index: 0,
+                        reject: true,
+                        hint_index: 0,
+                        hint_term: 0,
+                    };
+                    self.send(m.from, body);
+                }
+                MessageBody::Vote { pre: true, .. } => {
+                    self.send(m.from, MessageBody::VoteResponse { pre: true, granted: false });
+                }
+                _ => {}
+            }
+            return Ok(());
+        }
+
+        if let MessageBody::Vote { pre, last_index, last_term, .. } = m.body {
+            self.handle_vote(&m, pre, last_index, last_term);
+            return Ok(());
+        }
+        match self.role {
+            Role::Leader => self.step_leader(m),
+            Role::Candidate | Role::PreCandidate => self.step_candidate(m),
+            Role::Follower => self.step_follower(m),
+        }
+    }
+
+    fn handle_vote(&mut self, m: &Message, pre: bool, last_index: Index, last_term: Term) {
+        let can_vote = self.vote == Some(m.from)
+            || (self.vote.is_none() && self.leader.is_none())
+            || (pre && m.term > self.term);
+        let granted = can_vote && self.log.is_up_to_date(last_index, last_term);
+        // A granted PreVote answers in the candidate's future term so that it counts there.
+        let term = if pre && granted { m.term } else { self.term };
+        if granted && !pre {
+            self.election_elapsed = 0;
+            self.vote = Some(m.from);
+        }
+        let body = MessageBody::VoteResponse { pre, granted };
+        self.msgs.push(Message { from: self.id, to: m.from, term, body });
+    }
+
+    fn step_candidate(&mut self, m: Message) -> Result<(), Error> {
+        match m.body {
+            MessageBody::Append { .. }
+            | MessageBody::Heartbeat { .. }
+            | MessageBody::SnapshotChunk { .. } => {
+                self.become_follower(m.term, Some(m.from));
+                self.step_follower(m)
+            }
+            MessageBody::VoteResponse { pre, granted } => {
+                if pre != (self.role == Role::PreCandidate) {
+                    return Ok(());
+                }
+                self.votes.insert(m.from, granted);
+                match self.tally_votes() {
+                    VoteResult::Won => self.on_election_won(pre),
+                    VoteResult::Lost => self.become_follower(self.term, None),
+                    VoteResult::Pending => {}
+                }
+                Ok(())
+            }
+            _ => Ok(()),
+        }
+    }
+
+    fn step_follower(&mut self, m: Message) -> Result<(), Error> {
+        match m.body {
+            MessageBody::Append { prev_index, prev_term, entries, commit } => {
+                self.election_elapsed = 0;
+                self.leader = Some(m.from);
+                self.handle_append(m.from, prev_index, prev_term, &entries, commit);
+            }
+            MessageBody::Heartbeat { commit, context } => {
+                self.election_elapsed = 0;
+                self.leader = Some(m.from);
+                self.log.commit_to(commit.min(self.log.last_index()));
+                self.send(m.from, MessageBody::HeartbeatResponse { context });
+            }
+            MessageBody::SnapshotChunk { meta, offset, data, done } => {
+                self.election_elapsed = 0;
+                self.leader = Some(m.from);
+                self.handle_snapshot_chunk(m.from, meta, offset, data, done);
+            }
+            MessageBody::TimeoutNow => self.campaign(CampaignKind::Transfer),
+            MessageBody::ReadIndexResponse { context, index } => {
+                self.read_states.push(ReadState { index, context });
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    fn handle_append(
+        &mut self,
+        from: NodeId,
+        prev_index: Index,
+        prev_term: Term,
+        entries: &[Entry],
+        commit: Index,
+    ) {
+        if prev_index < self.log.committed {
+            // Everything up to our commit index is known to match; answer with it.
+            let body = MessageBody::AppendResponse {
+                index: self.log.committed,
+                reject: false,
+                hint_index: 0,
+                hint_term: 0,
+            };
+            self.send(from, body);
+            return;
+        }
+        match self.log.maybe_append(prev_index, prev_term, entries) {
+            Some(last_new) => {
+                self.log.commit_to(commit.min(last_new));
+                let body = MessageBody::AppendResponse {
+                    index: last_new,
+                    reject: false,
+                    hint_index: 0,
+                    hint_term: 0,
+                };
+                self.send(from, body);
+            }
+            None => {
+                let hint_index = self
+                    .log
+                    .find_conflict_by_term(prev_index.min(self.log.last_index()), prev_term);
+                let hint_term = self.log.term_or_zero(hint_index);
+                let body =
+                    MessageBody::AppendResponse { index: prev_index, reject: true, hint_index, hint_term };
+                self.send(from, body);
+            }
+        }
+    }
+
+    fn handle_snapshot_chunk(
+        &mut self,
+        from: NodeId,
+        meta: SnapshotMeta,
+        offset: u64,
+        data: Bytes,
+        done: bool,
+    ) {
+        let index = meta.index;
+        if index <= self.log.committed {
+            // We already have everything it covers.
+            self.incoming_snapshot = None;
+            let body = MessageBody::SnapshotResponse {
+                snapshot_index: index,
+                next_offset: 0,
+                installed: true,
+                reject: false,
+            };
+            self.send(from, body);
+            return;
+        }
+        if offset == 0 {
+            self.incoming_snapshot = Some(IncomingSnapshot { meta: meta.clone(), data: BytesMut::new() });
+        }
+        let Some(incoming) = self.incoming_snapshot.as_mut().filter(|s| s.meta == meta) else {
+            // A chunk of a snapshot we are not receiving: ask the leader to start over.
+            let body = MessageBody::SnapshotResponse {
+                snapshot_index: index,
+                next_offset: 0,
+                installed: false,
+                reject: true,
+            };
+            self.send(from, body);
+            return;
+        };
+        if offset == incoming.data.len() as u64 {
+            incoming.data.extend_from_slice(&data);
+        }
+        let next_offset = incoming.data.len() as u64;
+        if done && offset + data.len() as u64 == next_offset {
+            let Some(incoming) = self.incoming_snapshot.take() else { return };
+            let snapshot = Snapshot { meta: incoming.meta, data: incoming.data.freeze() };
+            self.restore(snapshot);
+            let body = MessageBody::SnapshotResponse {
+                snapshot_index: index,
+                next_offset,
+                installed: true,
+                reject: false,
+            };
+            self.send(from, body);
+        } else {
+            let body = MessageBody::SnapshotResponse {
+                snapshot_index: index,
+                next_offset,
+                installed: false,
+                reject: false,
+            };
+            self.send(from, body);
+        }
+    }
+
+    /// Replaces this follower's log and membership with a snapshot from the leader.
+    fn restore(&mut self, snapshot: Snapshot) {
+        let meta = &snapshot.meta;
+        if self.log.match_term(meta.index, meta.term) {
+            // Our log already holds the snapshot's last entry: just fast-forward the commit.
+            self.log.commit_to(meta.index);
+            return;
+        }
+        self.conf = meta.conf_state.clone();
+        self.log.restore(snapshot);
+    }
+
+    fn step_leader(&mut self, m: Message) -> Result<(), Error> {
+        match m.body {
+            MessageBody::AppendResponse { index, reject, hint_index, hint_term } => {
+                self.handle_append_response(m.from, index, reject, hint_index, hint_term);
+            }
+            MessageBody::HeartbeatResponse { context } => {
+                let Some(pr) = self.progress.get_mut(&m.from) else {
+                    return Err(Error::UnknownPeer(m.from));
+                };
+                pr.recent_active = true;
+                pr.probe_sent = false;
+                let needs_more = pr.match_index < self.log.last_index();
+                if let ReplicationMode::Snapshot { .. } = pr.mode {
+                    // Resend the outstanding chunk, which may have been lost.
+                    self.send_snapshot_chunk(m.from);
+                } else if needs_more {
+                    self.send_append(m.from);
+                }
+                if let Some(context) = context {
+                    self.ack_read(m.from, &context);
+                }
+            }
+            MessageBody::SnapshotResponse { snapshot_index, next_offset, installed, reject } => {
+                self.handle_snapshot_response(m.from, snapshot_index, next_offset, installed, reject);
+            }
+            MessageBody::ReadIndexRequest { context } => {
+                if self.conf.contains(m.from) {
+                    self.leader_read_index(context, m.from);
+                }
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    fn handle_append_response(
+        &mut self,
+        from: NodeId,
+        index: Index,
+        reject: bool,
+        hint_index: Index,
+        hint_term: Term,
+    ) {
+        let next_probe = if reject && hint_term > 0 {
+            self.log.find_conflict_by_term(hint_index, hint_term) + 1
+        } else {
+            hint_index + 1
+        };
+        let last_index = self.log.last_index();
+        let Some(pr) = self.progress.get_mut(&from) else { return };
+        pr.recent_active = true;
+        if reject {
+            if index == 0 {
+                // A term-rule rejection from a node with a higher term; nothing to learn here.
+                return;
+            }
+            if pr.maybe_decrease_to(index, next_probe) {
+                self.send_append(from);
+            }
+            return;
+        }
+        let was_paused = pr.is_paused(self.config.max_inflight_appends);
+        if !pr.maybe_update(index) {
+            if was_paused && !pr.is_paused(self.config.max_inflight_appends) {
+                self.send_append(from);
+            }
+            return;
+        }
+        match pr.mode {
+            ReplicationMode::Probe => pr.become_replicate(),
+            ReplicationMode::Snapshot { ref meta, .. } if pr.match_index >= meta.index => {
+                pr.become_probe()
+            }
+            _ => {}
+        }
+        let caught_up = pr.match_index == last_index;
+        if self.maybe_commit() {
+            self.broadcast_append();
+        } else {
+            self.send_append(from);
+        }
+        if caught_up && self.transferee == Some(from) {
+            self.send(from, MessageBody::TimeoutNow);
+        }
+    }
+
+    fn handle_snapshot_response(
+        &mut self,
+        from: NodeId,
+        snapshot_index: Index,
+        next_offset: u64,
+        installed: bool,
+        reject: bool,
+    ) {
+        let Some(pr) = self.progress.get_mut(&from) else { return };
+        pr.recent_active = true;
+        let ReplicationMode::Snapshot { meta, next_offset: expected } = &mut pr.mode else {
+            return;
+        };
+        if meta.index != snapshot_index {
+            return;
+        }
+        if installed {
+            pr.match_index = pr.match_index.max(snapshot_index);
+            pr.become_probe();
+            self.send_append(from);
+            return;
+        }
+        *expected = if reject { 0 } else { next_offset };
+        self.send_snapshot_chunk(from);
+    }
+
+    // ---- replication ---------------------------------------------------------------------
+
+    fn send(&mut self, to: NodeId, body: MessageBody) {
+        self.msgs.push(Message { from: self.id, to, term: self.term, body });
+    }
+
+    pub fn broadcast_append(&mut self) {
+        self.broadcast_pending = false;
+        let ids: Vec<NodeId> = self.progress.keys().copied().collect();
+        for id in ids {
+            self.send_append(id);
+        }
+    }
+
+    /// Broadcasts appends held back for batching, if any (called before building a Ready).
+    pub fn flush_broadcast(&mut self) {
+        if self.broadcast_pending && self.role == Role::Leader {
+            self.broadcast_append();
+        }
+    }
+
+    pub fn has_pending_broadcast(&self) -> bool {
+        self.broadcast_pending && self.role == Role::Leader
+    }
+
+    fn send_append(&mut self, to: NodeId) {
+        let max_inflight = self.config.max_inflight_appends;
+        let Some(pr) = self.progress.get(&to) else { return };
+        if pr.is_paused(max_inflight) {
+            return;
+        }
+        let next = pr.next_index;
+        let prev_index = next - 1;
+        let last_index = self.log.last_index();
+        let prev_term = self.log.term(prev_index);
+        let entries = self.log.entries(next, last_index + 1, self.config.max_append_bytes);
+        let (prev_term, entries) = match (prev_term, entries) {
+            (Ok(term), Ok(entries)) => (term, entries),
+            (Err(StorageError::Compacted(_)), _) | (_, Err(StorageError::Compacted(_))) => {
+                self.start_snapshot(to);
+                return;
+            }
+            (Err(e), _) | (_, Err(e)) => panic!("conclave-raft: cannot read log for {to}: {e}"),
+        };
+        let last_sent = prev_index + entries.len() as u64;
+        let count = entries.len();
+        let commit = self.log.committed.min(last_sent.max(pr.match_index));
+        let body = MessageBody::Append { prev_index, prev_term, entries, commit };
+        self.send(to, body);
+        if let Some(pr) = self.progress.get_mut(&to) {
+            pr.sent_append(last_sent, count);
+        }
+    }
+
+    fn start_snapshot(&mut self, to: NodeId) {
+        let snapshot = match self.log.snapshot() {
+            Ok(snapshot) => snapshot,
+            Err(StorageError::SnapshotTemporarilyUnavailable) => return,
+            Err(e) => panic!("conclave-raft: cannot read snapshot: {e}"),
+        };
+        assert!(!snapshot.is_empty(), "log compacted but no snapshot to send to {to}");
+        if let Some(pr) = self.progress.get_mut(&to) {
+            pr.become_snapshot(snapshot.meta);
+        }
+        self.send_snapshot_chunk(to);
+    }
+
+    fn send_snapshot_chunk(&mut self, to: NodeId) {
+        let Some(ReplicationMode::Snapshot { meta, next_offset }) =
+            self.progress.get(&to).map(|pr| pr.mode.clone())
+        else {
+            return;
+        };
+        let snapshot = match self.log.snapshot() {
+            Ok(snapshot) => snapshot,
+            Err(_) => return,
+        };
+        if snapshot.meta != meta {
+            // The snapshot moved on since this transfer began: start over with the new one.
+            if let Some(pr) = self.progress.get_mut(&to) {
+                pr.become_probe();
+            }
+            self.send_append(to);
+            return;
+        }
+        let total = snapshot.data.len() as u64;
+        let start = next_offset.min(total);
+        let end = (start + self.config.snapshot_chunk_bytes).min(total);
+        let data = snapshot.data.slice(start as usize..end as usize);
+        let body = MessageBody::SnapshotChunk { meta, offset: start, data, done: end == total };
+        self.send(to, body);
+    }
+
+    fn broadcast_heartbeat(&mut self, context: Option<Bytes>) {
+        let ids: Vec<NodeId> = self.progress.keys().copied().collect();
+        for id in ids {
+            let match_index = self.progress[&id].match_index;
+            let commit = self.log.committed.min(match_index);
+            self.send(id, MessageBody::Heartbeat { commit, context: context.clone() });
+        }
+    }
+
+    /// Advances the commit index to what a quorum stores, counting only entries of the current
+    /// term (§5.4.2). Returns whether it moved.
+    pub fn maybe_commit(&mut self) -> bool {
+        if self.role != Role::Leader {
+            return false;
+        }
+        let progress = &self.progress;
+        let id = self.id;
+        let persisted = self.log.persisted;
+        let acked = |node: NodeId| -> Index {
+            if node == id {
+                persisted
+            } else {
+                progress.get(&node).map_or(0, |pr| pr.match_index)
+            }
+        };
+        let index = quorum::committed_index(&self.conf, &acked);
+        if index <= self.log.committed || index == Index::MAX {
+            return false;
+        }
+        let term_ok = self.log.term_or_zero(index) == self.term;
+        #[cfg(feature = "negative-controls")]
+        let term_ok = term_ok || self.config.bugs.commit_earlier_term_by_count;
+        if !term_ok {
+            return false;
+        }
+        self.log.commit_to(index);
+        self.on_commit_advanced();
+        true
+    }
+
+    fn on_commit_advanced(&mut self) {
+        if self.log.term_or_zero(self.log.committed) != self.term {
+            return;
+        }
+        // Reads that waited for this leader's first commit can now start their round.
+        for (context, requester) in std::mem::take(&mut self.reads_awaiting_commit) {
+            self.leader_read_index(context, requester);
+        }
+    }
+
+    // ---- proposals -------------------------------------------------------------------------
+
+    pub fn propose(&mut self, kind: EntryKind, data: Bytes) -> Result<Index, Error> {
+        if self.role != Role::Leader {
+            return Err(Error::NotLeader { leader: self.leader });
+        }
+        if let Some(target) = self.transferee {
+            return Err(Error::TransferInProgress { target });
+        }
+        let size = data.len() as u64;
+        if size > self.config.max_append_bytes {
+            return Err(Error::ProposalTooLarge { size, limit: self.config.max_append_bytes });
+        }
+        let limit = self.config.max_uncommitted_bytes;
+        if self.uncommitted_bytes > 0 && self.uncommitted_bytes + size > limit {
+            return Err(Error::UncommittedLimit { uncommitted: self.uncommitted_bytes, limit });
+        }
+        self.uncommitted_bytes += size;
+        let index = self.log.last_index() + 1;
+        self.log.append(&[Entry { term: self.term, index, kind, data }]);
+        self.broadcast_pending = true;
+        // A cluster of one commits as soon as the entry is durable (see `on_persisted`).
+        Ok(index)
+    }
+
+    pub fn propose_conf_change(&mut self, change: ConfChange) -> Result<Index, Error> {
+        if self.role != Role::Leader {
+            return Err(Error::NotLeader { leader: self.leader });
+        }
+        if self.pending_conf_index > self.log.applied {
+            return Err(Error::ConfChangeInProgress);
+        }
+        match &change {
+            ConfChange::Enter(steps) => {
+                if self.conf.is_joint() {
+                    return Err(Error::ConfChangeInProgress);
+                }
+                apply_steps(&self.conf, steps).map_err(Error::InvalidConfChange)?;
+            }
+            ConfChange::Leave => {
+                if !self.conf.is_joint() {
+                    return Err(Error::InvalidConfChange("not in a joint configuration".into()));
+                }
+            }
+        }
+        let index = self.propose(EntryKind::ConfChange, change.encode())?;
+        self.pending_conf_index = index;
+        Ok(index)
+    }
+
+    /// After an `Enter` is applied, the leader leaves the joint configuration by itself.
+    fn maybe_auto_leave(&mut self) {
+        if self.role == Role::Leader
+            && self.conf.is_joint()
+            && self.pending_conf_index <= self.log.applied
+            && self.transferee.is_none()
+        {
+            let index = self.log.last_index() + 1;
+            let data = ConfChange::Leave.encode();
+            let entry = Entry { term: self.term, index, kind: EntryKind::ConfChange, data };
+            self.log.append(&[entry]);
+            self.pending_conf_index = index;
+            self.broadcast_pending = true;
+        }
+    }
+
+    /// Applies a committed membership change (called as the application applies it).
+    fn apply_conf_change(&mut self, entry: &Entry) {
+        let Some(change) = ConfChange::decode(&entry.data) else {
+            panic!("conclave-raft: undecodable membership change at index {}", entry.index);
+        };
+        let new_conf = match change {
+            ConfChange::Enter(steps) => match apply_steps(&self.conf, &steps) {
+                Ok(conf) => conf,
+                // Validated by the leader against the same configuration; every node applies
+                // the same entries in the same order, so this cannot differ here.
+                Err(reason) => panic!("conclave-raft: committed membership change invalid: {reason}"),
+            },
+            ConfChange::Leave => {
+                let mut conf = self.conf.clone();
+                conf.voters_outgoing.clear();
+                conf
+            }
+        };
+        self.conf = new_conf;
+        let next = self.log.last_index() + 1;
+        let members = self.conf.members();
+        self.progress.retain(|id, _| members.contains(id));
+        if self.role == Role::Leader {
+            for &id in members.iter().filter(|&&id| id != self.id) {
+                self.progress.entry(id).or_insert_with(|| {
+                    let mut pr = Progress::new(next);
+                    pr.recent_active = true;
+                    pr
+                });
+            }
+            if !self.conf.is_voter(self.id) {
+                self.step_down_after_removal();
+                return;
+            }
+            if self.maybe_commit() {
+                self.broadcast_append();
+            } else {
+                self.broadcast_pending = true;
+            }
+        }
+    }
+
+    /// A leader no longer in the configuration hands over to the most up-to-date voter, then
+    /// becomes a follower, so the cluster does not wait a whole election timeout.
+    fn step_down_after_removal(&mut self) {
+        let best = self
+            .conf
+            .voters
+            .iter()
+            .filter_map(|id| self.progress.get(id).map(|pr| (pr.match_index, *id)))
+            .max();
+        if let Some((match_index, id)) = best {
+            if match_index == self.log.last_index() {
+                self.send(id, MessageBody::TimeoutNow);
+            }
+        }
+        self.become_follower(self.term, None);
+    }
+
+    // ---- reads -----------------------------------------------------------------------------
+
+    pub fn read_index(&mut self, context: Bytes) -> Result<(), Error> {
+        match self.role {
+            Role::Leader => {
+                self.leader_read_index(context, self.id);
+                Ok(())
+            }
+            _ => match self.leader {
+                Some(leader) if self.role == Role::Follower => {
+                    self.send(leader, MessageBody::ReadIndexRequest { context });
+                    Ok(())
+                }
+                _ => Err(Error::NoLeader),
+            },
+        }
+    }
+
+    fn leader_read_index(&mut self, context: Bytes, requester: NodeId) {
+        let index = self.log.committed;
+        #[cfg(feature = "negative-controls")]
+        if self.config.bugs.read_index_without_quorum_check {
+            self.release_read(context, index, requester);
+            return;
+        }
+        if self.log.term_or_zero(index) != self.term {
+            // Our commit index may lag the cluster's until an entry of our term commits.
+            self.reads_awaiting_commit.push((context, requester));
+            return;
+        }
+        let single_voter = self.conf.voters_outgoing.is_empty()
+            && self.conf.voters.len() == 1
+            && self.conf.voters.contains(&self.id);
+        if single_voter {
+            self.release_read(context, index, requester);
+            return;
+        }
+        let mut acks = BTreeSet::new();
+        acks.insert(self.id);
+        self.pending_reads.push_back(PendingRead { context: context.clone(), index, requester, acks });
+        self.broadcast_heartbeat(Some(context));
+    }
+
+    fn ack_read(&mut self, from: NodeId, context: &Bytes) {
+        let Some(pos) = self.pending_reads.iter().position(|r| &r.context == context) else {
+            return;
+        };
+        self.pending_reads[pos].acks.insert(from);
+        let votes: BTreeMap<NodeId, bool> =
+            self.pending_reads[pos].acks.iter().map(|&id| (id, true)).collect();
+        if quorum::vote_result(&self.conf, &votes) != VoteResult::Won {
+            return;
+        }
+        // Confirming this round confirms every earlier one too.
+        for read in self.pending_reads.drain(..=pos).collect::<Vec<_>>() {
+            self.release_read(read.context, read.index, read.requester);
+        }
+    }
+
+    fn release_read(&mut self, context: Bytes, index: Index, requester: NodeId) {
+        if requester == self.id {
+            self.read_states.push(ReadState { index, context });
+        } else {
+            self.send(requester, MessageBody::ReadIndexResponse { context, index });
+        }
+    }
+
+    // ---- leadership transfer ---------------------------------------------------------------
+
+    pub fn transfer_leader(&mut self, target: NodeId) -> Result<(), Error> {
+        if self.role != Role::Leader {
+            return Err(Error::NotLeader { leader: self.leader });
+        }
+        if target == self.id {
+            self.transferee = None;
+            return Ok(());
+        }
+        if !self.conf.is_voter(target) || !self.progress.contains_key(&target) {
+            return Err(Error::InvalidTransferTarget(target));
+        }
+        if self.transferee == Some(target) {
+            return Ok(());
+        }
+        self.transferee = Some(target);
+        self.election_elapsed = 0;
+        let caught_up = self.progress[&target].match_index == self.log.last_index();
+        if caught_up {
+            self.send(target, MessageBody::TimeoutNow);
+        } else {
+            self.send_append(target);
+        }
+        Ok(())
+    }
+
+    // ---- persistence and application feedback ----------------------------------------------
+
+    /// The application made entries up to (`index`, `term`) durable.
+    pub fn on_persisted(&mut self, index: Index, term: Term) {
+        self.log.stable_to(index, term);
+        if self.maybe_commit() {
+            self.broadcast_append();
+        }
+    }
+
+    pub fn on_snapshot_installed(&mut self, index: Index) {
+        self.log.stable_snapshot_to(index);
+        self.log.applied_to(index);
+    }
+
+    /// The application applied `entries` (committed, in order). Membership changes among them
+    /// take effect here.
+    pub fn on_applied(&mut self, entries: &[Entry]) {
+        for entry in entries {
+            assert_eq!(entry.index, self.log.applied + 1, "entries applied out of order");
+            self.log.applied_to(entry.index);
+            if entry.kind == EntryKind::ConfChange {
+                self.apply_conf_change(entry);
+            }
+            if self.role == Role::Leader && entry.term == self.term {
+                self.uncommitted_bytes = self.uncommitted_bytes.saturating_sub(entry.payload_size());
+            }
+        }
+        self.maybe_auto_leave();
+    }
+}
+
+/// The configuration after applying `steps` to `conf`, entering joint consensus when the
+/// voter set changes.
+pub fn apply_steps(conf: &ConfState, steps: &[ConfChangeStep]) -> Result<ConfState, String> {
+    if steps.is_empty() {
+        return Err("a membership change needs at least one step".into());
+    }
+    let mut voters = conf.voters.clone();
+    let mut learners = conf.learners.clone();
+    for step in steps {
+        match *step {
+            ConfChangeStep::AddVoter(0) | ConfChangeStep::AddLearner(0) => {
+                return Err("node id 0 is reserved".into());
+            }
+            ConfChangeStep::AddVoter(id) => {
+                learners.remove(&id);
+                voters.insert(id);
+            }
+            ConfChangeStep::AddLearner(id) => {
+                if voters.contains(&id) {
+                    return Err(format!("node {id} is a voter; remove it before adding it as a learner"));
+                }
+                learners.insert(id);
+            }
+            ConfChangeStep::RemoveNode(id) => {
+                voters.remove(&id);
+                learners.remove(&id);
+            }
+        }
+    }
+    if voters.is_empty() {
+        return Err("the change would leave no voters".into());
+    }
+    let voters_outgoing = if voters != conf.voters { conf.voters.clone() } else { BTreeSet::new() };
+    Ok(ConfState { voters, learners, voters_outgoing })
+}
