@@ -19,7 +19,7 @@
 pub mod config;
 pub mod error;
 mod log;
-mod prng;
+pub mod prng;
 mod progress;
 mod quorum;
 mod raft;
@@ -29,9 +29,10 @@ pub mod types;
 
 pub use config::Config;
 pub use error::{Error, StorageError};
+pub use prng::Prng;
 pub use raft::apply_steps;
 pub use raw_node::{MAX_COMMITTED_BYTES_PER_READY, RawNode, Ready};
-pub use storage::{MemStorage, Storage};
+pub use storage::{MemStorage, Storage, bootstrap_snapshot};
 pub use types::*;
 
 /// Switches for deliberately broken behaviour, used only by the simulator's negative-control

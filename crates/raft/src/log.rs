@@ -37,8 +37,12 @@ fn fatal(context: &str, err: StorageError) -> ! {
 
 impl<S: Storage> RaftLog<S> {
     pub fn new(store: S, committed: Index) -> Self {
-        let first = store.first_index().unwrap_or_else(|e| fatal("reading first index", e));
-        let last = store.last_index().unwrap_or_else(|e| fatal("reading last index", e));
+        let first = store
+            .first_index()
+            .unwrap_or_else(|e| fatal("reading first index", e));
+        let last = store
+            .last_index()
+            .unwrap_or_else(|e| fatal("reading last index", e));
         assert!(
             committed <= last,
             "persisted commit index {committed} is past the stored log end {last}"
@@ -46,7 +50,11 @@ impl<S: Storage> RaftLog<S> {
         let applied = first - 1;
         RaftLog {
             store,
-            unstable: Unstable { snapshot: None, entries: Vec::new(), offset: last + 1 },
+            unstable: Unstable {
+                snapshot: None,
+                entries: Vec::new(),
+                offset: last + 1,
+            },
             committed: committed.max(applied),
             applied,
             persisted: last,
@@ -56,7 +64,10 @@ impl<S: Storage> RaftLog<S> {
     pub fn first_index(&self) -> Index {
         match &self.unstable.snapshot {
             Some(snap) => snap.meta.index + 1,
-            None => self.store.first_index().unwrap_or_else(|e| fatal("reading first index", e)),
+            None => self
+                .store
+                .first_index()
+                .unwrap_or_else(|e| fatal("reading first index", e)),
         }
     }
 
@@ -66,7 +77,10 @@ impl<S: Storage> RaftLog<S> {
         }
         match &self.unstable.snapshot {
             Some(snap) => snap.meta.index,
-            None => self.store.last_index().unwrap_or_else(|e| fatal("reading last index", e)),
+            None => self
+                .store
+                .last_index()
+                .unwrap_or_else(|e| fatal("reading last index", e)),
         }
     }
 
@@ -79,10 +93,10 @@ impl<S: Storage> RaftLog<S> {
         if index > self.last_index() {
             return Err(StorageError::Unavailable(index));
         }
-        if let Some(snap) = &self.unstable.snapshot {
-            if index == snap.meta.index {
-                return Ok(snap.meta.term);
-            }
+        if let Some(snap) = &self.unstable.snapshot
+            && index == snap.meta.index
+        {
+            return Ok(snap.meta.term);
         }
         if index >= self.unstable.offset {
             let entry = &self.unstable.entries[(index - self.unstable.offset) as usize];
@@ -102,7 +116,8 @@ impl<S: Storage> RaftLog<S> {
 
     pub fn last_term(&self) -> Term {
         let last = self.last_index();
-        self.term(last).unwrap_or_else(|e| fatal("reading the last term", e))
+        self.term(last)
+            .unwrap_or_else(|e| fatal("reading the last term", e))
     }
 
     pub fn match_term(&self, index: Index, term: Term) -> bool {
@@ -117,7 +132,12 @@ impl<S: Storage> RaftLog<S> {
     }
 
     /// Entries in `[low, high)`, at most `max_bytes` of payload (but at least one).
-    pub fn entries(&self, low: Index, high: Index, max_bytes: u64) -> Result<Vec<Entry>, StorageError> {
+    pub fn entries(
+        &self,
+        low: Index,
+        high: Index,
+        max_bytes: u64,
+    ) -> Result<Vec<Entry>, StorageError> {
         if low >= high {
             return Ok(Vec::new());
         }
@@ -125,7 +145,10 @@ impl<S: Storage> RaftLog<S> {
         if low < first {
             return Err(StorageError::Compacted(low));
         }
-        assert!(high <= self.last_index() + 1, "entries [{low}, {high}) past the log end");
+        assert!(
+            high <= self.last_index() + 1,
+            "entries [{low}, {high}) past the log end"
+        );
         let mut out = Vec::new();
         let offset = self.unstable.offset;
         if low < offset {
@@ -170,8 +193,15 @@ impl<S: Storage> RaftLog<S> {
     /// Appends entries at the end of the log (the leader's own proposals).
     pub fn append(&mut self, entries: &[Entry]) -> Index {
         if let Some(first) = entries.first() {
-            assert_eq!(first.index, self.last_index() + 1, "leader append leaves a gap");
-            assert!(first.index > self.committed, "leader append overwrites committed entries");
+            assert_eq!(
+                first.index,
+                self.last_index() + 1,
+                "leader append leaves a gap"
+            );
+            assert!(
+                first.index > self.committed,
+                "leader append overwrites committed entries"
+            );
             self.truncate_and_append(entries);
         }
         self.last_index()
@@ -179,7 +209,12 @@ impl<S: Storage> RaftLog<S> {
 
     /// A follower's append: if the log matches (`prev_index`, `prev_term`), adds `entries`,
     /// replacing any conflicting suffix, and returns the index of the last new entry.
-    pub fn maybe_append(&mut self, prev_index: Index, prev_term: Term, entries: &[Entry]) -> Option<Index> {
+    pub fn maybe_append(
+        &mut self,
+        prev_index: Index,
+        prev_term: Term,
+        entries: &[Entry],
+    ) -> Option<Index> {
         if !self.match_term(prev_index, prev_term) {
             return None;
         }
@@ -229,7 +264,11 @@ impl<S: Storage> RaftLog<S> {
         if index == 0 || index <= self.applied {
             return;
         }
-        assert!(index <= self.committed, "applied {index} beyond committed {}", self.committed);
+        assert!(
+            index <= self.committed,
+            "applied {index} beyond committed {}",
+            self.committed
+        );
         self.applied = index;
     }
 
@@ -253,7 +292,11 @@ impl<S: Storage> RaftLog<S> {
             return Vec::new();
         }
         let low = self.applied + 1;
-        assert!(low >= self.first_index(), "applied {} fell behind the log start", self.applied);
+        assert!(
+            low >= self.first_index(),
+            "applied {} fell behind the log start",
+            self.applied
+        );
         self.entries(low, self.committed + 1, max_bytes)
             .unwrap_or_else(|e| fatal("reading committed entries", e))
     }
@@ -283,9 +326,16 @@ impl<S: Storage> RaftLog<S> {
     /// Replaces the log with a snapshot from the leader.
     pub fn restore(&mut self, snapshot: Snapshot) {
         let index = snapshot.meta.index;
-        assert!(index > self.committed, "restoring snapshot {index} at or below commit");
+        assert!(
+            index > self.committed,
+            "restoring snapshot {index} at or below commit"
+        );
         self.committed = index;
-        self.unstable = Unstable { snapshot: Some(snapshot), entries: Vec::new(), offset: index + 1 };
+        self.unstable = Unstable {
+            snapshot: Some(snapshot),
+            entries: Vec::new(),
+            offset: index + 1,
+        };
         // Nothing of the new log is durable until the application installs the snapshot.
         self.persisted = 0;
     }

@@ -12,7 +12,10 @@ pub enum ReplicationMode {
     /// The follower is in step: `Append`s are pipelined up to the in-flight window.
     Replicate,
     /// The follower needs a snapshot; chunks go one at a time.
-    Snapshot { meta: SnapshotMeta, next_offset: u64 },
+    Snapshot {
+        meta: SnapshotMeta,
+        next_offset: u64,
+    },
 }
 
 /// Replication state of one follower, kept by the leader.
@@ -62,7 +65,10 @@ impl Progress {
     }
 
     pub fn become_snapshot(&mut self, meta: SnapshotMeta) {
-        self.mode = ReplicationMode::Snapshot { meta, next_offset: 0 };
+        self.mode = ReplicationMode::Snapshot {
+            meta,
+            next_offset: 0,
+        };
         self.probe_sent = false;
         self.inflight.clear();
     }

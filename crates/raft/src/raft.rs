@@ -75,15 +75,16 @@ pub struct Raft<S> {
     /// Proposals are appended at once but broadcast when the application next asks for a
     /// Ready, so that many proposals travel in one message.
     broadcast_pending: bool,
-    config: Config,
+    pub config: Config,
     prng: Prng,
 }
 
 impl<S: Storage> Raft<S> {
     pub fn new(config: Config, store: S) -> Result<Self, String> {
         config.validate()?;
-        let (hard_state, conf) =
-            store.initial_state().map_err(|e| format!("cannot read initial state: {e}"))?;
+        let (hard_state, conf) = store
+            .initial_state()
+            .map_err(|e| format!("cannot read initial state: {e}"))?;
         let log = RaftLog::new(store, hard_state.commit);
         let mut raft = Raft {
             id: config.id,
@@ -114,16 +115,20 @@ impl<S: Storage> Raft<S> {
         Ok(raft)
     }
 
-    pub fn config(&self) -> &Config {
-        &self.config
-    }
-
     pub fn hard_state(&self) -> HardState {
-        HardState { term: self.term, vote: self.vote, commit: self.log.committed }
+        HardState {
+            term: self.term,
+            vote: self.vote,
+            commit: self.log.committed,
+        }
     }
 
     pub fn soft_state(&self) -> SoftState {
-        SoftState { role: self.role, leader: self.leader, term: self.term }
+        SoftState {
+            role: self.role,
+            leader: self.leader,
+            term: self.term,
+        }
     }
 
     /// Whether this node may become leader: it votes in the current configuration.
@@ -135,15 +140,20 @@ impl<S: Storage> Raft<S> {
 
     fn reset(&mut self, term: Term) {
         if self.term != term {
-            assert!(term > self.term, "term going backwards: {} -> {term}", self.term);
+            assert!(
+                term > self.term,
+                "term going backwards: {} -> {term}",
+                self.term
+            );
             self.term = term;
             self.vote = None;
         }
         self.leader = None;
         self.election_elapsed = 0;
         self.heartbeat_elapsed = 0;
-        self.randomized_election_ticks =
-            self.prng.range(self.config.election_ticks, 2 * self.config.election_ticks);
+        self.randomized_election_ticks = self
+            .prng
+            .range(self.config.election_ticks, 2 * self.config.election_ticks);
         self.votes.clear();
         self.transferee = None;
         self.pending_reads.clear();
@@ -167,7 +177,11 @@ impl<S: Storage> Raft<S> {
     }
 
     fn become_pre_candidate(&mut self) {
-        assert_ne!(self.role, Role::Leader, "invalid transition leader -> pre-candidate");
+        assert_ne!(
+            self.role,
+            Role::Leader,
+            "invalid transition leader -> pre-candidate"
+        );
         // PreVote changes neither term nor vote: a node that cannot win disturbs nobody.
         self.role = Role::PreCandidate;
         self.votes.clear();
@@ -175,14 +189,22 @@ impl<S: Storage> Raft<S> {
     }
 
     fn become_candidate(&mut self) {
-        assert_ne!(self.role, Role::Leader, "invalid transition leader -> candidate");
+        assert_ne!(
+            self.role,
+            Role::Leader,
+            "invalid transition leader -> candidate"
+        );
         self.reset(self.term + 1);
         self.vote = Some(self.id);
         self.role = Role::Candidate;
     }
 
     fn become_leader(&mut self) {
-        assert_ne!(self.role, Role::Follower, "invalid transition follower -> leader");
+        assert_ne!(
+            self.role,
+            Role::Follower,
+            "invalid transition follower -> leader"
+        );
         self.reset(self.term);
         self.role = Role::Leader;
         self.leader = Some(self.id);
@@ -193,7 +215,12 @@ impl<S: Storage> Raft<S> {
         self.pending_conf_index = self.log.last_index();
         // The empty entry of our term is what lets earlier-term entries commit (§5.4.2).
         let index = self.log.last_index() + 1;
-        let noop = Entry { term: self.term, index, kind: EntryKind::Normal, data: Bytes::new() };
+        let noop = Entry {
+            term: self.term,
+            index,
+            kind: EntryKind::Normal,
+            data: Bytes::new(),
+        };
         self.log.append(&[noop]);
         self.maybe_commit();
         self.broadcast_append();
@@ -273,11 +300,25 @@ impl<S: Storage> Raft<S> {
         }
         let last_index = self.log.last_index();
         let last_term = self.log.last_term();
-        let voters: BTreeSet<NodeId> =
-            self.conf.voters.union(&self.conf.voters_outgoing).copied().collect();
+        let voters: BTreeSet<NodeId> = self
+            .conf
+            .voters
+            .union(&self.conf.voters_outgoing)
+            .copied()
+            .collect();
         for id in voters.into_iter().filter(|&id| id != self.id) {
-            let body = MessageBody::Vote { pre, last_index, last_term, transfer };
-            self.msgs.push(Message { from: self.id, to: id, term: vote_term, body });
+            let body = MessageBody::Vote {
+                pre,
+                last_index,
+                last_term,
+                transfer,
+            };
+            self.msgs.push(Message {
+                from: self.id,
+                to: id,
+                term: vote_term,
+                body,
+            });
         }
     }
 
@@ -317,7 +358,10 @@ impl<S: Storage> Raft<S> {
                     return Ok(());
                 }
                 MessageBody::Vote { pre: true, .. } => {}
-                MessageBody::VoteResponse { pre: true, granted: true } => {}
+                MessageBody::VoteResponse {
+                    pre: true,
+                    granted: true,
+                } => {}
                 MessageBody::Append { .. }
                 | MessageBody::Heartbeat { .. }
                 | MessageBody::SnapshotChunk { .. } => {
@@ -340,14 +384,26 @@ impl<S: Storage> Raft<S> {
                     self.send(m.from, body);
                 }
                 MessageBody::Vote { pre: true, .. } => {
-                    self.send(m.from, MessageBody::VoteResponse { pre: true, granted: false });
+                    self.send(
+                        m.from,
+                        MessageBody::VoteResponse {
+                            pre: true,
+                            granted: false,
+                        },
+                    );
                 }
                 _ => {}
             }
             return Ok(());
         }
 
-        if let MessageBody::Vote { pre, last_index, last_term, .. } = m.body {
+        if let MessageBody::Vote {
+            pre,
+            last_index,
+            last_term,
+            ..
+        } = m.body
+        {
             self.handle_vote(&m, pre, last_index, last_term);
             return Ok(());
         }
@@ -370,7 +426,12 @@ impl<S: Storage> Raft<S> {
             self.vote = Some(m.from);
         }
         let body = MessageBody::VoteResponse { pre, granted };
-        self.msgs.push(Message { from: self.id, to: m.from, term, body });
+        self.msgs.push(Message {
+            from: self.id,
+            to: m.from,
+            term,
+            body,
+        });
     }
 
     fn step_candidate(&mut self, m: Message) -> Result<(), Error> {
@@ -399,7 +460,12 @@ impl<S: Storage> Raft<S> {
 
     fn step_follower(&mut self, m: Message) -> Result<(), Error> {
         match m.body {
-            MessageBody::Append { prev_index, prev_term, entries, commit } => {
+            MessageBody::Append {
+                prev_index,
+                prev_term,
+                entries,
+                commit,
+            } => {
                 self.election_elapsed = 0;
                 self.leader = Some(m.from);
                 self.handle_append(m.from, prev_index, prev_term, &entries, commit);
@@ -410,7 +476,12 @@ impl<S: Storage> Raft<S> {
                 self.log.commit_to(commit.min(self.log.last_index()));
                 self.send(m.from, MessageBody::HeartbeatResponse { context });
             }
-            MessageBody::SnapshotChunk { meta, offset, data, done } => {
+            MessageBody::SnapshotChunk {
+                meta,
+                offset,
+                data,
+                done,
+            } => {
                 self.election_elapsed = 0;
                 self.leader = Some(m.from);
                 self.handle_snapshot_chunk(m.from, meta, offset, data, done);
@@ -459,8 +530,12 @@ impl<S: Storage> Raft<S> {
                     .log
                     .find_conflict_by_term(prev_index.min(self.log.last_index()), prev_term);
                 let hint_term = self.log.term_or_zero(hint_index);
-                let body =
-                    MessageBody::AppendResponse { index: prev_index, reject: true, hint_index, hint_term };
+                let body = MessageBody::AppendResponse {
+                    index: prev_index,
+                    reject: true,
+                    hint_index,
+                    hint_term,
+                };
                 self.send(from, body);
             }
         }
@@ -488,7 +563,10 @@ impl<S: Storage> Raft<S> {
             return;
         }
         if offset == 0 {
-            self.incoming_snapshot = Some(IncomingSnapshot { meta: meta.clone(), data: BytesMut::new() });
+            self.incoming_snapshot = Some(IncomingSnapshot {
+                meta: meta.clone(),
+                data: BytesMut::new(),
+            });
         }
         let Some(incoming) = self.incoming_snapshot.as_mut().filter(|s| s.meta == meta) else {
             // A chunk of a snapshot we are not receiving: ask the leader to start over.
@@ -506,8 +584,13 @@ impl<S: Storage> Raft<S> {
         }
         let next_offset = incoming.data.len() as u64;
         if done && offset + data.len() as u64 == next_offset {
-            let Some(incoming) = self.incoming_snapshot.take() else { return };
-            let snapshot = Snapshot { meta: incoming.meta, data: incoming.data.freeze() };
+            let Some(incoming) = self.incoming_snapshot.take() else {
+                return;
+            };
+            let snapshot = Snapshot {
+                meta: incoming.meta,
+                data: incoming.data.freeze(),
+            };
             self.restore(snapshot);
             let body = MessageBody::SnapshotResponse {
                 snapshot_index: index,
@@ -541,7 +624,12 @@ impl<S: Storage> Raft<S> {
 
     fn step_leader(&mut self, m: Message) -> Result<(), Error> {
         match m.body {
-            MessageBody::AppendResponse { index, reject, hint_index, hint_term } => {
+            MessageBody::AppendResponse {
+                index,
+                reject,
+                hint_index,
+                hint_term,
+            } => {
                 self.handle_append_response(m.from, index, reject, hint_index, hint_term);
             }
             MessageBody::HeartbeatResponse { context } => {
@@ -550,6 +638,13 @@ impl<S: Storage> Raft<S> {
                 };
                 pr.recent_active = true;
                 pr.probe_sent = false;
+                // Pipelined appends may have been lost: a full window would stall this
+                // follower forever, so each heartbeat reply frees one slot to probe again.
+                if pr.mode == ReplicationMode::Replicate
+                    && pr.inflight.len() >= self.config.max_inflight_appends
+                {
+                    pr.inflight.pop_front();
+                }
                 let needs_more = pr.match_index < self.log.last_index();
                 if let ReplicationMode::Snapshot { .. } = pr.mode {
                     // Resend the outstanding chunk, which may have been lost.
@@ -561,13 +656,22 @@ impl<S: Storage> Raft<S> {
                     self.ack_read(m.from, &context);
                 }
             }
-            MessageBody::SnapshotResponse { snapshot_index, next_offset, installed, reject } => {
-                self.handle_snapshot_response(m.from, snapshot_index, next_offset, installed, reject);
+            MessageBody::SnapshotResponse {
+                snapshot_index,
+                next_offset,
+                installed,
+                reject,
+            } => {
+                self.handle_snapshot_response(
+                    m.from,
+                    snapshot_index,
+                    next_offset,
+                    installed,
+                    reject,
+                );
             }
-            MessageBody::ReadIndexRequest { context } => {
-                if self.conf.contains(m.from) {
-                    self.leader_read_index(context, m.from);
-                }
+            MessageBody::ReadIndexRequest { context } if self.conf.contains(m.from) => {
+                self.leader_read_index(context, m.from);
             }
             _ => {}
         }
@@ -588,7 +692,9 @@ impl<S: Storage> Raft<S> {
             hint_index + 1
         };
         let last_index = self.log.last_index();
-        let Some(pr) = self.progress.get_mut(&from) else { return };
+        let Some(pr) = self.progress.get_mut(&from) else {
+            return;
+        };
         pr.recent_active = true;
         if reject {
             if index == 0 {
@@ -633,9 +739,15 @@ impl<S: Storage> Raft<S> {
         installed: bool,
         reject: bool,
     ) {
-        let Some(pr) = self.progress.get_mut(&from) else { return };
+        let Some(pr) = self.progress.get_mut(&from) else {
+            return;
+        };
         pr.recent_active = true;
-        let ReplicationMode::Snapshot { meta, next_offset: expected } = &mut pr.mode else {
+        let ReplicationMode::Snapshot {
+            meta,
+            next_offset: expected,
+        } = &mut pr.mode
+        else {
             return;
         };
         if meta.index != snapshot_index {
@@ -654,7 +766,12 @@ impl<S: Storage> Raft<S> {
     // ---- replication ---------------------------------------------------------------------
 
     fn send(&mut self, to: NodeId, body: MessageBody) {
-        self.msgs.push(Message { from: self.id, to, term: self.term, body });
+        self.msgs.push(Message {
+            from: self.id,
+            to,
+            term: self.term,
+            body,
+        });
     }
 
     pub fn broadcast_append(&mut self) {
@@ -678,7 +795,9 @@ impl<S: Storage> Raft<S> {
 
     fn send_append(&mut self, to: NodeId) {
         let max_inflight = self.config.max_inflight_appends;
-        let Some(pr) = self.progress.get(&to) else { return };
+        let Some(pr) = self.progress.get(&to) else {
+            return;
+        };
         if pr.is_paused(max_inflight) {
             return;
         }
@@ -686,7 +805,9 @@ impl<S: Storage> Raft<S> {
         let prev_index = next - 1;
         let last_index = self.log.last_index();
         let prev_term = self.log.term(prev_index);
-        let entries = self.log.entries(next, last_index + 1, self.config.max_append_bytes);
+        let entries = self
+            .log
+            .entries(next, last_index + 1, self.config.max_append_bytes);
         let (prev_term, entries) = match (prev_term, entries) {
             (Ok(term), Ok(entries)) => (term, entries),
             (Err(StorageError::Compacted(_)), _) | (_, Err(StorageError::Compacted(_))) => {
@@ -698,7 +819,12 @@ impl<S: Storage> Raft<S> {
         let last_sent = prev_index + entries.len() as u64;
         let count = entries.len();
         let commit = self.log.committed.min(last_sent.max(pr.match_index));
-        let body = MessageBody::Append { prev_index, prev_term, entries, commit };
+        let body = MessageBody::Append {
+            prev_index,
+            prev_term,
+            entries,
+            commit,
+        };
         self.send(to, body);
         if let Some(pr) = self.progress.get_mut(&to) {
             pr.sent_append(last_sent, count);
@@ -711,7 +837,10 @@ impl<S: Storage> Raft<S> {
             Err(StorageError::SnapshotTemporarilyUnavailable) => return,
             Err(e) => panic!("conclave-raft: cannot read snapshot: {e}"),
         };
-        assert!(!snapshot.is_empty(), "log compacted but no snapshot to send to {to}");
+        assert!(
+            !snapshot.is_empty(),
+            "log compacted but no snapshot to send to {to}"
+        );
         if let Some(pr) = self.progress.get_mut(&to) {
             pr.become_snapshot(snapshot.meta);
         }
@@ -740,7 +869,12 @@ impl<S: Storage> Raft<S> {
         let start = next_offset.min(total);
         let end = (start + self.config.snapshot_chunk_bytes).min(total);
         let data = snapshot.data.slice(start as usize..end as usize);
-        let body = MessageBody::SnapshotChunk { meta, offset: start, data, done: end == total };
+        let body = MessageBody::SnapshotChunk {
+            meta,
+            offset: start,
+            data,
+            done: end == total,
+        };
         self.send(to, body);
     }
 
@@ -749,7 +883,13 @@ impl<S: Storage> Raft<S> {
         for id in ids {
             let match_index = self.progress[&id].match_index;
             let commit = self.log.committed.min(match_index);
-            self.send(id, MessageBody::Heartbeat { commit, context: context.clone() });
+            self.send(
+                id,
+                MessageBody::Heartbeat {
+                    commit,
+                    context: context.clone(),
+                },
+            );
         }
     }
 
@@ -798,22 +938,35 @@ impl<S: Storage> Raft<S> {
 
     pub fn propose(&mut self, kind: EntryKind, data: Bytes) -> Result<Index, Error> {
         if self.role != Role::Leader {
-            return Err(Error::NotLeader { leader: self.leader });
+            return Err(Error::NotLeader {
+                leader: self.leader,
+            });
         }
         if let Some(target) = self.transferee {
             return Err(Error::TransferInProgress { target });
         }
         let size = data.len() as u64;
         if size > self.config.max_append_bytes {
-            return Err(Error::ProposalTooLarge { size, limit: self.config.max_append_bytes });
+            return Err(Error::ProposalTooLarge {
+                size,
+                limit: self.config.max_append_bytes,
+            });
         }
         let limit = self.config.max_uncommitted_bytes;
         if self.uncommitted_bytes > 0 && self.uncommitted_bytes + size > limit {
-            return Err(Error::UncommittedLimit { uncommitted: self.uncommitted_bytes, limit });
+            return Err(Error::UncommittedLimit {
+                uncommitted: self.uncommitted_bytes,
+                limit,
+            });
         }
         self.uncommitted_bytes += size;
         let index = self.log.last_index() + 1;
-        self.log.append(&[Entry { term: self.term, index, kind, data }]);
+        self.log.append(&[Entry {
+            term: self.term,
+            index,
+            kind,
+            data,
+        }]);
         self.broadcast_pending = true;
         // A cluster of one commits as soon as the entry is durable (see `on_persisted`).
         Ok(index)
@@ -821,7 +974,9 @@ impl<S: Storage> Raft<S> {
 
     pub fn propose_conf_change(&mut self, change: ConfChange) -> Result<Index, Error> {
         if self.role != Role::Leader {
-            return Err(Error::NotLeader { leader: self.leader });
+            return Err(Error::NotLeader {
+                leader: self.leader,
+            });
         }
         if self.pending_conf_index > self.log.applied {
             return Err(Error::ConfChangeInProgress);
@@ -835,7 +990,9 @@ impl<S: Storage> Raft<S> {
             }
             ConfChange::Leave => {
                 if !self.conf.is_joint() {
-                    return Err(Error::InvalidConfChange("not in a joint configuration".into()));
+                    return Err(Error::InvalidConfChange(
+                        "not in a joint configuration".into(),
+                    ));
                 }
             }
         }
@@ -853,7 +1010,12 @@ impl<S: Storage> Raft<S> {
         {
             let index = self.log.last_index() + 1;
             let data = ConfChange::Leave.encode();
-            let entry = Entry { term: self.term, index, kind: EntryKind::ConfChange, data };
+            let entry = Entry {
+                term: self.term,
+                index,
+                kind: EntryKind::ConfChange,
+                data,
+            };
             self.log.append(&[entry]);
             self.pending_conf_index = index;
             self.broadcast_pending = true;
@@ -863,14 +1025,19 @@ impl<S: Storage> Raft<S> {
     /// Applies a committed membership change (called as the application applies it).
     fn apply_conf_change(&mut self, entry: &Entry) {
         let Some(change) = ConfChange::decode(&entry.data) else {
-            panic!("conclave-raft: undecodable membership change at index {}", entry.index);
+            panic!(
+                "conclave-raft: undecodable membership change at index {}",
+                entry.index
+            );
         };
         let new_conf = match change {
             ConfChange::Enter(steps) => match apply_steps(&self.conf, &steps) {
                 Ok(conf) => conf,
                 // Validated by the leader against the same configuration; every node applies
                 // the same entries in the same order, so this cannot differ here.
-                Err(reason) => panic!("conclave-raft: committed membership change invalid: {reason}"),
+                Err(reason) => {
+                    panic!("conclave-raft: committed membership change invalid: {reason}")
+                }
             },
             ConfChange::Leave => {
                 let mut conf = self.conf.clone();
@@ -911,10 +1078,10 @@ impl<S: Storage> Raft<S> {
             .iter()
             .filter_map(|id| self.progress.get(id).map(|pr| (pr.match_index, *id)))
             .max();
-        if let Some((match_index, id)) = best {
-            if match_index == self.log.last_index() {
-                self.send(id, MessageBody::TimeoutNow);
-            }
+        if let Some((match_index, id)) = best
+            && match_index == self.log.last_index()
+        {
+            self.send(id, MessageBody::TimeoutNow);
         }
         self.become_follower(self.term, None);
     }
@@ -958,17 +1125,25 @@ impl<S: Storage> Raft<S> {
         }
         let mut acks = BTreeSet::new();
         acks.insert(self.id);
-        self.pending_reads.push_back(PendingRead { context: context.clone(), index, requester, acks });
+        self.pending_reads.push_back(PendingRead {
+            context: context.clone(),
+            index,
+            requester,
+            acks,
+        });
         self.broadcast_heartbeat(Some(context));
     }
 
     fn ack_read(&mut self, from: NodeId, context: &Bytes) {
-        let Some(pos) = self.pending_reads.iter().position(|r| &r.context == context) else {
+        let Some(pos) = self.pending_reads.iter().position(|r| r.context == context) else {
             return;
         };
         self.pending_reads[pos].acks.insert(from);
-        let votes: BTreeMap<NodeId, bool> =
-            self.pending_reads[pos].acks.iter().map(|&id| (id, true)).collect();
+        let votes: BTreeMap<NodeId, bool> = self.pending_reads[pos]
+            .acks
+            .iter()
+            .map(|&id| (id, true))
+            .collect();
         if quorum::vote_result(&self.conf, &votes) != VoteResult::Won {
             return;
         }
@@ -990,7 +1165,9 @@ impl<S: Storage> Raft<S> {
 
     pub fn transfer_leader(&mut self, target: NodeId) -> Result<(), Error> {
         if self.role != Role::Leader {
-            return Err(Error::NotLeader { leader: self.leader });
+            return Err(Error::NotLeader {
+                leader: self.leader,
+            });
         }
         if target == self.id {
             self.transferee = None;
@@ -1032,13 +1209,18 @@ impl<S: Storage> Raft<S> {
     /// take effect here.
     pub fn on_applied(&mut self, entries: &[Entry]) {
         for entry in entries {
-            assert_eq!(entry.index, self.log.applied + 1, "entries applied out of order");
+            assert_eq!(
+                entry.index,
+                self.log.applied + 1,
+                "entries applied out of order"
+            );
             self.log.applied_to(entry.index);
             if entry.kind == EntryKind::ConfChange {
                 self.apply_conf_change(entry);
             }
             if self.role == Role::Leader && entry.term == self.term {
-                self.uncommitted_bytes = self.uncommitted_bytes.saturating_sub(entry.payload_size());
+                self.uncommitted_bytes =
+                    self.uncommitted_bytes.saturating_sub(entry.payload_size());
             }
         }
         self.maybe_auto_leave();
@@ -1064,7 +1246,9 @@ pub fn apply_steps(conf: &ConfState, steps: &[ConfChangeStep]) -> Result<ConfSta
             }
             ConfChangeStep::AddLearner(id) => {
                 if voters.contains(&id) {
-                    return Err(format!("node {id} is a voter; remove it before adding it as a learner"));
+                    return Err(format!(
+                        "node {id} is a voter; remove it before adding it as a learner"
+                    ));
                 }
                 learners.insert(id);
             }
@@ -1077,6 +1261,14 @@ pub fn apply_steps(conf: &ConfState, steps: &[ConfChangeStep]) -> Result<ConfSta
     if voters.is_empty() {
         return Err("the change would leave no voters".into());
     }
-    let voters_outgoing = if voters != conf.voters { conf.voters.clone() } else { BTreeSet::new() };
-    Ok(ConfState { voters, learners, voters_outgoing })
+    let voters_outgoing = if voters != conf.voters {
+        conf.voters.clone()
+    } else {
+        BTreeSet::new()
+    };
+    Ok(ConfState {
+        voters,
+        learners,
+        voters_outgoing,
+    })
 }

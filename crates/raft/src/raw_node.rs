@@ -85,7 +85,12 @@ impl<S: Storage> RawNode<S> {
         let raft = Raft::new(config, store)?;
         let prev_soft_state = raft.soft_state();
         let prev_hard_state = raft.hard_state();
-        Ok(RawNode { raft, prev_soft_state, prev_hard_state, ready_outstanding: false })
+        Ok(RawNode {
+            raft,
+            prev_soft_state,
+            prev_hard_state,
+            ready_outstanding: false,
+        })
     }
 
     /// Advances the logical clock by one tick.
@@ -147,15 +152,21 @@ impl<S: Storage> RawNode<S> {
         #[allow(unused_mut)]
         let mut hard_state = self.raft.hard_state();
         #[cfg(feature = "negative-controls")]
-        if self.raft.config().bugs.forget_to_persist_vote {
-            hard_state.vote = self.prev_hard_state.vote.filter(|_| hard_state.term == self.prev_hard_state.term);
+        if self.raft.config.bugs.forget_to_persist_vote {
+            hard_state.vote = self
+                .prev_hard_state
+                .vote
+                .filter(|_| hard_state.term == self.prev_hard_state.term);
         }
         hard_state
     }
 
     /// Collects the work to do. Call [`RawNode::advance`] with it before the next `ready()`.
     pub fn ready(&mut self) -> Ready {
-        assert!(!self.ready_outstanding, "ready() called twice without advance()");
+        assert!(
+            !self.ready_outstanding,
+            "ready() called twice without advance()"
+        );
         self.raft.flush_broadcast();
         let r = &mut self.raft;
         let soft_state = r.soft_state();
@@ -244,7 +255,10 @@ impl<S: Storage> RawNode<S> {
 
     /// The replication progress of `peer` as (match index, next index), on a leader.
     pub fn peer_progress(&self, peer: NodeId) -> Option<(Index, Index)> {
-        self.raft.progress.get(&peer).map(|pr| (pr.match_index, pr.next_index))
+        self.raft
+            .progress
+            .get(&peer)
+            .map(|pr| (pr.match_index, pr.next_index))
     }
 
     /// The durable storage, for reading.

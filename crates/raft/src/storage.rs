@@ -39,6 +39,23 @@ pub trait Storage {
     fn snapshot(&self) -> Result<Snapshot, StorageError>;
 }
 
+/// The snapshot every founding member of a new cluster starts from: index 1, term 1, the
+/// initial membership and empty application data.
+///
+/// Putting the initial membership in a snapshot rather than in log entries means a node that
+/// joins later with an empty log cannot match the leader's log at index 1, so the leader sends
+/// it a snapshot, which is how it learns the membership it cannot infer.
+pub fn bootstrap_snapshot(conf_state: ConfState) -> Snapshot {
+    Snapshot {
+        meta: SnapshotMeta {
+            index: 1,
+            term: 1,
+            conf_state,
+        },
+        data: Bytes::new(),
+    }
+}
+
 /// Storage kept in memory: for tests, the simulator and the benchmark.
 ///
 /// Writes go through its own methods, which the application calls while handling a Ready.
@@ -51,14 +68,19 @@ pub struct MemStorage {
 }
 
 impl MemStorage {
-    /// An empty log whose initial membership is `conf_state` (a bootstrap snapshot at index 0).
+    /// A founding member of a new cluster: the log starts from the bootstrap snapshot
+    /// ([`bootstrap_snapshot`]) that carries the initial membership.
     pub fn new_with_conf_state(conf_state: ConfState) -> Self {
+        let snapshot = bootstrap_snapshot(conf_state);
+        let hard_state = HardState {
+            term: snapshot.meta.term,
+            vote: None,
+            commit: snapshot.meta.index,
+        };
         MemStorage {
-            snapshot: Snapshot {
-                meta: SnapshotMeta { index: 0, term: 0, conf_state },
-                data: Bytes::new(),
-            },
-            ..Default::default()
+            hard_state,
+            snapshot,
+            entries: Vec::new(),
         }
     }
 
@@ -75,12 +97,25 @@ impl MemStorage {
     pub fn append(&mut self, entries: &[Entry]) {
         let Some(first) = entries.first() else { return };
         let snap_index = self.snapshot.meta.index;
-        assert!(first.index > snap_index, "append at {} overwrites snapshot {snap_index}", first.index);
+        assert!(
+            first.index > snap_index,
+            "append at {} overwrites snapshot {snap_index}",
+            first.index
+        );
         let last = self.last();
-        assert!(first.index <= last + 1, "append at {} leaves a gap after {last}", first.index);
-        self.entries.truncate((first.index - snap_index - 1) as usize);
+        assert!(
+            first.index <= last + 1,
+            "append at {} leaves a gap after {last}",
+            first.index
+        );
+        self.entries
+            .truncate((first.index - snap_index - 1) as usize);
         for pair in entries.windows(2) {
-            assert_eq!(pair[0].index + 1, pair[1].index, "appended entries are not contiguous");
+            assert_eq!(
+                pair[0].index + 1,
+                pair[1].index,
+                "appended entries are not contiguous"
+            );
         }
         self.entries.extend_from_slice(entries);
     }
@@ -97,7 +132,11 @@ impl MemStorage {
         let term_matches = self.term(keep_from).ok() == Some(snapshot.meta.term);
         // Keep entries past the snapshot only if the log agrees with it at its index.
         let kept: Vec<Entry> = if term_matches {
-            self.entries.iter().filter(|e| e.index > keep_from).cloned().collect()
+            self.entries
+                .iter()
+                .filter(|e| e.index > keep_from)
+                .cloned()
+                .collect()
         } else {
             Vec::new()
         };
@@ -111,11 +150,27 @@ impl MemStorage {
     /// Records a snapshot the application took of its state at `index` (which it has
     /// applied) and drops the log up to it.
     pub fn create_snapshot(&mut self, index: Index, conf_state: ConfState, data: Bytes) {
-        assert!(index <= self.last(), "snapshot at {index} is past the log end {}", self.last());
-        assert!(index >= self.snapshot.meta.index, "snapshot at {index} goes backwards");
-        let term = self.term(index).unwrap_or_else(|e| panic!("snapshot at {index}: {e}"));
+        assert!(
+            index <= self.last(),
+            "snapshot at {index} is past the log end {}",
+            self.last()
+        );
+        assert!(
+            index >= self.snapshot.meta.index,
+            "snapshot at {index} goes backwards"
+        );
+        let term = self
+            .term(index)
+            .unwrap_or_else(|e| panic!("snapshot at {index}: {e}"));
         self.compact(index);
-        self.snapshot = Snapshot { meta: SnapshotMeta { index, term, conf_state }, data };
+        self.snapshot = Snapshot {
+            meta: SnapshotMeta {
+                index,
+                term,
+                conf_state,
+            },
+            data,
+        };
     }
 
     /// Drops entries up to and including `index` (which must be covered by the snapshot the
@@ -149,7 +204,9 @@ impl Storage for MemStorage {
         }
         let mut out = Vec::new();
         let mut size = 0u64;
-        for entry in &self.entries[(low - snap_index - 1) as usize..(high - snap_index - 1) as usize] {
+        for entry in
+            &self.entries[(low - snap_index - 1) as usize..(high - snap_index - 1) as usize]
+        {
             size += entry.payload_size();
             if !out.is_empty() && size > max_bytes {
                 break;
@@ -192,7 +249,12 @@ mod tests {
     use crate::types::EntryKind;
 
     fn entry(index: Index, term: Term) -> Entry {
-        Entry { index, term, kind: EntryKind::Normal, data: Bytes::from(vec![0u8; 10]) }
+        Entry {
+            index,
+            term,
+            kind: EntryKind::Normal,
+            data: Bytes::from(vec![0u8; 10]),
+        }
     }
 
     #[test]
@@ -203,7 +265,11 @@ mod tests {
         assert_eq!(s.last_index(), Ok(2));
         assert_eq!(s.term(2), Ok(2));
         s.append(&[entry(3, 2), entry(4, 2)]);
-        s.create_snapshot(3, ConfState::with_voters([1, 2, 3]), Bytes::from_static(b"state"));
+        s.create_snapshot(
+            3,
+            ConfState::with_voters([1, 2, 3]),
+            Bytes::from_static(b"state"),
+        );
         assert_eq!(s.first_index(), Ok(4));
         assert_eq!(s.term(3), Ok(2));
         assert_eq!(s.term(2), Err(StorageError::Compacted(2)));
@@ -225,11 +291,25 @@ mod tests {
     fn installing_a_snapshot_keeps_only_a_matching_suffix() {
         let mut s = MemStorage::default();
         s.append(&[entry(1, 1), entry(2, 1), entry(3, 1)]);
-        let meta = SnapshotMeta { index: 2, term: 1, conf_state: ConfState::default() };
-        s.apply_snapshot(Snapshot { meta, data: Bytes::new() });
+        let meta = SnapshotMeta {
+            index: 2,
+            term: 1,
+            conf_state: ConfState::default(),
+        };
+        s.apply_snapshot(Snapshot {
+            meta,
+            data: Bytes::new(),
+        });
         assert_eq!((s.first_index(), s.last_index()), (Ok(3), Ok(3)));
-        let meta = SnapshotMeta { index: 5, term: 3, conf_state: ConfState::default() };
-        s.apply_snapshot(Snapshot { meta, data: Bytes::new() });
+        let meta = SnapshotMeta {
+            index: 5,
+            term: 3,
+            conf_state: ConfState::default(),
+        };
+        s.apply_snapshot(Snapshot {
+            meta,
+            data: Bytes::new(),
+        });
         assert_eq!((s.first_index(), s.last_index()), (Ok(6), Ok(5)));
         assert_eq!(s.hard_state().commit, 5);
     }

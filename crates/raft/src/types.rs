@@ -67,7 +67,10 @@ pub struct ConfState {
 impl ConfState {
     /// A configuration of voters only.
     pub fn with_voters(voters: impl IntoIterator<Item = NodeId>) -> Self {
-        ConfState { voters: voters.into_iter().collect(), ..Default::default() }
+        ConfState {
+            voters: voters.into_iter().collect(),
+            ..Default::default()
+        }
     }
 
     /// Whether the configuration is joint (a change is half done).
@@ -209,32 +212,70 @@ pub struct Message {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum MessageBody {
     /// Leader → follower: append `entries` after (`prev_index`, `prev_term`).
-    Append { prev_index: Index, prev_term: Term, entries: Vec<Entry>, commit: Index },
+    Append {
+        prev_index: Index,
+        prev_term: Term,
+        entries: Vec<Entry>,
+        commit: Index,
+    },
     /// Follower → leader: the outcome of an `Append`.
     ///
     /// On success `index` is the last index now known to match the leader's log. On rejection
     /// `index` echoes the rejected `prev_index` and (`hint_index`, `hint_term`) point at the
     /// last entry of the follower's log that might match, so the leader can skip a whole term
     /// of conflicting entries in one round trip.
-    AppendResponse { index: Index, reject: bool, hint_index: Index, hint_term: Term },
+    AppendResponse {
+        index: Index,
+        reject: bool,
+        hint_index: Index,
+        hint_term: Term,
+    },
     /// Candidate → voter. `pre` marks a PreVote round, which changes no state on the voter.
     /// `transfer` marks an election started by a leadership transfer, which voters honour even
     /// while they still hear from the current leader.
-    Vote { pre: bool, last_index: Index, last_term: Term, transfer: bool },
-    VoteResponse { pre: bool, granted: bool },
+    Vote {
+        pre: bool,
+        last_index: Index,
+        last_term: Term,
+        transfer: bool,
+    },
+    VoteResponse {
+        pre: bool,
+        granted: bool,
+    },
     /// Leader → follower: "I am still leader". `context` tags a ReadIndex confirmation round.
-    Heartbeat { commit: Index, context: Option<Bytes> },
-    HeartbeatResponse { context: Option<Bytes> },
+    Heartbeat {
+        commit: Index,
+        context: Option<Bytes>,
+    },
+    HeartbeatResponse {
+        context: Option<Bytes>,
+    },
     /// Leader → follower: one chunk of a snapshot. Chunks are sent in order, one at a time.
-    SnapshotChunk { meta: SnapshotMeta, offset: u64, data: Bytes, done: bool },
+    SnapshotChunk {
+        meta: SnapshotMeta,
+        offset: u64,
+        data: Bytes,
+        done: bool,
+    },
     /// Follower → leader: the chunk ending at `next_offset` arrived (or the follower asks to
     /// restart from `next_offset`, which may be 0). `installed` is true once the whole snapshot
     /// is in place.
-    SnapshotResponse { snapshot_index: Index, next_offset: u64, installed: bool, reject: bool },
+    SnapshotResponse {
+        snapshot_index: Index,
+        next_offset: u64,
+        installed: bool,
+        reject: bool,
+    },
     /// Follower → leader: please confirm a linearizable read for `context`.
-    ReadIndexRequest { context: Bytes },
+    ReadIndexRequest {
+        context: Bytes,
+    },
     /// Leader → follower: the read for `context` may be served once `index` is applied.
-    ReadIndexResponse { context: Bytes, index: Index },
+    ReadIndexResponse {
+        context: Bytes,
+        index: Index,
+    },
     /// Leader → transfer target: start an election now, skipping PreVote.
     TimeoutNow,
 }
@@ -306,7 +347,10 @@ mod tests {
         assert_eq!(ConfChange::decode(&[]), None);
         assert_eq!(ConfChange::decode(&[2, 0]), None);
         assert_eq!(ConfChange::decode(&[1, 0, 0, 0, 1, 1]), None);
-        assert_eq!(ConfChange::decode(&[1, 0, 0, 0, 1, 9, 0, 0, 0, 0, 0, 0, 0, 1]), None);
+        assert_eq!(
+            ConfChange::decode(&[1, 0, 0, 0, 1, 9, 0, 0, 0, 0, 0, 0, 0, 1]),
+            None
+        );
         assert_eq!(ConfChange::decode(&[7]), None);
     }
 }

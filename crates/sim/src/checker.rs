@@ -1,0 +1,227 @@
+//! Raft's safety invariants, checked against the whole history of a run after every event.
+//!
+//! Each check keeps just enough history to be incremental: the checkers see every Ready a node
+//! handles and every role it takes, and remember what the cluster has ever committed.
+
+use std::collections::BTreeMap;
+
+use conclave_raft::{Entry, Index, MemStorage, NodeId, Role, Storage, Term};
+
+use crate::node::{AppState, chain_hash};
+
+/// One broken invariant.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Violation {
+    pub invariant: &'static str,
+    pub detail: String,
+}
+
+/// The history the checkers keep.
+#[derive(Debug, Default)]
+pub struct Checker {
+    /// ElectionSafety: the leader seen for each term, ever.
+    leaders: BTreeMap<Term, NodeId>,
+    /// LogMatching: for each (index, term) ever persisted, its data hash and previous term.
+    log_entries: BTreeMap<(Index, Term), (u64, Term)>,
+    /// StateMachineSafety: the entry applied at each index and the state hash after it.
+    applied: BTreeMap<Index, (Term, u64)>,
+    /// The state hash of each node's state machine and how far it has applied.
+    node_state: BTreeMap<NodeId, AppState>,
+    /// Durability: the highest term each node ever reached (across restarts).
+    max_term: BTreeMap<NodeId, Term>,
+    /// Durability: the vote each node granted in each term.
+    votes: BTreeMap<(NodeId, Term), NodeId>,
+    /// Read safety: the commit index known cluster-wide when each read began.
+    reads: BTreeMap<(NodeId, Vec<u8>), Index>,
+    /// The highest index known committed anywhere.
+    pub max_committed: Index,
+    pub violations: Vec<Violation>,
+}
+
+impl Checker {
+    fn fail(&mut self, invariant: &'static str, detail: String) {
+        self.violations.push(Violation { invariant, detail });
+    }
+
+    /// A node is observed in `role` at `term` (after an event touched it).
+    pub fn observe_role(&mut self, node: NodeId, role: Role, term: Term) {
+        let max = self.max_term.entry(node).or_insert(0);
+        if term < *max {
+            let detail = format!("node {node} went from term {max} back to {term}");
+            self.fail("Durability(term)", detail);
+        } else {
+            *max = term;
+        }
+        if role == Role::Leader {
+            match self.leaders.get(&term) {
+                Some(&other) if other != node => {
+                    let detail = format!("nodes {other} and {node} both led term {term}");
+                    self.fail("ElectionSafety", detail);
+                }
+                Some(_) => {}
+                None => {
+                    self.leaders.insert(term, node);
+                }
+            }
+        }
+    }
+
+    /// A node just became leader: its log must hold every entry known committed.
+    pub fn check_leader_completeness(&mut self, node: NodeId, term: Term, log: &LogView<'_>) {
+        let first = log.first_index;
+        let missing: Option<(Index, Term, Option<Term>)> = self
+            .applied
+            .range(first..)
+            .map(|(&index, &(t, _))| (index, t, log.term(index)))
+            .find(|&(_, t, mine)| mine != Some(t));
+        if let Some((index, committed_term, mine)) = missing {
+            let detail = format!(
+                "node {node} leads term {term} but holds {mine:?} at committed index {index} \
+                 (committed term {committed_term})"
+            );
+            self.fail("LeaderCompleteness", detail);
+        }
+    }
+
+    /// Entries a node made durable.
+    pub fn observe_persisted(&mut self, node: NodeId, entries: &[Entry], prev_term: Option<Term>) {
+        let mut prev = prev_term;
+        for entry in entries {
+            let data_hash = chain_hash(0, entry);
+            let prev_t = prev.unwrap_or(u64::MAX);
+            match self.log_entries.get(&(entry.index, entry.term)) {
+                Some(&(h, p)) => {
+                    let prev_differs = prev.is_some() && p != u64::MAX && p != prev_t;
+                    if h != data_hash || prev_differs {
+                        let detail = format!(
+                            "node {node} holds a different entry or prefix at ({}, {})",
+                            entry.index, entry.term
+                        );
+                        self.fail("LogMatching", detail);
+                    }
+                }
+                None => {
+                    self.log_entries
+                        .insert((entry.index, entry.term), (data_hash, prev_t));
+                }
+            }
+            prev = Some(entry.term);
+        }
+    }
+
+    /// A node restarted or installed a snapshot: its state machine now stands at `state`.
+    pub fn reset_state(&mut self, node: NodeId, state: AppState) {
+        if state.applied > 0
+            && let Some(&(_, hash)) = self.applied.get(&state.applied)
+            && hash != state.hash
+        {
+            let detail = format!(
+                "node {node} restored a state at {} that no one applied",
+                state.applied
+            );
+            self.fail("StateMachineSafety", detail);
+        }
+        self.node_state.insert(node, state);
+    }
+
+    /// A node applied `entry`, reaching state hash `hash`.
+    pub fn observe_applied(&mut self, node: NodeId, entry: &Entry, hash: u64) {
+        let before = self.node_state.get(&node).map_or(0, |s| s.applied);
+        if entry.index != before + 1 {
+            let detail = format!("node {node} applied {} after {before}", entry.index);
+            self.fail("StateMachineSafety(order)", detail);
+        }
+        self.node_state.insert(
+            node,
+            AppState {
+                applied: entry.index,
+                hash,
+            },
+        );
+        match self.applied.get(&entry.index) {
+            Some(&(term, h)) if term != entry.term || h != hash => {
+                let detail = format!(
+                    "node {node} applied ({}, term {}) but another node applied term {term} there",
+                    entry.index, entry.term
+                );
+                self.fail("StateMachineSafety", detail);
+            }
+            Some(_) => {}
+            None => {
+                self.applied.insert(entry.index, (entry.term, hash));
+            }
+        }
+        self.max_committed = self.max_committed.max(entry.index);
+    }
+
+    /// A node's commit index: everything up to it is committed.
+    pub fn observe_commit(&mut self, commit: Index) {
+        self.max_committed = self.max_committed.max(commit);
+    }
+
+    /// A vote was granted (the response left the node, so it was persisted first).
+    pub fn observe_vote(&mut self, voter: NodeId, term: Term, candidate: NodeId) {
+        match self.votes.get(&(voter, term)) {
+            Some(&previous) if previous != candidate => {
+                let detail =
+                    format!("node {voter} voted for {previous} and for {candidate} in term {term}");
+                self.fail("Durability(vote)", detail);
+            }
+            Some(_) => {}
+            None => {
+                self.votes.insert((voter, term), candidate);
+            }
+        }
+    }
+
+    /// A read began on `node`: remember what was committed then.
+    pub fn read_started(&mut self, node: NodeId, context: &[u8]) {
+        self.reads
+            .insert((node, context.to_vec()), self.max_committed);
+    }
+
+    /// A read was answered at `index`: it must not miss anything committed before it began.
+    pub fn read_served(&mut self, node: NodeId, context: &[u8], index: Index) {
+        let Some(committed_then) = self.reads.remove(&(node, context.to_vec())) else {
+            return;
+        };
+        if index < committed_then {
+            let detail = format!(
+                "node {node} served a read at index {index}, but {committed_then} was committed \
+                 before the read began"
+            );
+            self.fail("ReadSafety", detail);
+        }
+    }
+
+    pub fn committed_entries(&self) -> usize {
+        self.applied.len()
+    }
+}
+
+/// A read-only view of a node's log for the checkers.
+pub struct LogView<'a> {
+    pub first_index: Index,
+    pub last_index: Index,
+    store: &'a MemStorage,
+}
+
+impl<'a> LogView<'a> {
+    /// A view of what `store` holds (call after a Ready was persisted).
+    pub fn new(store: &'a MemStorage) -> Self {
+        let first_index = store.first_index().unwrap_or(1);
+        let last_index = store.last_index().unwrap_or(0);
+        LogView {
+            first_index,
+            last_index,
+            store,
+        }
+    }
+
+    pub fn term(&self, index: Index) -> Option<Term> {
+        if index > self.last_index {
+            return None;
+        }
+        self.store.term(index).ok()
+    }
+}

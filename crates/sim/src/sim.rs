@@ -1,0 +1,844 @@
+//! The simulation: a cluster of Raft cores, a faulty network, a nemesis and clients, all
+//! driven by one seed in virtual time, with the checkers run after every event.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::fmt::Write as _;
+
+use bytes::Bytes;
+use conclave_raft::{
+    ConfChangeStep, ConfState, Config, EntryKind, MemStorage, Message, MessageBody, NodeId, Prng,
+    Role, Storage,
+};
+
+use crate::checker::{Checker, LogView, Violation};
+use crate::node::{CrashPoint, SimNode};
+
+/// Virtual milliseconds between ticks of a node running at nominal speed.
+pub const BASE_TICK_MS: u64 = 10;
+/// Election timeout T, in ticks (timeouts fall in [T, 2T)).
+pub const ELECTION_TICKS: u64 = 10;
+pub const HEARTBEAT_TICKS: u64 = 2;
+/// How many trace lines a failure report shows.
+pub const TRACE_TAIL_LINES: usize = 60;
+
+/// Everything a seed randomises about a run: printed with every failure.
+#[derive(Debug, Clone)]
+pub struct SwarmParams {
+    pub nodes: usize,
+    pub drop_per_mille: u64,
+    pub duplicate_per_mille: u64,
+    pub delay_max_ms: u64,
+    /// Share of messages held back much longer, so they arrive out of order.
+    pub long_delay_per_mille: u64,
+    pub long_delay_max_ms: u64,
+    /// Per nemesis step: chance to crash a node / restart one / change partitions.
+    pub crash_per_mille: u64,
+    pub restart_per_mille: u64,
+    pub partition_per_mille: u64,
+    /// Chance that handling one Ready crashes the node part-way through.
+    pub crash_in_ready_per_mille: u64,
+    /// Tick period of each node in ms (skewed clocks).
+    pub tick_ms: Vec<u64>,
+    pub snapshot_every: u64,
+    pub membership_changes: bool,
+    pub transfers: bool,
+    pub fault_phase_ms: u64,
+    /// The liveness bound: after healing, a leader and full agreement must come within this.
+    pub liveness_bound_ms: u64,
+}
+
+impl SwarmParams {
+    /// Draws parameters for `seed`; `nodes` fixes the cluster size if given.
+    pub fn from_seed(seed: u64, nodes: Option<usize>) -> Self {
+        let mut rng = Prng::new(seed ^ 0x5157_4152_4d00_0000);
+        let nodes = nodes.unwrap_or([1, 3, 3, 5, 5, 7][rng.range(0, 6) as usize]);
+        let skew = rng.range(0, 3) == 0;
+        let tick_ms = (0..nodes + 2)
+            .map(|_| {
+                if skew {
+                    rng.range(BASE_TICK_MS / 2, BASE_TICK_MS * 2 + 1)
+                } else {
+                    BASE_TICK_MS
+                }
+            })
+            .collect();
+        SwarmParams {
+            nodes,
+            drop_per_mille: rng.range(0, 201),
+            duplicate_per_mille: rng.range(0, 101),
+            delay_max_ms: rng.range(1, 20),
+            long_delay_per_mille: rng.range(0, 100),
+            long_delay_max_ms: rng.range(50, 500),
+            crash_per_mille: rng.range(0, 60),
+            restart_per_mille: rng.range(100, 400),
+            partition_per_mille: rng.range(0, 80),
+            crash_in_ready_per_mille: rng.range(0, 8),
+            tick_ms,
+            snapshot_every: [0, 10, 50, 200][rng.range(0, 4) as usize],
+            membership_changes: nodes >= 3 && rng.range(0, 2) == 0,
+            transfers: rng.range(0, 2) == 0,
+            fault_phase_ms: rng.range(2_000, 5_000),
+            liveness_bound_ms: 10_000,
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Event {
+    Tick(NodeId),
+    Deliver(Message),
+    Nemesis,
+    Client,
+    Heal,
+}
+
+/// A value a client wants committed; retried until it is.
+#[derive(Debug, Clone)]
+struct ClientValue {
+    data: Bytes,
+    committed: bool,
+}
+
+/// Counters for reports and benchmarks.
+#[derive(Debug, Default, Clone)]
+pub struct Stats {
+    pub events: u64,
+    pub messages_sent: u64,
+    pub messages_delivered: u64,
+    pub elections_won: u64,
+    pub crashes: u64,
+    pub snapshots_installed: u64,
+    pub reads_served: u64,
+    pub conf_changes_applied: u64,
+}
+
+/// One simulated run.
+pub struct Simulation {
+    pub seed: u64,
+    pub params: SwarmParams,
+    pub now_ms: u64,
+    rng: Prng,
+    queue: BTreeMap<(u64, u64), Event>,
+    next_seq: u64,
+    pub nodes: BTreeMap<NodeId, SimNode>,
+    /// Directed links that drop everything.
+    blocked: BTreeSet<(NodeId, NodeId)>,
+    faults_on: bool,
+    pub checker: Checker,
+    pub stats: Stats,
+    clients: Vec<ClientValue>,
+    read_seq: u64,
+    trace_tail: VecDeque<String>,
+    trace_hash: u64,
+    config_hook: Option<ConfigHook>,
+}
+
+/// A hook that adjusts every node's configuration; negative-control tests use it to switch on
+/// a deliberate bug.
+pub type ConfigHook = fn(&mut Config);
+
+impl Simulation {
+    /// A run for `seed` with the swarm parameters it draws.
+    pub fn new(seed: u64, nodes: Option<usize>) -> Self {
+        Self::with_params(seed, SwarmParams::from_seed(seed, nodes), true, None)
+    }
+
+    /// A run with explicit parameters; `automatic` turns the nemesis and clients on.
+    pub fn with_params(
+        seed: u64,
+        params: SwarmParams,
+        automatic: bool,
+        config_hook: Option<ConfigHook>,
+    ) -> Self {
+        let mut sim = Simulation {
+            seed,
+            now_ms: 0,
+            rng: Prng::new(seed),
+            queue: BTreeMap::new(),
+            next_seq: 0,
+            nodes: BTreeMap::new(),
+            blocked: BTreeSet::new(),
+            faults_on: automatic,
+            checker: Checker::default(),
+            stats: Stats::default(),
+            clients: Vec::new(),
+            read_seq: 0,
+            trace_tail: VecDeque::new(),
+            trace_hash: 0xcbf2_9ce4_8422_2325,
+            config_hook,
+            params,
+        };
+        let voters: Vec<NodeId> = (1..=sim.params.nodes as u64).collect();
+        for &id in &voters {
+            let disk = MemStorage::new_with_conf_state(ConfState::with_voters(voters.clone()));
+            sim.add_node(id, disk);
+        }
+        if automatic {
+            sim.schedule(1, Event::Nemesis);
+            sim.schedule(1, Event::Client);
+            sim.schedule(sim.params.fault_phase_ms, Event::Heal);
+        }
+        sim
+    }
+
+    fn node_config(&self, id: NodeId) -> Config {
+        let mut config = Config::new(id);
+        config.election_ticks = ELECTION_TICKS;
+        config.heartbeat_ticks = HEARTBEAT_TICKS;
+        config.seed = self.seed.wrapping_mul(1_000_003).wrapping_add(id);
+        config.max_inflight_appends = 8;
+        config.max_append_bytes = 64;
+        config.snapshot_chunk_bytes = 40;
+        if let Some(hook) = self.config_hook {
+            hook(&mut config);
+        }
+        config
+    }
+
+    fn add_node(&mut self, id: NodeId, disk: MemStorage) {
+        let config = self.node_config(id);
+        let node = SimNode::new(config, disk, self.params.snapshot_every);
+        self.checker.reset_state(id, node.state);
+        self.nodes.insert(id, node);
+        let tick = self.tick_period(id);
+        let first = self.rng.range(1, tick + 1);
+        self.schedule(first, Event::Tick(id));
+    }
+
+    fn tick_period(&self, id: NodeId) -> u64 {
+        self.params
+            .tick_ms
+            .get(id as usize - 1)
+            .copied()
+            .unwrap_or(BASE_TICK_MS)
+    }
+
+    fn schedule(&mut self, delay_ms: u64, event: Event) {
+        self.next_seq += 1;
+        self.queue
+            .insert((self.now_ms + delay_ms, self.next_seq), event);
+    }
+
+    fn trace(&mut self, line: String) {
+        for b in line.as_bytes() {
+            self.trace_hash ^= *b as u64;
+            self.trace_hash = self.trace_hash.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        self.trace_hash ^= b'\n' as u64;
+        if self.trace_tail.len() == TRACE_TAIL_LINES {
+            self.trace_tail.pop_front();
+        }
+        self.trace_tail
+            .push_back(format!("{:>7}ms {line}", self.now_ms));
+    }
+
+    pub fn trace_hash(&self) -> u64 {
+        self.trace_hash
+    }
+
+    pub fn trace_tail(&self) -> Vec<String> {
+        self.trace_tail.iter().cloned().collect()
+    }
+
+    pub fn violations(&self) -> &[Violation] {
+        &self.checker.violations
+    }
+
+    /// Runs the seed to the end: fault phase, heal, then the liveness phase. Returns false on
+    /// any violation (including a liveness failure).
+    pub fn run(&mut self) -> bool {
+        let end = self.params.fault_phase_ms + self.params.liveness_bound_ms;
+        while self.now_ms < end && self.checker.violations.is_empty() {
+            if self.now_ms > self.params.fault_phase_ms && self.converged() {
+                return true;
+            }
+            if !self.step_once() {
+                break;
+            }
+        }
+        if self.checker.violations.is_empty() && !self.converged() {
+            let detail = format!(
+                "no leader with every client value committed and every member caught up within \
+                 {} ms of healing",
+                self.params.liveness_bound_ms
+            );
+            self.checker.violations.push(Violation {
+                invariant: "Liveness",
+                detail,
+            });
+        }
+        self.checker.violations.is_empty()
+    }
+
+    /// Processes the next event. Returns false when nothing is scheduled.
+    pub fn step_once(&mut self) -> bool {
+        let Some(((at, _), event)) = self.queue.pop_first() else {
+            return false;
+        };
+        self.now_ms = at;
+        self.stats.events += 1;
+        match event {
+            Event::Tick(id) => {
+                if let Some(raw) = self.nodes.get_mut(&id).and_then(|n| n.raw.as_mut()) {
+                    raw.tick();
+                }
+                self.process(id);
+                let period = self.tick_period(id);
+                self.schedule(period, Event::Tick(id));
+            }
+            Event::Deliver(m) => self.deliver(m),
+            Event::Nemesis => {
+                if self.faults_on {
+                    self.nemesis();
+                    self.schedule(50, Event::Nemesis);
+                }
+            }
+            Event::Client => {
+                self.client_step();
+                self.schedule(20, Event::Client);
+            }
+            Event::Heal => {
+                self.trace("heal: restart all, reconnect all, reliable network".into());
+                self.heal();
+            }
+        }
+        true
+    }
+
+    /// Runs until virtual time `until_ms` (for scenario tests).
+    pub fn run_until(&mut self, until_ms: u64) {
+        while self
+            .queue
+            .first_key_value()
+            .is_some_and(|(&(at, _), _)| at <= until_ms)
+        {
+            self.step_once();
+        }
+        self.now_ms = self.now_ms.max(until_ms);
+    }
+
+    /// Runs for `duration_ms` more virtual time.
+    pub fn run_for(&mut self, duration_ms: u64) {
+        self.run_until(self.now_ms + duration_ms);
+    }
+
+    // ---- the network -------------------------------------------------------------------
+
+    fn send(&mut self, m: Message) {
+        self.stats.messages_sent += 1;
+        if let MessageBody::VoteResponse {
+            pre: false,
+            granted: true,
+        } = m.body
+        {
+            self.checker.observe_vote(m.from, m.term, m.to);
+        }
+        if self.blocked.contains(&(m.from, m.to)) {
+            return;
+        }
+        if self.faults_on && self.rng.range(0, 1000) < self.params.drop_per_mille {
+            return;
+        }
+        let copies = if self.faults_on && self.rng.range(0, 1000) < self.params.duplicate_per_mille
+        {
+            2
+        } else {
+            1
+        };
+        for _ in 0..copies {
+            let delay =
+                if self.faults_on && self.rng.range(0, 1000) < self.params.long_delay_per_mille {
+                    self.rng.range(1, self.params.long_delay_max_ms + 1)
+                } else {
+                    self.rng.range(1, self.params.delay_max_ms.max(1) + 1)
+                };
+            self.schedule(delay, Event::Deliver(m.clone()));
+        }
+    }
+
+    fn deliver(&mut self, m: Message) {
+        if self.blocked.contains(&(m.from, m.to)) {
+            return;
+        }
+        let to = m.to;
+        let Some(raw) = self.nodes.get_mut(&to).and_then(|n| n.raw.as_mut()) else {
+            return;
+        };
+        self.stats.messages_delivered += 1;
+        let line = format!("{} -> {} t{} {}", m.from, m.to, m.term, m.body.name());
+        // Errors here are operating errors (a message from a node we no longer track).
+        let _ = raw.step(m);
+        self.trace(line);
+        self.process(to);
+    }
+
+    /// Cuts every link between `a` and the rest, both ways.
+    pub fn isolate(&mut self, a: NodeId) {
+        let ids: Vec<NodeId> = self.nodes.keys().copied().collect();
+        for b in ids.into_iter().filter(|&b| b != a) {
+            self.blocked.insert((a, b));
+            self.blocked.insert((b, a));
+        }
+        self.trace(format!("isolate {a}"));
+    }
+
+    /// Restores every link of `a`.
+    pub fn reconnect(&mut self, a: NodeId) {
+        self.blocked.retain(|&(x, y)| x != a && y != a);
+        self.trace(format!("reconnect {a}"));
+    }
+
+    pub fn heal_network(&mut self) {
+        self.blocked.clear();
+    }
+
+    fn heal(&mut self) {
+        self.faults_on = false;
+        self.blocked.clear();
+        let down: Vec<NodeId> = self
+            .nodes
+            .iter()
+            .filter(|(_, n)| !n.is_up())
+            .map(|(&id, _)| id)
+            .collect();
+        for id in down {
+            self.restart(id);
+        }
+    }
+
+    // ---- nodes ---------------------------------------------------------------------------
+
+    pub fn crash(&mut self, id: NodeId) {
+        if let Some(node) = self.nodes.get_mut(&id)
+            && node.is_up()
+        {
+            node.crash();
+            self.stats.crashes += 1;
+            self.trace(format!("crash {id}"));
+        }
+    }
+
+    pub fn restart(&mut self, id: NodeId) {
+        let Some(node) = self.nodes.get_mut(&id) else {
+            return;
+        };
+        if node.is_up() {
+            return;
+        }
+        node.start();
+        let state = node.state;
+        let term = node.term().unwrap_or(0);
+        self.checker.reset_state(id, state);
+        self.checker.observe_role(id, Role::Follower, term);
+        self.trace(format!(
+            "restart {id} at term {term} applied {}",
+            state.applied
+        ));
+        self.process(id);
+    }
+
+    /// Handles every Ready the node has, routing messages and feeding the checkers.
+    fn process(&mut self, id: NodeId) {
+        for _ in 0..16 {
+            let crash_roll = self.rng.range(0, 1000);
+            let point_roll = self.rng.range(0, 3);
+            let Some(node) = self.nodes.get_mut(&id) else {
+                return;
+            };
+            let Some(raw) = node.raw.as_ref() else { return };
+            if !raw.has_ready() {
+                return;
+            }
+            let crash_at = (self.faults_on && crash_roll < self.params.crash_in_ready_per_mille)
+                .then(|| {
+                    [
+                        CrashPoint::BeforePersist,
+                        CrashPoint::AfterPersist,
+                        CrashPoint::AfterSend,
+                    ][point_roll as usize]
+                });
+            let outcome = node.handle_ready(crash_at);
+            let after = node
+                .raw
+                .as_ref()
+                .map(|raw| (raw.role(), raw.term(), raw.commit_index()));
+            if let Some(first) = outcome.persisted.first() {
+                let prev = node_prev_term(node, first.index);
+                self.checker.observe_persisted(id, &outcome.persisted, prev);
+            }
+            if let Some(state) = outcome.installed_snapshot {
+                self.stats.snapshots_installed += 1;
+                self.checker.reset_state(id, state);
+            }
+            for (entry, hash) in &outcome.applied {
+                self.checker.observe_applied(id, entry, *hash);
+                if entry.kind == EntryKind::ConfChange {
+                    self.stats.conf_changes_applied += 1;
+                }
+                if let Some(v) = self.clients.iter_mut().find(|v| v.data == entry.data) {
+                    v.committed = true;
+                }
+            }
+            for rs in &outcome.read_states {
+                self.stats.reads_served += 1;
+                self.checker.read_served(id, &rs.context, rs.index);
+            }
+            for m in outcome.messages {
+                self.send(m);
+            }
+            if outcome.crashed {
+                self.stats.crashes += 1;
+                self.trace(format!("crash {id} while handling a Ready ({crash_at:?})"));
+                return;
+            }
+            if let Some((role, term, commit)) = after {
+                self.checker.observe_role(id, role, term);
+                self.checker.observe_commit(commit);
+                let became_leader = outcome.soft_state.is_some_and(|s| s.role == Role::Leader);
+                if became_leader {
+                    self.stats.elections_won += 1;
+                    self.trace(format!("{id} leads term {term}"));
+                    let node = &self.nodes[&id];
+                    if let Some(raw) = node.raw.as_ref() {
+                        let view = LogView::new(raw.store());
+                        self.checker.check_leader_completeness(id, term, &view);
+                    }
+                }
+            }
+        }
+    }
+
+    // ---- the nemesis and clients -----------------------------------------------------------
+
+    fn nemesis(&mut self) {
+        let roll = self.rng.range(0, 1000);
+        let ids: Vec<NodeId> = self.nodes.keys().copied().collect();
+        if roll < self.params.crash_per_mille {
+            let victim = ids[self.rng.range(0, ids.len() as u64) as usize];
+            self.crash(victim);
+            return;
+        }
+        let roll = self.rng.range(0, 1000);
+        if roll < self.params.restart_per_mille {
+            let down: Vec<NodeId> = self
+                .nodes
+                .iter()
+                .filter(|(_, n)| !n.is_up())
+                .map(|(&id, _)| id)
+                .collect();
+            if !down.is_empty() {
+                let id = down[self.rng.range(0, down.len() as u64) as usize];
+                self.restart(id);
+            }
+        }
+        let roll = self.rng.range(0, 1000);
+        if roll < self.params.partition_per_mille {
+            self.random_partition(&ids);
+        }
+        let roll = self.rng.range(0, 1000);
+        if self.params.transfers && roll < 20 {
+            self.random_transfer();
+        }
+        let roll = self.rng.range(0, 1000);
+        if self.params.membership_changes && roll < 30 {
+            self.random_membership_change();
+        }
+    }
+
+    fn random_partition(&mut self, ids: &[NodeId]) {
+        self.blocked.clear();
+        let kind = self.rng.range(0, 4);
+        let mut shuffled = ids.to_vec();
+        for i in (1..shuffled.len()).rev() {
+            let j = self.rng.range(0, i as u64 + 1) as usize;
+            shuffled.swap(i, j);
+        }
+        let cut = self.rng.range(0, shuffled.len() as u64 + 1) as usize;
+        let (left, right) = shuffled.split_at(cut);
+        match kind {
+            0 => {
+                self.trace("partition healed".into());
+            }
+            1 => {
+                for &a in left {
+                    for &b in right {
+                        self.blocked.insert((a, b));
+                        self.blocked.insert((b, a));
+                    }
+                }
+                self.trace(format!("partition {left:?} | {right:?}"));
+            }
+            2 => {
+                for &a in left {
+                    for &b in right {
+                        self.blocked.insert((a, b));
+                    }
+                }
+                self.trace(format!("one-way partition {left:?} -> {right:?} blocked"));
+            }
+            _ => {
+                // A bridge: the first node of `right` talks to both sides, which cannot
+                // talk to each other.
+                if let Some((&bridge, rest)) = right.split_first() {
+                    for &a in left {
+                        for &b in rest {
+                            self.blocked.insert((a, b));
+                            self.blocked.insert((b, a));
+                        }
+                    }
+                    self.trace(format!("bridge {bridge} between {left:?} and {rest:?}"));
+                }
+            }
+        }
+    }
+
+    fn leaders(&self) -> Vec<NodeId> {
+        self.nodes
+            .iter()
+            .filter(|(_, n)| n.role() == Some(Role::Leader))
+            .map(|(&id, _)| id)
+            .collect()
+    }
+
+    fn random_transfer(&mut self) {
+        let leaders = self.leaders();
+        let Some(&leader) = leaders.first() else {
+            return;
+        };
+        let voters: Vec<NodeId> = {
+            let raw = self.nodes[&leader].raw.as_ref().expect("leader is up");
+            raw.conf_state()
+                .voters
+                .iter()
+                .copied()
+                .filter(|&v| v != leader)
+                .collect()
+        };
+        if voters.is_empty() {
+            return;
+        }
+        let target = voters[self.rng.range(0, voters.len() as u64) as usize];
+        let raw = self
+            .nodes
+            .get_mut(&leader)
+            .and_then(|n| n.raw.as_mut())
+            .expect("leader is up");
+        let result = raw.transfer_leader(target);
+        self.trace(format!("transfer {leader} -> {target}: {result:?}"));
+        self.process(leader);
+    }
+
+    fn random_membership_change(&mut self) {
+        let leaders = self.leaders();
+        let Some(&leader) = leaders.first() else {
+            return;
+        };
+        let conf = self.nodes[&leader]
+            .raw
+            .as_ref()
+            .expect("leader is up")
+            .conf_state()
+            .clone();
+        // Ids are never reused: a new node gets an id no node ever had.
+        let max_id = self.params.nodes as u64 + 2;
+        let spare = (1..=max_id).find(|id| !self.nodes.contains_key(id));
+        let learner = conf.learners.iter().next().copied();
+        let choice = self.rng.range(0, 3);
+        let step = match (choice, spare, learner) {
+            (0, Some(id), _) => ConfChangeStep::AddLearner(id),
+            (1, _, Some(id)) => ConfChangeStep::AddVoter(id),
+            (2, _, _) if conf.voters.len() > 2 => {
+                let voters: Vec<NodeId> = conf.voters.iter().copied().collect();
+                ConfChangeStep::RemoveNode(voters[self.rng.range(0, voters.len() as u64) as usize])
+            }
+            _ => return,
+        };
+        if let ConfChangeStep::AddLearner(id) = step {
+            // A node joining from scratch: an empty disk that knows no members; it learns
+            // everything from the leader.
+            self.add_node(id, MemStorage::default());
+        }
+        let raw = self
+            .nodes
+            .get_mut(&leader)
+            .and_then(|n| n.raw.as_mut())
+            .expect("leader is up");
+        let result = raw.propose_conf_change(vec![step]);
+        self.trace(format!(
+            "membership change {step:?} at {leader}: {result:?}"
+        ));
+        self.process(leader);
+    }
+
+    fn client_step(&mut self) {
+        // New values only during the fault phase; pending ones are retried until committed.
+        if self.faults_on && self.clients.iter().filter(|v| !v.committed).count() < 3 {
+            let data = Bytes::from(format!("value-{}-{}", self.seed, self.clients.len()));
+            self.clients.push(ClientValue {
+                data,
+                committed: false,
+            });
+        }
+        let leaders = self.leaders();
+        if let Some(&leader) = leaders.get(self.rng.range(0, leaders.len().max(1) as u64) as usize)
+        {
+            let pending: Vec<Bytes> = self
+                .clients
+                .iter()
+                .filter(|v| !v.committed)
+                .map(|v| v.data.clone())
+                .collect();
+            if let Some(raw) = self.nodes.get_mut(&leader).and_then(|n| n.raw.as_mut()) {
+                for data in pending {
+                    let _ = raw.propose(data);
+                }
+            }
+            self.process(leader);
+        }
+        if self.rng.range(0, 3) == 0 {
+            let ids: Vec<NodeId> = self.nodes.keys().copied().collect();
+            let id = ids[self.rng.range(0, ids.len() as u64) as usize];
+            self.read_seq += 1;
+            let context = Bytes::from(format!("read-{}", self.read_seq));
+            if let Some(raw) = self.nodes.get_mut(&id).and_then(|n| n.raw.as_mut())
+                && raw.read_index(context.clone()).is_ok()
+            {
+                self.checker.read_started(id, &context);
+            }
+            self.process(id);
+        }
+    }
+
+    /// After healing: one leader, every client value committed, every member caught up.
+    pub fn converged(&self) -> bool {
+        let leaders = self.leaders();
+        let [leader] = leaders[..] else { return false };
+        let Some(raw) = self.nodes[&leader].raw.as_ref() else {
+            return false;
+        };
+        if raw.transferee().is_some() || raw.conf_state().is_joint() {
+            return false;
+        }
+        let commit = raw.commit_index();
+        if commit < raw.last_index() || self.clients.iter().any(|v| !v.committed) {
+            return false;
+        }
+        let term = raw.term();
+        raw.conf_state().members().iter().all(|id| {
+            self.nodes
+                .get(id)
+                .and_then(|n| n.raw.as_ref())
+                .is_some_and(|r| {
+                    r.applied_index() == commit && r.term() == term && r.leader() == Some(leader)
+                })
+        })
+    }
+
+    /// A one-paragraph description of the run's parameters, for failure reports.
+    pub fn describe(&self) -> String {
+        let mut out = String::new();
+        let _ = write!(out, "seed={} params={:?}", self.seed, self.params);
+        for (id, node) in &self.nodes {
+            let _ = write!(out, "\n  node {id}: ");
+            match node.raw.as_ref() {
+                None => {
+                    let _ = write!(out, "down");
+                }
+                Some(raw) => {
+                    let _ = write!(
+                        out,
+                        "{:?} term={} leader={:?} commit={} applied={} last={} conf={:?}",
+                        raw.role(),
+                        raw.term(),
+                        raw.leader(),
+                        raw.commit_index(),
+                        raw.applied_index(),
+                        raw.last_index(),
+                        raw.conf_state()
+                    );
+                    for peer in raw.conf_state().members() {
+                        if let Some((m, n)) = raw.peer_progress(peer) {
+                            let _ = write!(out, " [{peer}: match={m} next={n}]");
+                        }
+                    }
+                }
+            }
+        }
+        let pending = self.clients.iter().filter(|v| !v.committed).count();
+        let _ = write!(out, "\n  uncommitted client values: {pending}");
+        out
+    }
+
+    // ---- helpers for named scenarios -------------------------------------------------------
+
+    /// The node that is leader, if exactly one live node believes it leads in the highest term.
+    pub fn leader(&self) -> Option<NodeId> {
+        let mut best: Option<(u64, NodeId)> = None;
+        for (&id, node) in &self.nodes {
+            if let Some(raw) = node.raw.as_ref()
+                && raw.role() == Role::Leader
+                && best.is_none_or(|(t, _)| raw.term() > t)
+            {
+                best = Some((raw.term(), id));
+            }
+        }
+        best.map(|(_, id)| id)
+    }
+
+    /// Proposes `data` at `node` and handles the resulting Ready.
+    pub fn propose(&mut self, node: NodeId, data: Bytes) -> Result<u64, conclave_raft::Error> {
+        let raw = self
+            .nodes
+            .get_mut(&node)
+            .and_then(|n| n.raw.as_mut())
+            .ok_or(conclave_raft::Error::NoLeader)?;
+        let result = raw.propose(data);
+        self.process(node);
+        result
+    }
+
+    /// Starts a linearizable read at `node`.
+    pub fn read(&mut self, node: NodeId, context: Bytes) -> Result<(), conclave_raft::Error> {
+        let raw = self
+            .nodes
+            .get_mut(&node)
+            .and_then(|n| n.raw.as_mut())
+            .ok_or(conclave_raft::Error::NoLeader)?;
+        raw.read_index(context.clone())?;
+        self.checker.read_started(node, &context);
+        self.process(node);
+        Ok(())
+    }
+
+    /// How many live nodes have applied an entry carrying `data`.
+    pub fn applied_count(&self, data: &[u8]) -> usize {
+        self.nodes
+            .values()
+            .filter(|n| n.is_up())
+            .filter(|n| {
+                n.raw
+                    .as_ref()
+                    .is_some_and(|raw| raw_holds_applied(raw, n.state.applied, data))
+            })
+            .count()
+    }
+}
+
+fn raw_holds_applied(raw: &conclave_raft::RawNode<MemStorage>, applied: u64, data: &[u8]) -> bool {
+    let store = raw.store();
+    let first = store.first_index().unwrap_or(1);
+    let last = store.last_index().unwrap_or(0).min(applied);
+    if first > last {
+        return false;
+    }
+    store
+        .entries(first, last + 1, u64::MAX)
+        .map(|entries| entries.iter().any(|e| e.data.as_ref() == data))
+        .unwrap_or(false)
+}
+
+/// The term just before `index` in the node's durable log, if known.
+fn node_prev_term(node: &SimNode, index: u64) -> Option<u64> {
+    let store = node.raw.as_ref().map(|r| r.store()).unwrap_or(&node.disk);
+    store.term(index.saturating_sub(1)).ok()
+}
