@@ -1,0 +1,670 @@
+//! [`WalStorage`]: the Raft log, hard state and snapshots on a [`Disk`], behind the core's
+//! read-only [`conclave_raft::Storage`] trait.
+//!
+//! ```text
+//! <dir>/LOCK                 flock held while open
+//! <dir>/wal/<seq>.wal        log segments (wal/segment.rs, wal/record.rs)
+//! <dir>/snap/<i>-<t>.snap    snapshot files (snapshot.rs)
+//! ```
+//!
+//! Writes mirror `MemStorage`'s (`set_hard_state`, `append`, `apply_snapshot`,
+//! `create_snapshot`) and return a [`Ticket`]; [`WalStorage::sync`] makes everything written
+//! so far durable with one `fdatasync` and returns the ticket it covers. Reads see writes at
+//! once, durable or not, as the core expects; only durability waits for the sync.
+
+use std::collections::VecDeque;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use conclave_raft::{
+    ConfState, Entry, HardState, Index, Snapshot, SnapshotMeta, Storage, StorageError, Term,
+};
+
+use crate::disk::{DirLock, Disk};
+use crate::error::{Error, Result};
+use crate::snapshot::{self, SnapshotFile, SnapshotReader, SnapshotWriter};
+use crate::wal::record::Record;
+use crate::wal::{Wal, WalOptions, WalRecovery};
+
+/// Everything [`WalStorage`] can be tuned by.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StorageOptions {
+    pub wal: WalOptions,
+    /// The recent-entry cache keeps at most this many entries...
+    pub cache_entries_max: usize,
+    /// ...and at most this many payload bytes.
+    pub cache_bytes_max: u64,
+    /// Snapshot files kept after a new one is recorded (at least 1: the current one).
+    pub snapshots_retained: usize,
+}
+
+impl Default for StorageOptions {
+    fn default() -> Self {
+        StorageOptions {
+            wal: WalOptions::default(),
+            cache_entries_max: 4096,
+            cache_bytes_max: 16 << 20,
+            snapshots_retained: 2,
+        }
+    }
+}
+
+impl StorageOptions {
+    /// Small segments, no preallocation: for the simulator and tests on [`crate::SimDisk`].
+    pub fn for_simulation() -> StorageOptions {
+        StorageOptions {
+            wal: WalOptions {
+                segment_size_bytes: 64 << 10,
+                preallocate: false,
+                write_buffer_bytes: 16 << 10,
+            },
+            cache_entries_max: 256,
+            cache_bytes_max: 1 << 20,
+            snapshots_retained: 2,
+        }
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        self.wal.validate()?;
+        if self.snapshots_retained == 0 {
+            return Err(Error::InvalidOptions(
+                "snapshots_retained must be at least 1".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Names a point in the write order: the sequence number of the last record of a write.
+/// It is durable once [`WalStorage::durable`] has reached it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Ticket(pub u64);
+
+/// What [`WalStorage::open`] found and did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RecoveryReport {
+    pub wal: WalRecovery,
+    /// Snapshot files that failed verification and were passed over, with the reason.
+    pub invalid_snapshots: Vec<(PathBuf, String)>,
+    /// A snapshot file newer than the log's record of it was adopted (a crash came between
+    /// writing the file and logging it).
+    pub adopted_snapshot: Option<Index>,
+}
+
+/// The most recent entries, contiguous and ending at the log's last index.
+#[derive(Debug, Default)]
+struct EntryCache {
+    entries: VecDeque<Entry>,
+    payload_bytes: u64,
+}
+
+impl EntryCache {
+    fn get(&self, index: Index) -> Option<&Entry> {
+        let first = self.entries.front()?.index;
+        self.entries
+            .get(usize::try_from(index.checked_sub(first)?).ok()?)
+    }
+
+    fn truncate_from(&mut self, index: Index) {
+        while self
+            .entries
+            .back()
+            .is_some_and(|entry| entry.index >= index)
+        {
+            let entry = self.entries.pop_back().expect("checked: not empty");
+            self.payload_bytes -= entry.payload_size();
+        }
+    }
+
+    fn drop_through(&mut self, index: Index) {
+        while self
+            .entries
+            .front()
+            .is_some_and(|entry| entry.index <= index)
+        {
+            let entry = self.entries.pop_front().expect("checked: not empty");
+            self.payload_bytes -= entry.payload_size();
+        }
+    }
+
+    fn push(&mut self, entry: Entry, options: &StorageOptions) {
+        if let Some(back) = self.entries.back() {
+            assert_eq!(back.index + 1, entry.index, "cache must stay contiguous");
+        }
+        self.payload_bytes += entry.payload_size();
+        self.entries.push_back(entry);
+        while self.entries.len() > options.cache_entries_max
+            || self.payload_bytes > options.cache_bytes_max
+        {
+            let Some(evicted) = self.entries.pop_front() else {
+                break;
+            };
+            self.payload_bytes -= evicted.payload_size();
+        }
+    }
+}
+
+/// Durable Raft storage: a write-ahead log plus snapshot files, in one locked directory.
+pub struct WalStorage {
+    disk: Arc<dyn Disk>,
+    snap_dir: PathBuf,
+    options: StorageOptions,
+    wal: Wal,
+    /// The current snapshot's file; `None` only for a log never bootstrapped nor snapshotted.
+    snapshot_file: Option<SnapshotFile>,
+    /// The current snapshot's data, loaded on first use.
+    snapshot_data: Mutex<Option<Bytes>>,
+    cache: EntryCache,
+    recovery: RecoveryReport,
+    _lock: Box<dyn DirLock>,
+}
+
+impl std::fmt::Debug for WalStorage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let model = self.wal.model();
+        f.debug_struct("WalStorage")
+            .field("snapshot_index", &model.snapshot_index)
+            .field("last_index", &model.last_index())
+            .field("hard_state", &model.hard_state)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Takes the directory lock, mapping "held elsewhere" to [`Error::Locked`].
+pub(crate) fn lock_data_dir(disk: &dyn Disk, dir: &Path) -> Result<Box<dyn DirLock>> {
+    disk.create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    disk.lock_dir(dir).map_err(|e| match e.kind() {
+        io::ErrorKind::WouldBlock => Error::Locked {
+            dir: dir.to_path_buf(),
+        },
+        _ => Error::io(dir, e),
+    })
+}
+
+impl WalStorage {
+    /// Opens the data directory `dir` on `disk`, creating it if needed and recovering what is
+    /// there. Fails with [`Error::Locked`] if another handle has it open, and with a
+    /// [`crate::FatalError::Corrupt`] naming file and offset if the stored data is damaged
+    /// anywhere but a torn final write.
+    pub fn open(
+        disk: Arc<dyn Disk>,
+        dir: impl AsRef<Path>,
+        options: StorageOptions,
+    ) -> Result<WalStorage> {
+        options.validate()?;
+        let dir = dir.as_ref();
+        let lock = lock_data_dir(disk.as_ref(), dir)?;
+        let snap_dir = dir.join("snap");
+        disk.create_dir_all(&snap_dir)
+            .map_err(|e| Error::io(&snap_dir, e))?;
+        let (candidates, mut recovery) = find_snapshots(disk.as_ref(), &snap_dir)?;
+        let (wal, wal_recovery) = Wal::open(disk.clone(), &dir.join("wal"), options.wal)?;
+        recovery.wal = wal_recovery;
+        let mut storage = WalStorage {
+            disk,
+            snap_dir,
+            options,
+            wal,
+            snapshot_file: None,
+            snapshot_data: Mutex::new(None),
+            cache: EntryCache::default(),
+            recovery,
+            _lock: lock,
+        };
+        storage.reconcile_snapshot(candidates)?;
+        storage.fill_cache()?;
+        Ok(storage)
+    }
+
+    /// Matches the log's idea of its snapshot with the snapshot files on disk.
+    fn reconcile_snapshot(&mut self, candidates: Vec<SnapshotFile>) -> Result<()> {
+        let model = self.wal.model();
+        let (base_index, base_term) = (model.snapshot_index, model.snapshot_term);
+        let newest = candidates.first().cloned();
+        match newest {
+            Some(file) if file.meta.index > base_index => {
+                // The file became durable but the crash came before the log recorded it.
+                self.recovery.adopted_snapshot = Some(file.meta.index);
+                self.record_snapshot(file, true)?;
+                self.wal.sync()?;
+            }
+            _ => {
+                let matching = candidates
+                    .into_iter()
+                    .find(|f| f.meta.index == base_index && f.meta.term == base_term);
+                match matching {
+                    Some(file) => self.snapshot_file = Some(file),
+                    None if base_index == 0 && base_term == 0 => {}
+                    None => {
+                        let expected = self
+                            .snap_dir
+                            .join(snapshot::snapshot_file_name(base_index, base_term));
+                        let reason = "the log is compacted up to this snapshot but no valid file holds it; \
+                                      the node must be restored from a peer";
+                        return Err(Error::corrupt(expected, 0, reason));
+                    }
+                }
+            }
+        }
+        let model = self.wal.model();
+        if model.first_index != model.snapshot_index + 1 {
+            let first_segment = self
+                .wal
+                .segment_paths()
+                .first()
+                .cloned()
+                .unwrap_or_default();
+            let reason = format!(
+                "the log resumes at index {} but the snapshot ends at {}: entries are missing",
+                model.first_index, model.snapshot_index
+            );
+            return Err(Error::corrupt(first_segment, 0, reason));
+        }
+        Ok(())
+    }
+
+    fn fill_cache(&mut self) -> Result<()> {
+        let model = self.wal.model();
+        let last = model.last_index();
+        let mut index = last;
+        let mut loaded = Vec::new();
+        let mut bytes = 0u64;
+        while index >= model.first_index && loaded.len() < self.options.cache_entries_max {
+            let entry = self.wal.read_entry(index)?;
+            bytes += entry.payload_size();
+            if bytes > self.options.cache_bytes_max {
+                break;
+            }
+            loaded.push(entry);
+            index -= 1;
+        }
+        for entry in loaded.into_iter().rev() {
+            self.cache.push(entry, &self.options);
+        }
+        Ok(())
+    }
+
+    /// What recovery found when this storage was opened.
+    pub fn recovery_report(&self) -> &RecoveryReport {
+        &self.recovery
+    }
+
+    /// Whether nothing was ever stored here (no snapshot, no entries).
+    pub fn is_fresh(&self) -> bool {
+        let model = self.wal.model();
+        self.snapshot_file.is_none() && model.last_index() == 0 && model.snapshot_index == 0
+    }
+
+    /// Gives a fresh directory its initial membership: a durable snapshot at index 0.
+    pub fn bootstrap(&mut self, conf_state: ConfState) -> Result<()> {
+        if !self.is_fresh() {
+            return Err(Error::AlreadyBootstrapped);
+        }
+        let meta = SnapshotMeta {
+            index: 0,
+            term: 0,
+            conf_state,
+        };
+        let writer = self.begin_snapshot(meta)?;
+        let file = writer.finish()?;
+        self.record_snapshot(file, false)?;
+        *self.lock_snapshot_data() = Some(Bytes::new());
+        self.wal.sync()?;
+        Ok(())
+    }
+
+    pub fn hard_state(&self) -> HardState {
+        self.wal.model().hard_state
+    }
+
+    /// Records the hard state. Durable after the next [`WalStorage::sync`].
+    pub fn set_hard_state(&mut self, hard_state: HardState) -> Result<Ticket> {
+        self.wal
+            .append_record(&Record::HardState(hard_state))
+            .map(Ticket)
+    }
+
+    /// Appends `entries`, first dropping any stored suffix they overwrite (a new leader's
+    /// entries replacing uncommitted ones). They must start no later than `last_index() + 1`
+    /// and after the snapshot. Durable after the next [`WalStorage::sync`].
+    pub fn append(&mut self, entries: &[Entry]) -> Result<Ticket> {
+        let Some(first) = entries.first() else {
+            return Ok(self.written());
+        };
+        let model = self.wal.model();
+        let (snapshot_index, last) = (model.snapshot_index, model.last_index());
+        assert!(
+            first.index > snapshot_index,
+            "append at {} overwrites snapshot {snapshot_index}",
+            first.index
+        );
+        assert!(
+            first.index <= last + 1,
+            "append at {} leaves a gap after {last}",
+            first.index
+        );
+        for pair in entries.windows(2) {
+            assert_eq!(
+                pair[0].index + 1,
+                pair[1].index,
+                "appended entries are not contiguous"
+            );
+        }
+        self.cache.truncate_from(first.index);
+        for entry in entries {
+            let seq = self.wal.append_record(&Record::entry(entry))?;
+            assert!(seq > 0);
+            self.cache.push(entry.clone(), &self.options);
+        }
+        Ok(self.written())
+    }
+
+    /// Makes everything written so far durable (one `fdatasync` for all of it: group commit)
+    /// and returns the ticket it covers.
+    pub fn sync(&mut self) -> Result<Ticket> {
+        self.wal.sync().map(Ticket)
+    }
+
+    /// Hands buffered writes to the operating system without waiting for the disk.
+    pub fn flush(&mut self) -> Result<()> {
+        self.wal.flush()
+    }
+
+    /// The ticket of the last write, durable or not.
+    pub fn written(&self) -> Ticket {
+        Ticket(self.wal.last_seq())
+    }
+
+    /// Everything up to this ticket is durable.
+    pub fn durable(&self) -> Ticket {
+        Ticket(self.wal.durable_seq())
+    }
+
+    pub fn is_durable(&self, ticket: Ticket) -> bool {
+        ticket <= self.durable()
+    }
+
+    /// Whether some write is waiting for a sync.
+    pub fn needs_sync(&self) -> bool {
+        self.written() > self.durable()
+    }
+
+    /// Starts streaming a snapshot (one the application takes, or one arriving from the
+    /// leader in chunks). Finish it with [`SnapshotWriter::finish`] and hand the file to
+    /// [`WalStorage::install_snapshot`] or [`WalStorage::record_created_snapshot`].
+    pub fn begin_snapshot(&self, meta: SnapshotMeta) -> Result<SnapshotWriter> {
+        SnapshotWriter::create(self.disk.clone(), &self.snap_dir, meta)
+    }
+
+    /// Replaces the log with a snapshot from the leader (like `MemStorage::apply_snapshot`):
+    /// entries after it survive only if the log agrees at its index; the commit index rises to
+    /// it. Durable on return; whole segments below it are deleted.
+    pub fn install_snapshot(&mut self, file: SnapshotFile) -> Result<()> {
+        let index = file.meta.index;
+        let mut hard_state = self.hard_state();
+        if hard_state.commit < index {
+            hard_state.commit = index;
+            self.set_hard_state(hard_state)?;
+        }
+        self.record_snapshot(file, true)?;
+        self.finish_snapshot(index)
+    }
+
+    /// Records a snapshot the application took at an index it has applied (like
+    /// `MemStorage::create_snapshot`) and drops the log up to it. Durable on return.
+    pub fn record_created_snapshot(&mut self, file: SnapshotFile) -> Result<()> {
+        let index = file.meta.index;
+        let last = self.wal.model().last_index();
+        assert!(
+            index <= last,
+            "snapshot at {index} is past the log end {last}"
+        );
+        let term = self.wal.model().term(index);
+        assert_eq!(
+            term,
+            Some(file.meta.term),
+            "snapshot at {index} has the wrong term"
+        );
+        self.record_snapshot(file, false)?;
+        self.finish_snapshot(index)
+    }
+
+    /// Writes `data` as a snapshot at `index` and drops the log up to it.
+    pub fn create_snapshot(
+        &mut self,
+        index: Index,
+        conf_state: ConfState,
+        data: Bytes,
+    ) -> Result<()> {
+        let term = self.wal.model().term(index);
+        let term = term.unwrap_or_else(|| panic!("snapshot at {index} is outside the log"));
+        let mut writer = self.begin_snapshot(SnapshotMeta {
+            index,
+            term,
+            conf_state,
+        })?;
+        writer.write_chunk(&data)?;
+        let file = writer.finish()?;
+        self.record_created_snapshot(file)?;
+        *self.lock_snapshot_data() = Some(data);
+        Ok(())
+    }
+
+    /// Writes a whole snapshot from the leader and installs it.
+    pub fn apply_snapshot(&mut self, snapshot: Snapshot) -> Result<()> {
+        let mut writer = self.begin_snapshot(snapshot.meta)?;
+        writer.write_chunk(&snapshot.data)?;
+        let file = writer.finish()?;
+        self.install_snapshot(file)?;
+        *self.lock_snapshot_data() = Some(snapshot.data);
+        Ok(())
+    }
+
+    /// Logs that `file` now covers the log up to its index.
+    fn record_snapshot(&mut self, file: SnapshotFile, raise_commit: bool) -> Result<()> {
+        let SnapshotMeta { index, term, .. } = file.meta;
+        let model = self.wal.model();
+        assert!(
+            index >= model.snapshot_index,
+            "snapshot {index} is older than the stored {}",
+            model.snapshot_index
+        );
+        let keep_suffix = model.term(index) == Some(term);
+        if raise_commit && model.hard_state.commit < index {
+            let hard_state = HardState {
+                commit: index,
+                ..model.hard_state
+            };
+            self.wal.append_record(&Record::HardState(hard_state))?;
+        }
+        self.wal.append_record(&Record::Snapshot {
+            index,
+            term,
+            keep_suffix,
+        })?;
+        if keep_suffix {
+            self.cache.drop_through(index);
+        } else {
+            self.cache = EntryCache::default();
+        }
+        self.snapshot_file = Some(file);
+        *self.lock_snapshot_data() = None;
+        Ok(())
+    }
+
+    /// Syncs the snapshot record, then deletes what it made unnecessary.
+    fn finish_snapshot(&mut self, index: Index) -> Result<()> {
+        self.wal.sync()?;
+        self.wal.compact(index)?;
+        self.prune_snapshots()
+    }
+
+    /// Deletes all but the newest `snapshots_retained` snapshot files.
+    fn prune_snapshots(&mut self) -> Result<()> {
+        let names = self
+            .disk
+            .list_files(&self.snap_dir)
+            .map_err(|e| Error::io(&self.snap_dir, e))?;
+        let mut snapshots: Vec<((Index, Term), String)> = names
+            .into_iter()
+            .filter_map(|name| Some((snapshot::parse_snapshot_file_name(&name)?, name)))
+            .collect();
+        snapshots.sort_unstable_by_key(|entry| std::cmp::Reverse(entry.0));
+        let current = self.snapshot_file.as_ref().map(|file| file.path.clone());
+        let mut removed = false;
+        for (_, name) in snapshots.into_iter().skip(self.options.snapshots_retained) {
+            let path = self.snap_dir.join(name);
+            if Some(&path) != current.as_ref() {
+                self.disk
+                    .remove_file(&path)
+                    .map_err(|e| Error::io(&path, e))?;
+                removed = true;
+            }
+        }
+        if removed {
+            self.disk
+                .sync_dir(&self.snap_dir)
+                .map_err(|e| Error::io(&self.snap_dir, e))?;
+        }
+        Ok(())
+    }
+
+    /// Opens the current snapshot for reading in chunks (e.g. to send it to a follower).
+    pub fn snapshot_reader(&self) -> Result<Option<SnapshotReader>> {
+        match &self.snapshot_file {
+            Some(file) => SnapshotReader::open(self.disk.as_ref(), file.clone()).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    fn lock_snapshot_data(&self) -> std::sync::MutexGuard<'_, Option<Bytes>> {
+        self.snapshot_data
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// The segment files, oldest first (for tests and tools).
+    pub fn segment_paths(&self) -> Vec<PathBuf> {
+        self.wal.segment_paths()
+    }
+
+    fn entry(&self, index: Index) -> Result<Entry> {
+        match self.cache.get(index) {
+            Some(entry) => Ok(entry.clone()),
+            None => self.wal.read_entry(index),
+        }
+    }
+}
+
+fn to_storage_error(error: Error) -> StorageError {
+    match error {
+        Error::Compacted(index) => StorageError::Compacted(index),
+        Error::Unavailable(index) => StorageError::Unavailable(index),
+        other => StorageError::Fatal(other.to_string()),
+    }
+}
+
+impl Storage for WalStorage {
+    fn initial_state(&self) -> Result<(HardState, ConfState), StorageError> {
+        let conf_state = self
+            .snapshot_file
+            .as_ref()
+            .map(|file| file.meta.conf_state.clone())
+            .unwrap_or_default();
+        Ok((self.hard_state(), conf_state))
+    }
+
+    fn entries(&self, low: Index, high: Index, max_bytes: u64) -> Result<Vec<Entry>, StorageError> {
+        let model = self.wal.model();
+        if low <= model.snapshot_index {
+            return Err(StorageError::Compacted(low));
+        }
+        if high > model.last_index() + 1 {
+            return Err(StorageError::Unavailable(high));
+        }
+        let mut out = Vec::new();
+        let mut size = 0u64;
+        for index in low..high {
+            let entry = self.entry(index).map_err(to_storage_error)?;
+            size += entry.payload_size();
+            if !out.is_empty() && size > max_bytes {
+                break;
+            }
+            out.push(entry);
+        }
+        Ok(out)
+    }
+
+    fn term(&self, index: Index) -> Result<Term, StorageError> {
+        let model = self.wal.model();
+        if index < model.snapshot_index {
+            return Err(StorageError::Compacted(index));
+        }
+        model.term(index).ok_or(StorageError::Unavailable(index))
+    }
+
+    fn first_index(&self) -> Result<Index, StorageError> {
+        Ok(self.wal.model().snapshot_index + 1)
+    }
+
+    fn last_index(&self) -> Result<Index, StorageError> {
+        Ok(self.wal.model().last_index())
+    }
+
+    fn snapshot(&self) -> Result<Snapshot, StorageError> {
+        let Some(file) = &self.snapshot_file else {
+            return Ok(Snapshot::default());
+        };
+        let mut cached = self.lock_snapshot_data();
+        let data = match cached.as_ref() {
+            Some(data) => data.clone(),
+            None => {
+                let reader = SnapshotReader::open(self.disk.as_ref(), file.clone())
+                    .map_err(to_storage_error)?;
+                let data = reader.read_all().map_err(to_storage_error)?;
+                *cached = Some(data.clone());
+                data
+            }
+        };
+        Ok(Snapshot {
+            meta: file.meta.clone(),
+            data,
+        })
+    }
+}
+
+/// The verified snapshot files in `dir`, newest first, stopping at the first valid one (older
+/// files are only read if the log needs a specific one). Removes leftover temp files.
+fn find_snapshots(disk: &dyn Disk, dir: &Path) -> Result<(Vec<SnapshotFile>, RecoveryReport)> {
+    let names = disk.list_files(dir).map_err(|e| Error::io(dir, e))?;
+    let mut report = RecoveryReport::default();
+    let mut named = Vec::new();
+    let mut removed_temp = false;
+    for name in names {
+        if snapshot::is_temp_snapshot_name(&name) {
+            let path = dir.join(&name);
+            disk.remove_file(&path).map_err(|e| Error::io(&path, e))?;
+            removed_temp = true;
+        } else if let Some(key) = snapshot::parse_snapshot_file_name(&name) {
+            named.push((key, name));
+        }
+    }
+    if removed_temp {
+        disk.sync_dir(dir).map_err(|e| Error::io(dir, e))?;
+    }
+    named.sort_unstable_by_key(|entry| std::cmp::Reverse(entry.0));
+    let mut valid = Vec::new();
+    for ((index, term), name) in named {
+        let path = dir.join(name);
+        match snapshot::verify_snapshot_file(disk, &path) {
+            Ok(file) if file.meta.index == index && file.meta.term == term => valid.push(file),
+            Ok(_) => report
+                .invalid_snapshots
+                .push((path, "file name disagrees with its contents".into())),
+            Err(reason) => report.invalid_snapshots.push((path, reason)),
+        }
+    }
+    Ok((valid, report))
+}

@@ -1,0 +1,531 @@
+//! The write-ahead log: records in a chain of segment files.
+//!
+//! ```text
+//!  append_record ─> encode ─> pending buffer ─flush─> active segment (write) ─sync─> durable
+//!                      └──> LogModel::apply (the same function recovery replays)
+//!  segments: [seg first_seq=1][seg first_seq=N]...[active]   each starts with a Checkpoint
+//! ```
+//!
+//! Appends only fill a buffer; [`Wal::sync`] writes it and calls `fdatasync` once, which is
+//! group commit: however many records were appended since the last sync, one sync makes them
+//! all durable. Rotation syncs the old segment before the new one exists, so every segment
+//! but the last is complete, which is what lets recovery treat damage anywhere but the end of
+//! the last segment as corruption rather than as a torn write.
+
+pub mod model;
+pub mod record;
+pub mod segment;
+
+use std::collections::VecDeque;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use conclave_raft::{Entry, Index};
+
+use crate::disk::{Disk, DiskFile, read_exact_at, read_to_end};
+use crate::error::{Error, FatalError, Result};
+use model::{Location, LogModel};
+use record::{FRAME_HEADER_BYTES, Frame, RECORD_BYTES_MAX, Record};
+use segment::{SEGMENT_HEADER_BYTES, TEMP_SUFFIX};
+
+/// How the log lays out and writes its files.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WalOptions {
+    /// A segment is rotated once the next record would take it past this size.
+    pub segment_size_bytes: u64,
+    /// Reserve each segment's full size when creating it.
+    pub preallocate: bool,
+    /// Appended records are written to the file (not synced) once this many bytes wait.
+    pub write_buffer_bytes: usize,
+}
+
+impl Default for WalOptions {
+    fn default() -> Self {
+        WalOptions {
+            segment_size_bytes: 64 << 20,
+            preallocate: true,
+            write_buffer_bytes: 1 << 20,
+        }
+    }
+}
+
+impl WalOptions {
+    pub fn validate(&self) -> Result<()> {
+        if self.segment_size_bytes < 4096 {
+            return Err(Error::InvalidOptions(
+                "segment_size_bytes must be at least 4096".into(),
+            ));
+        }
+        if self.write_buffer_bytes == 0 {
+            return Err(Error::InvalidOptions(
+                "write_buffer_bytes must be positive".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+struct Segment {
+    first_seq: u64,
+    path: PathBuf,
+    file: Box<dyn DiskFile>,
+    /// Bytes of header and records written to the file (the rest of the file is zeros).
+    written_bytes: u64,
+    record_count: u64,
+    /// The log's last index when this segment's checkpoint was written; `u64::MAX` while the
+    /// segment has no checkpoint yet.
+    checkpoint_last_index: Index,
+}
+
+/// What recovery found and did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct WalRecovery {
+    pub segment_count: usize,
+    pub record_count: u64,
+    /// A torn final write that was cut off: the file and the offset it now ends at.
+    pub torn_tail: Option<(PathBuf, u64)>,
+}
+
+/// The write-ahead log over some [`Disk`].
+pub struct Wal {
+    disk: Arc<dyn Disk>,
+    dir: PathBuf,
+    options: WalOptions,
+    /// Invariant: non-empty; the last one is the active segment.
+    segments: VecDeque<Segment>,
+    /// Encoded records after the active segment's `written_bytes`.
+    pending: Vec<u8>,
+    next_seq: u64,
+    /// Every record with a smaller or equal sequence number is durable.
+    durable_seq: u64,
+    model: LogModel,
+    /// Set after a failed write or sync: the file's state is unknown, so nothing more is written.
+    failure: Option<String>,
+}
+
+impl Wal {
+    /// Opens (recovering) or creates the log in `dir`. Corruption that a torn final write
+    /// cannot explain is an error naming the file and offset; see [`crate::repair`].
+    pub fn open(
+        disk: Arc<dyn Disk>,
+        dir: &Path,
+        options: WalOptions,
+    ) -> Result<(Wal, WalRecovery)> {
+        options.validate()?;
+        disk.create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+        let seqs = list_segments(disk.as_ref(), dir)?;
+        let mut wal = Wal {
+            disk,
+            dir: dir.to_path_buf(),
+            options,
+            segments: VecDeque::new(),
+            pending: Vec::new(),
+            next_seq: 1,
+            durable_seq: 0,
+            model: LogModel::uninitialised(),
+            failure: None,
+        };
+        let mut recovery = WalRecovery {
+            segment_count: seqs.len(),
+            ..WalRecovery::default()
+        };
+        for (position, &first_seq) in seqs.iter().enumerate() {
+            let is_last = position + 1 == seqs.len();
+            wal.recover_segment(first_seq, is_last, &mut recovery)?;
+        }
+        if wal.segments.is_empty() {
+            wal.model = LogModel::fresh();
+            wal.create_segment()?;
+        } else if !wal.model.is_initialised() {
+            let first = &wal.segments[0];
+            if first.first_seq != 1 {
+                return Err(Error::corrupt(
+                    &first.path,
+                    0,
+                    "log has no checkpoint: earlier segments are missing",
+                ));
+            }
+            wal.model = LogModel::fresh();
+        }
+        wal.durable_seq = wal.next_seq - 1;
+        Ok((wal, recovery))
+    }
+
+    fn recover_segment(
+        &mut self,
+        first_seq: u64,
+        is_last: bool,
+        recovery: &mut WalRecovery,
+    ) -> Result<()> {
+        let path = segment::segment_path(&self.dir, first_seq);
+        let mut file = self.disk.open(&path).map_err(|e| Error::io(&path, e))?;
+        let bytes = read_to_end(file.as_ref()).map_err(|e| Error::io(&path, e))?;
+        let header_seq =
+            segment::decode_header(&bytes).map_err(|reason| Error::corrupt(&path, 0, reason))?;
+        if header_seq != first_seq {
+            return Err(Error::corrupt(
+                &path,
+                0,
+                format!("header says first seq {header_seq}"),
+            ));
+        }
+        if !self.segments.is_empty() && first_seq != self.next_seq {
+            let reason = format!(
+                "segment starts at record {first_seq} but the previous segment ends before record {}: records or a segment are missing",
+                self.next_seq
+            );
+            return Err(Error::corrupt(&path, 0, reason));
+        }
+        self.next_seq = first_seq;
+        let mut offset = SEGMENT_HEADER_BYTES;
+        let mut record_count = 0u64;
+        let mut checkpoint_last_index = u64::MAX;
+        loop {
+            let reason = match record::read_frame(&bytes[offset..]) {
+                Frame::Valid { body, frame_len } => {
+                    let (seq, record) = record::decode_body(body)
+                        .map_err(|reason| Error::corrupt(&path, offset as u64, reason))?;
+                    if seq != self.next_seq {
+                        let reason = format!(
+                            "record {seq} where record {} belongs (duplicated or misplaced)",
+                            self.next_seq
+                        );
+                        return Err(Error::corrupt(&path, offset as u64, reason));
+                    }
+                    let is_checkpoint = matches!(record, Record::Checkpoint { .. });
+                    if record_count == 0 && !is_checkpoint {
+                        return Err(Error::corrupt(
+                            &path,
+                            offset as u64,
+                            "segment does not start with a checkpoint",
+                        ));
+                    }
+                    let location = Location {
+                        term: 0,
+                        segment_first_seq: first_seq,
+                        offset_bytes: offset as u64,
+                        frame_len_bytes: frame_len as u32,
+                    };
+                    self.model
+                        .apply(&record, location)
+                        .map_err(|reason| Error::corrupt(&path, offset as u64, reason))?;
+                    if record_count == 0 {
+                        checkpoint_last_index = self.model.last_index();
+                    }
+                    record_count += 1;
+                    self.next_seq += 1;
+                    offset += frame_len;
+                    continue;
+                }
+                Frame::Zero => "unwritten space",
+                Frame::Incomplete => "incomplete record",
+                Frame::Invalid(reason) => reason,
+            };
+            if bytes[offset..].iter().all(|&b| b == 0) {
+                break; // Clean end: nothing was ever written past here.
+            }
+            if !is_last {
+                return Err(Error::corrupt(
+                    &path,
+                    offset as u64,
+                    format!("{reason} in a completed segment"),
+                ));
+            }
+            if valid_record_after(&bytes, offset + 1) {
+                let reason = format!("{reason}, yet valid records follow: not a torn final write");
+                return Err(Error::corrupt(&path, offset as u64, reason));
+            }
+            // A torn final write: cut it off so new records follow the last valid one.
+            let valid_len = offset as u64;
+            file.set_len(valid_len).map_err(|e| Error::io(&path, e))?;
+            if self.options.preallocate {
+                file.preallocate(self.options.segment_size_bytes)
+                    .map_err(|e| Error::io(&path, e))?;
+            }
+            file.sync_data().map_err(|e| Error::io(&path, e))?;
+            recovery.torn_tail = Some((path.clone(), valid_len));
+            break;
+        }
+        recovery.record_count += record_count;
+        self.segments.push_back(Segment {
+            first_seq,
+            path,
+            file,
+            written_bytes: offset as u64,
+            record_count,
+            checkpoint_last_index,
+        });
+        Ok(())
+    }
+
+    /// What the records say the log holds.
+    pub fn model(&self) -> &LogModel {
+        &self.model
+    }
+
+    /// The sequence number of the last record appended (durable or not).
+    pub fn last_seq(&self) -> u64 {
+        self.next_seq - 1
+    }
+
+    /// Every record up to this sequence number is durable.
+    pub fn durable_seq(&self) -> u64 {
+        self.durable_seq
+    }
+
+    /// Bytes appended but not yet handed to the file system.
+    pub fn pending_bytes(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// The segment files, oldest first.
+    pub fn segment_paths(&self) -> Vec<PathBuf> {
+        self.segments
+            .iter()
+            .map(|segment| segment.path.clone())
+            .collect()
+    }
+
+    fn check_usable(&self) -> Result<()> {
+        match &self.failure {
+            Some(reason) => Err(Error::Fatal(FatalError::Stopped(reason.clone()))),
+            None => Ok(()),
+        }
+    }
+
+    /// Remembers an I/O failure: after a failed write or fsync the file's contents are unknown
+    /// (a retried fsync can report success for lost pages), so the log stops.
+    fn fail(&mut self, error: Error) -> Error {
+        self.failure = Some(error.to_string());
+        error
+    }
+
+    fn active(&mut self) -> &mut Segment {
+        self.segments
+            .back_mut()
+            .expect("invariant: the log always has an active segment")
+    }
+
+    /// Appends one record to the buffer (rotating first if the segment is full) and returns
+    /// its sequence number. Durable only after a later [`Wal::sync`].
+    pub fn append_record(&mut self, record: &Record<'_>) -> Result<u64> {
+        self.check_usable()?;
+        let body_len = record.body_len();
+        if body_len > RECORD_BYTES_MAX {
+            let limit_bytes = RECORD_BYTES_MAX as u64;
+            return Err(Error::RecordTooLarge {
+                size_bytes: body_len as u64,
+                limit_bytes,
+            });
+        }
+        let frame_len = (FRAME_HEADER_BYTES + body_len) as u64;
+        let segment_size = self.options.segment_size_bytes;
+        let pending_len = self.pending.len() as u64;
+        let active = self.active();
+        let end = active.written_bytes + pending_len;
+        if active.record_count > 0 && end + frame_len > segment_size {
+            self.rotate()?;
+        }
+        if self.active().record_count == 0 {
+            let checkpoint = self.model.checkpoint();
+            self.active().checkpoint_last_index = self.model.last_index();
+            self.push_record(&checkpoint);
+        }
+        let seq = self.push_record(record);
+        if self.pending.len() >= self.options.write_buffer_bytes {
+            self.flush()?;
+        }
+        Ok(seq)
+    }
+
+    fn push_record(&mut self, record: &Record<'_>) -> u64 {
+        let seq = self.next_seq;
+        let active = self
+            .segments
+            .back()
+            .expect("invariant: the log always has an active segment");
+        let offset = active.written_bytes + self.pending.len() as u64;
+        let segment_first_seq = active.first_seq;
+        let before = self.pending.len();
+        record::encode(seq, record, &mut self.pending);
+        let frame_len_bytes = (self.pending.len() - before) as u32;
+        let location = Location {
+            term: 0,
+            segment_first_seq,
+            offset_bytes: offset,
+            frame_len_bytes,
+        };
+        if let Err(reason) = self.model.apply(record, location) {
+            panic!("the log writer produced an invalid record: {reason}");
+        }
+        self.active().record_count += 1;
+        self.next_seq += 1;
+        seq
+    }
+
+    /// Hands buffered records to the file system (not durable yet).
+    pub fn flush(&mut self) -> Result<()> {
+        self.check_usable()?;
+        if self.pending.is_empty() {
+            return Ok(());
+        }
+        let pending = std::mem::take(&mut self.pending);
+        let active = self.active();
+        let result = active.file.write_at(active.written_bytes, &pending);
+        active.written_bytes += pending.len() as u64;
+        let path = active.path.clone();
+        self.pending = pending;
+        self.pending.clear();
+        result.map_err(|e| self.fail(Error::io(path, e)))
+    }
+
+    /// Makes every appended record durable with one `fdatasync`; returns the durable sequence.
+    pub fn sync(&mut self) -> Result<u64> {
+        self.flush()?;
+        if self.durable_seq == self.last_seq() {
+            return Ok(self.durable_seq);
+        }
+        let active = self.active();
+        let path = active.path.clone();
+        if let Err(e) = active.file.sync_data() {
+            return Err(self.fail(Error::io(path, e)));
+        }
+        self.durable_seq = self.last_seq();
+        Ok(self.durable_seq)
+    }
+
+    fn rotate(&mut self) -> Result<()> {
+        self.sync()?;
+        self.create_segment()
+    }
+
+    /// Creates the next segment under a temporary name and renames it into place only once
+    /// its header and preallocation are durable, so a segment file is never half made.
+    fn create_segment(&mut self) -> Result<()> {
+        let first_seq = self.next_seq;
+        let path = segment::segment_path(&self.dir, first_seq);
+        let temp_path = self.dir.join(format!(
+            "{}{TEMP_SUFFIX}",
+            segment::segment_file_name(first_seq)
+        ));
+        let result = (|| -> std::io::Result<Box<dyn DiskFile>> {
+            let mut file = self.disk.create(&temp_path)?;
+            file.write_at(0, &segment::encode_header(first_seq))?;
+            if self.options.preallocate {
+                file.preallocate(self.options.segment_size_bytes)?;
+            }
+            file.sync_data()?;
+            self.disk.rename(&temp_path, &path)?;
+            self.disk.sync_dir(&self.dir)?;
+            Ok(file)
+        })();
+        let file = result.map_err(|e| self.fail(Error::io(&path, e)))?;
+        self.segments.push_back(Segment {
+            first_seq,
+            path,
+            file,
+            written_bytes: SEGMENT_HEADER_BYTES as u64,
+            record_count: 0,
+            checkpoint_last_index: u64::MAX,
+        });
+        Ok(())
+    }
+
+    /// Deletes whole segments that hold nothing past `snapshot_index`. The caller must have
+    /// recorded a snapshot at or past that index; this syncs it first.
+    pub fn compact(&mut self, snapshot_index: Index) -> Result<usize> {
+        assert!(
+            snapshot_index <= self.model.snapshot_index,
+            "compacting past the snapshot"
+        );
+        self.sync()?;
+        let mut removed = 0;
+        while self.segments.len() > 1 && self.segments[1].checkpoint_last_index <= snapshot_index {
+            let segment = self
+                .segments
+                .pop_front()
+                .expect("checked: more than one segment");
+            self.disk
+                .remove_file(&segment.path)
+                .map_err(|e| Error::io(&segment.path, e))?;
+            removed += 1;
+        }
+        if removed > 0 {
+            self.disk
+                .sync_dir(&self.dir)
+                .map_err(|e| Error::io(&self.dir, e))?;
+        }
+        Ok(removed)
+    }
+
+    /// Reads back the entry at `index` from its segment (or from the write buffer), verifying
+    /// its checksum and that it is the entry the index says.
+    pub fn read_entry(&self, index: Index) -> Result<Entry> {
+        let location = self
+            .model
+            .location(index)
+            .ok_or(Error::Unavailable(index))?;
+        let position = self
+            .segments
+            .binary_search_by_key(&location.segment_first_seq, |segment| segment.first_seq)
+            .map_err(|_| {
+                Error::corrupt(&self.dir, 0, format!("segment of entry {index} is gone"))
+            })?;
+        let segment = &self.segments[position];
+        let len = location.frame_len_bytes as usize;
+        let mut frame = vec![0u8; len];
+        let is_active = position + 1 == self.segments.len();
+        if is_active && location.offset_bytes >= segment.written_bytes {
+            let start = (location.offset_bytes - segment.written_bytes) as usize;
+            let buffered = self.pending.get(start..start + len);
+            frame.copy_from_slice(
+                buffered.expect("invariant: buffered entry lies in the write buffer"),
+            );
+        } else {
+            read_exact_at(segment.file.as_ref(), location.offset_bytes, &mut frame)
+                .map_err(|e| Error::io(&segment.path, e))?;
+        }
+        let corrupt =
+            |reason: &str| Error::corrupt(&segment.path, location.offset_bytes, reason.to_string());
+        let Frame::Valid { body, .. } = record::read_frame(&frame) else {
+            return Err(corrupt("entry record fails its checksum on read"));
+        };
+        let (_, entry) = record::decode_entry(body).map_err(corrupt)?;
+        if entry.index != index || entry.term != location.term {
+            return Err(corrupt("entry record is not the entry the index points to"));
+        }
+        Ok(entry)
+    }
+}
+
+/// Whether any checksummed, decodable record starts at or after `from`: if so, the damage
+/// before it is not a torn final write.
+fn valid_record_after(bytes: &[u8], from: usize) -> bool {
+    (from..bytes.len().saturating_sub(FRAME_HEADER_BYTES)).any(|start| {
+        match record::read_frame(&bytes[start..]) {
+            Frame::Valid { body, .. } => record::decode_body(body).is_ok(),
+            _ => false,
+        }
+    })
+}
+
+/// The first sequence numbers of the segments in `dir`, ascending; removes leftover temp files.
+fn list_segments(disk: &dyn Disk, dir: &Path) -> Result<Vec<u64>> {
+    let names = disk.list_files(dir).map_err(|e| Error::io(dir, e))?;
+    let mut seqs = Vec::new();
+    let mut removed_temp = false;
+    for name in names {
+        if name.ends_with(TEMP_SUFFIX) {
+            let path = dir.join(&name);
+            disk.remove_file(&path).map_err(|e| Error::io(&path, e))?;
+            removed_temp = true;
+        } else if let Some(seq) = segment::parse_segment_file_name(&name) {
+            seqs.push(seq);
+        }
+    }
+    if removed_temp {
+        disk.sync_dir(dir).map_err(|e| Error::io(dir, e))?;
+    }
+    seqs.sort_unstable();
+    Ok(seqs)
+}
