@@ -1,0 +1,316 @@
+//! Priority election groups: Conclave's own leader election for swarms.
+//!
+//! ```text
+//!   register / resign / lease end / handoff timeout / configure
+//!        │
+//!        ▼
+//!   Group::decide(now, lease liveness) ──► Decision ──► StateMachine executes it:
+//!        Elect(id)        seat := id, term += 1, fence := new revision (mirror key re-created)
+//!        Vacate           seat := none, term += 1, mirror key deleted
+//!        RequestHandoff   seat.handoff := challenger (observers see it)
+//!        CancelHandoff    the challenger left or lost its edge
+//!        Keep
+//! ```
+//!
+//! The rules, all decided from the candidates alone so any agent can predict them:
+//! - An empty seat goes to the live candidate with the highest priority; ties go to the smallest
+//!   candidate id (bytewise).
+//! - A sitting leader keeps the seat while it is registered (its lease lives).
+//! - A strictly higher-priority challenger, when the group or the challenger asks for
+//!   preemption, puts the seat into handoff. The seat moves when the incumbent resigns or its
+//!   lease ends, or when the handoff timeout (if any) passes. There is one seat, so there are
+//!   never two leaders.
+
+use std::collections::BTreeMap;
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+
+/// A registered candidate.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Candidate {
+    /// Unique within the group.
+    pub id: String,
+    /// Higher wins.
+    pub priority: i64,
+    /// Opaque value published while leading (e.g. an address).
+    pub value: Bytes,
+    /// The candidate's heartbeat: the registration ends with the lease.
+    pub lease_id: i64,
+    /// Ask to preempt a lower-priority leader even if the group does not.
+    pub preempt: bool,
+    /// Store revision of the (latest) registration.
+    pub registered_revision: i64,
+}
+
+/// A group's policy.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GroupPolicy {
+    /// Every strictly higher-priority challenger may request a handoff.
+    pub preempt: bool,
+    /// If set, a requested handoff completes after this long even if the incumbent stays.
+    pub handoff_timeout_ms: Option<u64>,
+}
+
+/// A pending handoff of the seat.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Handoff {
+    /// The candidate that will take the seat.
+    pub challenger: String,
+    /// Leader-clock time the handoff was requested.
+    pub requested_ms: u64,
+    /// When the seat moves regardless of the incumbent, if the group has a timeout.
+    pub deadline_ms: Option<u64>,
+}
+
+/// The group's seat when occupied.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Seat {
+    /// The leader's candidate id.
+    pub leader: String,
+    /// The fencing token: the store revision at which this leadership was granted, which is
+    /// also the `create_revision` of the mirror key `/_conclave/elect/<group>/leader`.
+    pub fence: i64,
+    /// Leader-clock time the seat was granted.
+    pub since_ms: u64,
+    /// A requested handoff, if any.
+    pub handoff: Option<Handoff>,
+}
+
+/// One priority election group.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Group {
+    /// The group's policy.
+    pub policy: GroupPolicy,
+    /// +1 at every change of leader (including to vacant).
+    pub term: u64,
+    /// Registered candidates by id.
+    pub candidates: BTreeMap<String, Candidate>,
+    /// The seat.
+    pub seat: Option<Seat>,
+}
+
+/// What the group must do next.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Decision {
+    Keep,
+    Elect(String),
+    Vacate,
+    RequestHandoff {
+        challenger: String,
+        deadline_ms: Option<u64>,
+    },
+    CancelHandoff,
+}
+
+/// Succession order: highest priority first, then smallest id.
+pub(crate) fn succession_key(candidate: &Candidate) -> (std::cmp::Reverse<i64>, &str) {
+    (std::cmp::Reverse(candidate.priority), candidate.id.as_str())
+}
+
+impl Group {
+    /// Candidates in order of succession (highest priority, then smallest id).
+    pub fn succession(&self) -> Vec<&Candidate> {
+        let mut candidates: Vec<&Candidate> = self.candidates.values().collect();
+        candidates.sort_by(|a, b| succession_key(a).cmp(&succession_key(b)));
+        candidates
+    }
+
+    /// The best live candidate, if any.
+    fn best(&self, is_live: &dyn Fn(i64) -> bool) -> Option<&Candidate> {
+        self.candidates
+            .values()
+            .filter(|candidate| is_live(candidate.lease_id))
+            .min_by(|a, b| succession_key(a).cmp(&succession_key(b)))
+    }
+
+    /// The next step for the group at leader-clock time `now_ms`.
+    pub(crate) fn decide(&self, now_ms: u64, is_live: &dyn Fn(i64) -> bool) -> Decision {
+        let best = self.best(is_live);
+        let Some(seat) = &self.seat else {
+            return match best {
+                Some(best) => Decision::Elect(best.id.clone()),
+                None => Decision::Keep,
+            };
+        };
+        let Some(leader) = self.candidates.get(&seat.leader) else {
+            // The leader resigned or its lease ended: succession, or an empty seat.
+            return match best {
+                Some(best) => Decision::Elect(best.id.clone()),
+                None => Decision::Vacate,
+            };
+        };
+        let challenger = best.filter(|best| {
+            best.priority > leader.priority && (self.policy.preempt || best.preempt)
+        });
+        match (challenger, &seat.handoff) {
+            (Some(challenger), None) => Decision::RequestHandoff {
+                challenger: challenger.id.clone(),
+                deadline_ms: self
+                    .policy
+                    .handoff_timeout_ms
+                    .map(|timeout_ms| now_ms.saturating_add(timeout_ms)),
+            },
+            (Some(challenger), Some(handoff)) => {
+                if handoff
+                    .deadline_ms
+                    .is_some_and(|deadline_ms| now_ms >= deadline_ms)
+                {
+                    Decision::Elect(challenger.id.clone())
+                } else if handoff.challenger != challenger.id {
+                    // A better challenger arrived: it is now the one waiting; the clock keeps
+                    // running from the original request.
+                    Decision::RequestHandoff {
+                        challenger: challenger.id.clone(),
+                        deadline_ms: handoff.deadline_ms,
+                    }
+                } else {
+                    Decision::Keep
+                }
+            }
+            (None, Some(_)) => Decision::CancelHandoff,
+            (None, None) => Decision::Keep,
+        }
+    }
+
+    /// The earliest handoff deadline, for the server's timer.
+    pub fn handoff_deadline_ms(&self) -> Option<u64> {
+        self.seat.as_ref()?.handoff.as_ref()?.deadline_ms
+    }
+}
+
+/// A candidate as observers see it in a `CandidatesChanged` event.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CandidateSummary {
+    /// The candidate id.
+    pub id: String,
+    /// Its priority.
+    pub priority: i64,
+}
+
+/// What happened in a group.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ElectionEventKind {
+    /// A new leader holds the seat.
+    Elected {
+        /// The leader's candidate id.
+        leader: String,
+        /// Its priority.
+        priority: i64,
+        /// Its value.
+        value: Bytes,
+        /// Its fencing token.
+        fence: i64,
+    },
+    /// A higher-priority challenger asked for the seat; the incumbent should finish up and
+    /// resign.
+    HandoffRequested {
+        /// The incumbent.
+        leader: String,
+        /// The challenger.
+        challenger: String,
+        /// The challenger's priority.
+        challenger_priority: i64,
+        /// When the seat moves regardless, if the group has a timeout.
+        deadline_ms: Option<u64>,
+    },
+    /// The pending handoff is off (the challenger left or lost its edge).
+    HandoffCancelled {
+        /// The incumbent, who keeps the seat.
+        leader: String,
+    },
+    /// Nobody holds the seat.
+    Vacant,
+    /// The leader published a new value (proclaim).
+    ValueChanged {
+        /// The leader.
+        leader: String,
+        /// The new value.
+        value: Bytes,
+        /// Its fencing token.
+        fence: i64,
+    },
+    /// Registrations changed; the list is in order of succession.
+    CandidatesChanged {
+        /// Candidates, highest priority first.
+        candidates: Vec<CandidateSummary>,
+    },
+}
+
+/// An event of a priority election group.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ElectionEvent {
+    /// The group.
+    pub group: String,
+    /// The group's term after the event.
+    pub term: u64,
+    /// The store revision when it happened.
+    pub revision: i64,
+    /// What happened.
+    pub kind: ElectionEventKind,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn candidate(id: &str, priority: i64, lease_id: i64) -> Candidate {
+        Candidate {
+            id: id.into(),
+            priority,
+            value: Bytes::new(),
+            lease_id,
+            preempt: false,
+            registered_revision: 0,
+        }
+    }
+
+    fn group(candidates: &[Candidate]) -> Group {
+        Group {
+            candidates: candidates
+                .iter()
+                .map(|c| (c.id.clone(), c.clone()))
+                .collect(),
+            ..Group::default()
+        }
+    }
+
+    #[test]
+    fn empty_seat_goes_to_highest_priority_then_smallest_id() {
+        let all_live = |_: i64| true;
+        let g = group(&[
+            candidate("b", 5, 1),
+            candidate("a", 5, 2),
+            candidate("c", 1, 3),
+        ]);
+        assert_eq!(g.decide(0, &all_live), Decision::Elect("a".into()));
+        let only_b_live = |lease: i64| lease == 1;
+        assert_eq!(g.decide(0, &only_b_live), Decision::Elect("b".into()));
+        let ids: Vec<&str> = g.succession().iter().map(|c| c.id.as_str()).collect();
+        assert_eq!(ids, ["a", "b", "c"]);
+    }
+
+    #[test]
+    fn incumbent_is_stable_unless_preemption_is_asked() {
+        let all_live = |_: i64| true;
+        let mut g = group(&[candidate("low", 1, 1), candidate("high", 9, 2)]);
+        g.seat = Some(Seat {
+            leader: "low".into(),
+            fence: 5,
+            since_ms: 0,
+            handoff: None,
+        });
+        assert_eq!(g.decide(0, &all_live), Decision::Keep);
+        g.policy = GroupPolicy {
+            preempt: true,
+            handoff_timeout_ms: Some(100),
+        };
+        assert_eq!(
+            g.decide(10, &all_live),
+            Decision::RequestHandoff {
+                challenger: "high".into(),
+                deadline_ms: Some(110)
+            }
+        );
+    }
+}

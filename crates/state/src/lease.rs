@@ -1,0 +1,475 @@
+//! Leases: the replicated table, and the leader-side keeper that decides when they expire.
+//!
+//! ```text
+//!   client keepalive ──► LeaseKeeper::renew (leader only, not in the log)
+//!                            │ first renewal after an anchored checkpoint:
+//!                            └─► propose LeaseCheckpoint{deadline: None} and reply once committed
+//!   leader timer ──► LeaseKeeper::expired(now) ──► propose LeaseExpire{ids}
+//!                    LeaseKeeper::checkpoints_due(now) ──► propose LeaseCheckpoint{deadline}
+//!   new leader ──► LeaseKeeper::promote(table, now) ──► propose the returned checkpoints
+//! ```
+//!
+//! The replicated table records for every lease how a new leader must resume it
+//! ([`LeaseResume`]): either "renewed recently, give it a full TTL" or "it ends at this
+//! leader-clock deadline". A new leader resumes each lease at its recorded deadline, but never
+//! sooner than one election timeout from now (grace, so a leader change alone never expires a
+//! lease), and immediately checkpoints what it decided. Because every resumed deadline is
+//! anchored in the log, repeated leader changes cannot keep an abandoned lease alive: each one
+//! can only add the grace, and only if a leader survives that long (etcd issue 9888).
+//! Keepalives that arrive after an anchored checkpoint must commit a "renewed" checkpoint before
+//! the keepalive is answered, so a new leader never expires a lease earlier than its holder was
+//! promised.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+
+use crate::config::{Config, LEASE_TTL_MS_MAX};
+use crate::error::{Error, Result};
+
+/// How a new Raft leader must resume a lease.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum LeaseResume {
+    /// The holder renewed it after the last anchored checkpoint: a new leader gives it a full TTL.
+    FullTtl,
+    /// It ends at this deadline on the leader clock (the clock that stamps commands), unless
+    /// renewed. Once a command's timestamp reaches it, the lease counts as expired for grants.
+    Deadline {
+        /// Leader-clock deadline in milliseconds.
+        deadline_ms: u64,
+    },
+}
+
+/// One checkpoint entry of a `LeaseCheckpoint` command.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaseCheckpoint {
+    /// The lease.
+    pub id: i64,
+    /// `Some`: the lease ends at this leader-clock deadline. `None`: it was just renewed.
+    pub deadline_ms: Option<u64>,
+}
+
+/// A granted lease.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Lease {
+    /// The lease ID (positive).
+    pub id: i64,
+    /// The granted TTL (after raising it to the minimum).
+    pub ttl_ms: u64,
+    /// How a new leader resumes it.
+    pub resume: LeaseResume,
+    /// Keys attached to the lease; revoking it deletes them.
+    pub keys: BTreeSet<Bytes>,
+    /// Priority-group registrations (group, candidate) held under the lease.
+    pub candidates: BTreeSet<(String, String)>,
+}
+
+/// The replicated lease table.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaseTable {
+    leases: BTreeMap<i64, Lease>,
+    /// Next ID to try for grants that let the state machine choose. Invariant: > 0.
+    next_id: i64,
+}
+
+impl LeaseTable {
+    /// An empty table.
+    pub fn new() -> Self {
+        LeaseTable {
+            leases: BTreeMap::new(),
+            next_id: 1,
+        }
+    }
+
+    /// Grants a lease. `id == 0` lets the table choose one. Returns the ID and the TTL granted.
+    pub(crate) fn grant(
+        &mut self,
+        id: i64,
+        ttl_ms: u64,
+        now_ms: u64,
+        config: &Config,
+    ) -> Result<(i64, u64)> {
+        if id < 0 {
+            return Err(Error::InvalidArgument("lease ID must be positive".into()));
+        }
+        if ttl_ms > LEASE_TTL_MS_MAX {
+            return Err(Error::LeaseTtlTooLarge);
+        }
+        let id = if id == 0 { self.choose_id() } else { id };
+        if self.leases.contains_key(&id) {
+            return Err(Error::LeaseExists);
+        }
+        // As etcd: a TTL below the minimum is raised, not refused.
+        let ttl_ms = ttl_ms.max(config.lease_ttl_ms_min());
+        let resume = LeaseResume::Deadline {
+            deadline_ms: now_ms.saturating_add(ttl_ms),
+        };
+        let lease = Lease {
+            id,
+            ttl_ms,
+            resume,
+            keys: BTreeSet::new(),
+            candidates: BTreeSet::new(),
+        };
+        self.leases.insert(id, lease);
+        Ok((id, ttl_ms))
+    }
+
+    fn choose_id(&mut self) -> i64 {
+        // IDs are never reused while the counter moves on, so a stale key name `<name>/<id hex>`
+        // cannot collide with a later lease; client-chosen IDs are skipped.
+        loop {
+            let candidate = self.next_id;
+            self.next_id = if self.next_id == i64::MAX {
+                1
+            } else {
+                self.next_id + 1
+            };
+            if !self.leases.contains_key(&candidate) {
+                return candidate;
+            }
+        }
+    }
+
+    /// The lease, if granted and not yet revoked or expired by command.
+    pub fn get(&self, id: i64) -> Option<&Lease> {
+        self.leases.get(&id)
+    }
+
+    /// Every lease, by ID.
+    pub fn iter(&self) -> impl Iterator<Item = &Lease> {
+        self.leases.values()
+    }
+
+    /// Number of leases.
+    pub fn len(&self) -> usize {
+        self.leases.len()
+    }
+
+    /// True when no lease exists.
+    pub fn is_empty(&self) -> bool {
+        self.leases.is_empty()
+    }
+
+    /// True when the lease exists and its recorded deadline (if any) is after `now_ms`. A lease
+    /// past its anchored deadline is dead for grants (locks, elections) even before the
+    /// leader's expiry command removes it: no keepalive was acknowledged since the deadline was
+    /// recorded.
+    pub fn is_live(&self, id: i64, now_ms: u64) -> bool {
+        match self.leases.get(&id) {
+            None => false,
+            Some(lease) => match lease.resume {
+                LeaseResume::FullTtl => true,
+                LeaseResume::Deadline { deadline_ms } => now_ms < deadline_ms,
+            },
+        }
+    }
+
+    pub(crate) fn remove(&mut self, id: i64) -> Option<Lease> {
+        self.leases.remove(&id)
+    }
+
+    pub(crate) fn checkpoint(&mut self, checkpoint: &LeaseCheckpoint) {
+        // Unknown IDs are leases revoked since the leader proposed this: nothing to record.
+        if let Some(lease) = self.leases.get_mut(&checkpoint.id) {
+            lease.resume = match checkpoint.deadline_ms {
+                None => LeaseResume::FullTtl,
+                Some(deadline_ms) => LeaseResume::Deadline { deadline_ms },
+            };
+        }
+    }
+
+    pub(crate) fn attach_key(&mut self, id: i64, key: &Bytes) {
+        if let Some(lease) = self.leases.get_mut(&id) {
+            lease.keys.insert(key.clone());
+        }
+    }
+
+    pub(crate) fn detach_key(&mut self, id: i64, key: &[u8]) {
+        if let Some(lease) = self.leases.get_mut(&id) {
+            lease.keys.remove(key);
+        }
+    }
+
+    pub(crate) fn attach_candidate(&mut self, id: i64, group: &str, candidate: &str) {
+        if let Some(lease) = self.leases.get_mut(&id) {
+            lease
+                .candidates
+                .insert((group.to_owned(), candidate.to_owned()));
+        }
+    }
+
+    pub(crate) fn detach_candidate(&mut self, id: i64, group: &str, candidate: &str) {
+        if let Some(lease) = self.leases.get_mut(&id) {
+            lease
+                .candidates
+                .remove(&(group.to_owned(), candidate.to_owned()));
+        }
+    }
+}
+
+/// What a keepalive yields.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Renewal {
+    /// The TTL to report to the client.
+    pub ttl_ms: u64,
+    /// When `Some`, propose this checkpoint and answer the keepalive only after it commits.
+    pub checkpoint_before_reply: Option<LeaseCheckpoint>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct KeptLease {
+    deadline_ms: u64,
+    ttl_ms: u64,
+    /// Leader-clock time of the last checkpoint proposed for this lease.
+    last_checkpoint_ms: u64,
+}
+
+/// Leader-side lease deadlines. Pure: the server feeds it the leader clock and proposes what it
+/// returns. Only the Raft leader keeps one; followers drop theirs ([`LeaseKeeper::demote`]).
+#[derive(Clone, Debug, Default)]
+pub struct LeaseKeeper {
+    election_timeout_ms: u64,
+    checkpoint_interval_ms: u64,
+    kept: BTreeMap<i64, KeptLease>,
+}
+
+impl LeaseKeeper {
+    /// A keeper for the given configuration, holding no leases.
+    pub fn new(config: &Config) -> Self {
+        LeaseKeeper {
+            election_timeout_ms: config.election_timeout_ms,
+            checkpoint_interval_ms: config.lease_checkpoint_interval_ms,
+            kept: BTreeMap::new(),
+        }
+    }
+
+    /// Call when this node becomes Raft leader, before serving keepalives. Resumes every lease
+    /// from the table with at least one election timeout of grace, and returns checkpoints to
+    /// propose at once so the next leader resumes from these deadlines.
+    pub fn promote(&mut self, table: &LeaseTable, now_ms: u64) -> Vec<LeaseCheckpoint> {
+        self.kept.clear();
+        let grace_until_ms = now_ms.saturating_add(self.election_timeout_ms);
+        let mut checkpoints = Vec::with_capacity(table.len());
+        for lease in table.iter() {
+            let deadline_ms = match lease.resume {
+                LeaseResume::FullTtl => now_ms.saturating_add(lease.ttl_ms),
+                LeaseResume::Deadline { deadline_ms } => deadline_ms.max(grace_until_ms),
+            };
+            let kept = KeptLease {
+                deadline_ms,
+                ttl_ms: lease.ttl_ms,
+                last_checkpoint_ms: now_ms,
+            };
+            self.kept.insert(lease.id, kept);
+            checkpoints.push(LeaseCheckpoint {
+                id: lease.id,
+                deadline_ms: Some(deadline_ms),
+            });
+        }
+        checkpoints
+    }
+
+    /// Call when this node stops being leader.
+    pub fn demote(&mut self) {
+        self.kept.clear();
+    }
+
+    /// Call after applying committed commands: adopts newly granted leases at their recorded
+    /// deadline and forgets revoked ones.
+    pub fn sync(&mut self, table: &LeaseTable, now_ms: u64) {
+        self.kept.retain(|id, _| table.get(*id).is_some());
+        for lease in table.iter() {
+            self.kept.entry(lease.id).or_insert_with(|| {
+                let deadline_ms = match lease.resume {
+                    LeaseResume::FullTtl => now_ms.saturating_add(lease.ttl_ms),
+                    LeaseResume::Deadline { deadline_ms } => deadline_ms,
+                };
+                KeptLease {
+                    deadline_ms,
+                    ttl_ms: lease.ttl_ms,
+                    last_checkpoint_ms: now_ms,
+                }
+            });
+        }
+    }
+
+    /// A keepalive at `now_ms`. Fails for leases that do not exist or are already past their
+    /// deadline (their expiry is on its way; renewing would resurrect them).
+    pub fn renew(&mut self, table: &LeaseTable, id: i64, now_ms: u64) -> Result<Renewal> {
+        let lease = table.get(id).ok_or(Error::LeaseNotFound)?;
+        let kept = self.kept.entry(id).or_insert(KeptLease {
+            deadline_ms: now_ms.saturating_add(lease.ttl_ms),
+            ttl_ms: lease.ttl_ms,
+            last_checkpoint_ms: now_ms,
+        });
+        if kept.deadline_ms <= now_ms {
+            return Err(Error::LeaseNotFound);
+        }
+        kept.deadline_ms = now_ms.saturating_add(lease.ttl_ms);
+        let checkpoint_before_reply = match lease.resume {
+            LeaseResume::FullTtl => None,
+            LeaseResume::Deadline { .. } => {
+                kept.last_checkpoint_ms = now_ms;
+                Some(LeaseCheckpoint {
+                    id,
+                    deadline_ms: None,
+                })
+            }
+        };
+        Ok(Renewal {
+            ttl_ms: lease.ttl_ms,
+            checkpoint_before_reply,
+        })
+    }
+
+    /// Leases whose deadline has passed, by ID; propose `LeaseExpire` with them. At most
+    /// `max_count`, to bound one command.
+    pub fn expired(&self, now_ms: u64, max_count: usize) -> Vec<i64> {
+        self.kept
+            .iter()
+            .filter(|(_, kept)| kept.deadline_ms <= now_ms)
+            .map(|(id, _)| *id)
+            .take(max_count)
+            .collect()
+    }
+
+    /// Anchors leases renewed long ago (longer than the checkpoint interval) at their current
+    /// deadline, so that a lease abandoned right after a keepalive does not get a fresh full
+    /// TTL from every new leader.
+    pub fn checkpoints_due(&mut self, table: &LeaseTable, now_ms: u64) -> Vec<LeaseCheckpoint> {
+        let interval_ms = self.checkpoint_interval_ms;
+        let mut due = Vec::new();
+        for (id, kept) in self.kept.iter_mut() {
+            let renewed = matches!(
+                table.get(*id).map(|lease| lease.resume),
+                Some(LeaseResume::FullTtl)
+            );
+            if renewed && now_ms.saturating_sub(kept.last_checkpoint_ms) >= interval_ms {
+                kept.last_checkpoint_ms = now_ms;
+                due.push(LeaseCheckpoint {
+                    id: *id,
+                    deadline_ms: Some(kept.deadline_ms),
+                });
+            }
+        }
+        due
+    }
+
+    /// Remaining time to live on this leader, for `LeaseTimeToLive`.
+    pub fn remaining_ms(&self, id: i64, now_ms: u64) -> Option<u64> {
+        self.kept
+            .get(&id)
+            .map(|kept| kept.deadline_ms.saturating_sub(now_ms))
+    }
+
+    /// The earliest deadline kept, for the leader's timer.
+    pub fn next_deadline_ms(&self) -> Option<u64> {
+        self.kept.values().map(|kept| kept.deadline_ms).min()
+    }
+
+    /// The TTL of a kept lease.
+    pub fn ttl_ms(&self, id: i64) -> Option<u64> {
+        self.kept.get(&id).map(|kept| kept.ttl_ms)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config() -> Config {
+        Config {
+            election_timeout_ms: 1000,
+            lease_checkpoint_interval_ms: 10_000,
+            ..Config::default()
+        }
+    }
+
+    #[test]
+    fn grant_raises_short_ttls_and_refuses_duplicates() {
+        let mut table = LeaseTable::new();
+        assert_eq!(table.grant(0, 10, 0, &config()), Ok((1, 1500)));
+        assert_eq!(table.grant(1, 5000, 0, &config()), Err(Error::LeaseExists));
+        assert_eq!(table.grant(2, 5000, 0, &config()), Ok((2, 5000)));
+        assert_eq!(table.grant(0, 5000, 0, &config()), Ok((3, 5000)));
+        assert_eq!(
+            table.grant(0, LEASE_TTL_MS_MAX + 1, 0, &config()),
+            Err(Error::LeaseTtlTooLarge)
+        );
+    }
+
+    #[test]
+    fn new_leader_gives_grace_but_never_more_than_the_record_plus_grace() {
+        let mut table = LeaseTable::new();
+        let (id, _) = table.grant(0, 3000, 0, &config()).expect("grant");
+        let mut keeper = LeaseKeeper::new(&config());
+        // Deadline recorded at 3000. A leader promoted at 2900 keeps it to 3900 (grace).
+        let checkpoints = keeper.promote(&table, 2900);
+        assert_eq!(
+            checkpoints,
+            vec![LeaseCheckpoint {
+                id,
+                deadline_ms: Some(3900)
+            }]
+        );
+        for checkpoint in &checkpoints {
+            table.checkpoint(checkpoint);
+        }
+        // Churn: the next leader, promoted later, resumes from the anchored deadline.
+        let mut next = LeaseKeeper::new(&config());
+        next.promote(&table, 3500);
+        assert_eq!(next.remaining_ms(id, 3500), Some(1000));
+        assert_eq!(next.expired(4499, 10), Vec::<i64>::new());
+        assert_eq!(next.expired(4500, 10), vec![id]);
+    }
+
+    #[test]
+    fn renewal_after_an_anchor_requires_a_checkpoint_first() {
+        let mut table = LeaseTable::new();
+        let (id, _) = table.grant(0, 3000, 0, &config()).expect("grant");
+        let mut keeper = LeaseKeeper::new(&config());
+        keeper.sync(&table, 0);
+        let renewal = keeper.renew(&table, id, 1000).expect("renew");
+        assert_eq!(
+            renewal.checkpoint_before_reply,
+            Some(LeaseCheckpoint {
+                id,
+                deadline_ms: None
+            })
+        );
+        table.checkpoint(&LeaseCheckpoint {
+            id,
+            deadline_ms: None,
+        });
+        let renewal = keeper.renew(&table, id, 2000).expect("renew");
+        assert_eq!(renewal.checkpoint_before_reply, None);
+        assert_eq!(keeper.remaining_ms(id, 2000), Some(3000));
+        // Past the deadline a keepalive cannot resurrect the lease.
+        assert_eq!(keeper.renew(&table, id, 5000), Err(Error::LeaseNotFound));
+        // A full-TTL lease is anchored after the checkpoint interval.
+        let mut keeper = LeaseKeeper::new(&config());
+        keeper.promote(&table, 0);
+        table.checkpoint(&LeaseCheckpoint {
+            id,
+            deadline_ms: None,
+        });
+        assert!(keeper.checkpoints_due(&table, 5000).is_empty());
+        assert_eq!(keeper.checkpoints_due(&table, 10_000).len(), 1);
+    }
+
+    #[test]
+    fn anchored_deadline_makes_a_lease_dead_for_grants() {
+        let mut table = LeaseTable::new();
+        let (id, _) = table.grant(0, 3000, 100, &config()).expect("grant");
+        assert!(table.is_live(id, 3099));
+        assert!(!table.is_live(id, 3100));
+        table.checkpoint(&LeaseCheckpoint {
+            id,
+            deadline_ms: None,
+        });
+        assert!(table.is_live(id, 1_000_000));
+        assert!(!table.is_live(id + 1, 0));
+    }
+}

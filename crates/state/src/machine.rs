@@ -1,0 +1,1191 @@
+//! The state machine: applies committed commands, answers read-only queries.
+//!
+//! ```text
+//!   apply(index, command)
+//!     ├─ index <= last_applied?  ──► AlreadyApplied, nothing changes
+//!     ├─ now := max(now, command.leader_time_ms)
+//!     ├─ session retry?          ──► cached answer, no events
+//!     ├─ execute(request)        ──► KV writes at revision+1, lease/group/topic changes
+//!     │     (checks first, writes after: a failed request changes nothing)
+//!     └─ ApplyOutput { revision, result, events }
+//! ```
+//!
+//! A command normally takes at most one revision. A priority-group seat grant takes a revision
+//! of its own, so every fence is unique even when one command (say a lease expiry) changes the
+//! seats of several groups.
+
+use std::collections::BTreeMap;
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+
+use crate::command::{
+    ApplyOutput, Command, Event, GroupRegister, GroupStatus, LeaderKey, QueueResponse, Request,
+    Response, SessionSeq,
+};
+use crate::config::Config;
+use crate::election::{
+    Candidate, CandidateSummary, Decision, ElectionEvent, ElectionEventKind, Group, GroupPolicy,
+    Handoff, Seat,
+};
+use crate::error::{Error, Result};
+use crate::lease::{Lease, LeaseTable};
+use crate::mvcc::{KeyValue, KvStore, RangeRequest, RangeResponse, WatchEvent, prefix_end};
+use crate::session::{SessionCheck, Sessions};
+use crate::topic::{Retention, TopicRead, Topics};
+use crate::txn::{
+    self, DeleteRangeRequest, DeleteRangeResponse, PutRequest, PutResponse, RequestOp, ResponseOp,
+    TxnPath, TxnRequest, TxnResponse,
+};
+
+/// Keys under this prefix are written only by the state machine (group seat mirrors).
+pub const RESERVED_PREFIX: &[u8] = b"/_conclave/";
+
+/// The mirror key of a priority group's seat. Its `create_revision` is the seat's fence, so
+/// `Compare::new(group_leader_key(g), Equal, Create(fence))` makes a Txn conditional on still
+/// leading.
+pub fn group_leader_key(group: &str) -> Bytes {
+    Bytes::from(format!("/_conclave/elect/{group}/leader"))
+}
+
+/// The etcd recipe key of a campaign or lock: `<name>/<lease in lowercase hex>`.
+pub fn queue_key(name: &[u8], lease: i64) -> Bytes {
+    let mut key = name.to_vec();
+    key.extend_from_slice(format!("/{lease:x}").as_bytes());
+    Bytes::from(key)
+}
+
+fn is_reserved(key: &[u8]) -> bool {
+    key.starts_with(RESERVED_PREFIX)
+}
+
+/// Where a lock waiter or election candidate stands.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum QueueStatus {
+    /// It holds the lock / leads, with this fence (its key's create revision).
+    Owner {
+        /// The fencing token.
+        fence: i64,
+    },
+    /// Wait for this key to be deleted, then ask again.
+    Waiting {
+        /// The key just ahead.
+        waiting_for: KeyValue,
+    },
+    /// Its key is gone, was re-created (another fence), or its lease has run out: it will never
+    /// own. Tell the client it lost.
+    Lost,
+}
+
+/// Everything that is replicated and goes into a snapshot.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct State {
+    pub(crate) last_applied: u64,
+    pub(crate) now_ms: u64,
+    pub(crate) kv: KvStore,
+    pub(crate) leases: LeaseTable,
+    pub(crate) groups: BTreeMap<String, Group>,
+    pub(crate) topics: Topics,
+    pub(crate) sessions: Sessions,
+}
+
+/// Conclave's coordination state machine. Pure and deterministic.
+#[derive(Clone, Debug)]
+pub struct StateMachine {
+    pub(crate) config: Config,
+    pub(crate) state: State,
+}
+
+impl StateMachine {
+    /// An empty state machine (revision 1, nothing applied).
+    ///
+    /// # Panics
+    /// If the configuration is invalid (a startup bug, not an input).
+    pub fn new(config: Config) -> Self {
+        let validation = config.validate();
+        assert!(
+            validation.is_ok(),
+            "invalid state machine config: {validation:?}"
+        );
+        let state = State {
+            leases: LeaseTable::new(),
+            ..State::default()
+        };
+        StateMachine { config, state }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// The last applied log index.
+    pub fn last_applied(&self) -> u64 {
+        self.state.last_applied
+    }
+
+    /// The largest leader timestamp applied so far.
+    pub fn now_ms(&self) -> u64 {
+        self.state.now_ms
+    }
+
+    /// Applies the committed command at `index`. An index at or below the last applied one
+    /// changes nothing and answers `AlreadyApplied`, so replay after a restart is safe.
+    pub fn apply(&mut self, index: u64, command: &Command) -> ApplyOutput {
+        let state = &mut self.state;
+        if index <= state.last_applied {
+            let error = Error::AlreadyApplied {
+                index,
+                last_applied: state.last_applied,
+            };
+            return ApplyOutput {
+                revision: state.kv.revision(),
+                result: Err(error),
+                events: Vec::new(),
+                duplicate: false,
+            };
+        }
+        state.last_applied = index;
+        state.now_ms = state.now_ms.max(command.leader_time_ms);
+        if let Some(at) = command.session {
+            let ttl_ms = self.config.session_ttl_ms;
+            match state.sessions.check(at, state.now_ms, ttl_ms) {
+                Err(error) => return self.output(Err(error), Vec::new(), false),
+                Ok(SessionCheck::Duplicate(result)) => {
+                    return self.output(result, Vec::new(), true);
+                }
+                Ok(SessionCheck::Fresh) => {}
+            }
+        }
+        let mut events = Vec::new();
+        let result = self.execute(index, &command.request, &mut events);
+        if result.is_err() {
+            assert!(
+                !self.state.kv.has_pending_writes(),
+                "a failed request wrote: {result:?}"
+            );
+        }
+        self.flush(&mut events);
+        if let Some(at) = command.session {
+            self.record_session(at, &result);
+        }
+        self.output(result, events, false)
+    }
+
+    fn record_session(&mut self, at: SessionSeq, result: &Result<Response>) {
+        let now_ms = self.state.now_ms;
+        // Closing one's own session has nothing left to cache.
+        if !matches!(result, Ok(Response::SessionClosed)) {
+            self.state.sessions.record(at, now_ms, result.clone());
+        }
+    }
+
+    fn output(&self, result: Result<Response>, events: Vec<Event>, duplicate: bool) -> ApplyOutput {
+        ApplyOutput {
+            revision: self.state.kv.revision(),
+            result,
+            events,
+            duplicate,
+        }
+    }
+
+    /// Commits pending KV writes (if any) and moves their events out.
+    fn flush(&mut self, events: &mut Vec<Event>) {
+        events.extend(self.state.kv.finish_write().into_iter().map(Event::Kv));
+    }
+
+    fn execute(
+        &mut self,
+        index: u64,
+        request: &Request,
+        events: &mut Vec<Event>,
+    ) -> Result<Response> {
+        if request_payload_bytes(request) > self.config.request_bytes_max {
+            return Err(Error::RequestTooLarge);
+        }
+        match request {
+            Request::Range(range) => self.state.kv.range(range).map(Response::Range),
+            Request::Put(put) => {
+                self.check_put(put)?;
+                Ok(Response::Put(self.put_checked(put)))
+            }
+            Request::DeleteRange(delete) => {
+                if delete.key.is_empty() {
+                    return Err(Error::EmptyKey);
+                }
+                Ok(Response::DeleteRange(self.delete_checked(delete)))
+            }
+            Request::Txn(request) => self.txn(request).map(Response::Txn),
+            Request::Compact { revision } => self
+                .state
+                .kv
+                .compact(*revision)
+                .map(|()| Response::Compacted),
+            Request::LeaseGrant { id, ttl_ms } => {
+                let now_ms = self.state.now_ms;
+                let (id, ttl_ms) = self
+                    .state
+                    .leases
+                    .grant(*id, *ttl_ms, now_ms, &self.config)?;
+                Ok(Response::LeaseGranted { id, ttl_ms })
+            }
+            Request::LeaseRevoke { id } => {
+                if self.state.leases.get(*id).is_none() {
+                    return Err(Error::LeaseNotFound);
+                }
+                self.revoke_lease(*id, events);
+                Ok(Response::LeaseRevoked)
+            }
+            Request::LeaseCheckpoint { checkpoints } => {
+                for checkpoint in checkpoints {
+                    self.state.leases.checkpoint(checkpoint);
+                }
+                Ok(Response::LeaseCheckpointed)
+            }
+            Request::LeaseExpire { ids } => {
+                let mut revoked = Vec::new();
+                for id in ids {
+                    if self.state.leases.get(*id).is_some() {
+                        self.revoke_lease(*id, events);
+                        revoked.push(*id);
+                    }
+                }
+                Ok(Response::LeasesExpired { revoked })
+            }
+            Request::Campaign { name, lease, value } => self
+                .enqueue(name, *lease, value.clone())
+                .map(Response::Campaign),
+            Request::Proclaim { leader, value } => self.proclaim(leader, value),
+            Request::Resign { leader } => Ok(Response::Resigned {
+                resigned: self.delete_if_created_at(&leader.key, Some(leader.rev)),
+            }),
+            Request::Lock { name, lease } => {
+                self.enqueue(name, *lease, Bytes::new()).map(Response::Lock)
+            }
+            Request::Unlock { key, fence } => Ok(Response::Unlocked {
+                released: self.delete_if_created_at(key, *fence),
+            }),
+            Request::GroupRegister(register) => self.group_register(register, events),
+            Request::GroupResign {
+                group,
+                candidate,
+                lease_id,
+            } => self.group_resign(group, candidate, *lease_id, events),
+            Request::GroupProclaim {
+                group,
+                candidate,
+                fence,
+                value,
+            } => self.group_proclaim(group, candidate, *fence, value, events),
+            Request::GroupConfigure { group, policy } => {
+                self.check_name("group", group)?;
+                if let Some(0) = policy.handoff_timeout_ms {
+                    return Err(Error::InvalidArgument(
+                        "handoff_timeout_ms must be > 0".into(),
+                    ));
+                }
+                self.state.groups.entry(group.clone()).or_default().policy = *policy;
+                self.reconcile_group(group, events);
+                Ok(Response::Group(self.group_status(group)))
+            }
+            Request::Publish { topic, data } => self.publish(topic, data, events),
+            Request::Ack {
+                consumer,
+                topic,
+                seq,
+            } => {
+                self.check_name("consumer", consumer)?;
+                self.check_name("topic", topic)?;
+                let cursor = self.state.topics.ack(consumer, topic, *seq)?;
+                Ok(Response::Acked { cursor })
+            }
+            Request::TopicConfigure { topic, retention } => {
+                self.check_name("topic", topic)?;
+                self.state
+                    .topics
+                    .configure(topic, *retention, self.state.now_ms);
+                Ok(Response::TopicConfigured)
+            }
+            Request::OpenSession => {
+                let now_ms = self.state.now_ms;
+                self.state
+                    .sessions
+                    .open(index, now_ms, self.config.sessions_max);
+                Ok(Response::SessionOpened { client_id: index })
+            }
+            Request::CloseSession { client_id } => {
+                if self.state.sessions.close(*client_id) {
+                    Ok(Response::SessionClosed)
+                } else {
+                    Err(Error::SessionNotFound {
+                        client_id: *client_id,
+                    })
+                }
+            }
+            Request::Tick => {
+                self.tick(events);
+                Ok(Response::Ticked)
+            }
+        }
+    }
+
+    // ---- KV ------------------------------------------------------------------------------
+
+    fn check_put(&self, put: &PutRequest) -> Result<()> {
+        if put.key.is_empty() {
+            return Err(Error::EmptyKey);
+        }
+        if put.key.len() > self.config.key_bytes_max
+            || put.value.len() > self.config.value_bytes_max
+        {
+            return Err(Error::RequestTooLarge);
+        }
+        if is_reserved(&put.key) {
+            return Err(Error::ReservedKey);
+        }
+        if put.ignore_value && !put.value.is_empty() {
+            return Err(Error::ValueProvided);
+        }
+        if put.ignore_lease && put.lease != 0 {
+            return Err(Error::LeaseProvided);
+        }
+        if (put.ignore_value || put.ignore_lease) && self.state.kv.get(&put.key).is_none() {
+            return Err(Error::KeyNotFound);
+        }
+        if put.lease != 0 && self.state.leases.get(put.lease).is_none() {
+            return Err(Error::LeaseNotFound);
+        }
+        Ok(())
+    }
+
+    /// Performs a put that passed `check_put`.
+    fn put_checked(&mut self, put: &PutRequest) -> PutResponse {
+        let current = self.state.kv.get(&put.key);
+        let value = match (&current, put.ignore_value) {
+            (Some(current), true) => current.value.clone(),
+            _ => put.value.clone(),
+        };
+        let lease = match (&current, put.ignore_lease) {
+            (Some(current), true) => current.lease,
+            _ => put.lease,
+        };
+        let (previous, _) = self.state.kv.put(put.key.clone(), value, lease);
+        self.move_lease_attachment(&put.key, previous.as_ref().map_or(0, |kv| kv.lease), lease);
+        PutResponse {
+            prev_kv: if put.prev_kv { previous } else { None },
+        }
+    }
+
+    fn move_lease_attachment(&mut self, key: &Bytes, old_lease: i64, new_lease: i64) {
+        if old_lease != 0 && old_lease != new_lease {
+            self.state.leases.detach_key(old_lease, key);
+        }
+        if new_lease != 0 {
+            self.state.leases.attach_key(new_lease, key);
+        }
+    }
+
+    /// Deletes the live user keys in the range. Reserved keys are skipped, so "delete
+    /// everything" works and leaves the state machine's own keys alone.
+    fn delete_checked(&mut self, delete: &DeleteRangeRequest) -> DeleteRangeResponse {
+        let keys = self.state.kv.live_keys(&delete.key, &delete.range_end);
+        let mut response = DeleteRangeResponse::default();
+        for key in keys.iter().filter(|key| !is_reserved(key)) {
+            if let Some(previous) = self.state.kv.delete(key) {
+                if previous.lease != 0 {
+                    self.state.leases.detach_key(previous.lease, key);
+                }
+                response.deleted += 1;
+                if delete.prev_kv {
+                    response.prev_kvs.push(previous);
+                }
+            }
+        }
+        response
+    }
+
+    fn txn(&mut self, request: &TxnRequest) -> Result<TxnResponse> {
+        txn::check_shape(request, self.config.txn_ops_max)?;
+        txn::check_no_duplicate_writes(request)?;
+        let path = txn::decide_path(&self.state.kv, request);
+        self.check_txn_path(request, &path)?;
+        Ok(self.execute_txn(request, &path))
+    }
+
+    /// Runs every check that could fail on the branches the Txn will take, before any write.
+    fn check_txn_path(&self, request: &TxnRequest, path: &TxnPath) -> Result<()> {
+        let branch = if path.succeeded {
+            &request.success
+        } else {
+            &request.failure
+        };
+        let mut nested = path.nested.iter();
+        for op in branch {
+            match op {
+                RequestOp::Range(range) => {
+                    self.state.kv.check_revision(range.revision)?;
+                }
+                RequestOp::Put(put) => self.check_put(put)?,
+                RequestOp::DeleteRange(_) => {}
+                RequestOp::Txn(inner) => {
+                    let inner_path = nested.next();
+                    assert!(inner_path.is_some(), "txn path lacks a nested txn");
+                    if let Some(inner_path) = inner_path {
+                        self.check_txn_path(inner, inner_path)?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn execute_txn(&mut self, request: &TxnRequest, path: &TxnPath) -> TxnResponse {
+        let branch = if path.succeeded {
+            &request.success
+        } else {
+            &request.failure
+        };
+        let mut nested = path.nested.iter();
+        let mut responses = Vec::with_capacity(branch.len());
+        for op in branch {
+            let response = match op {
+                RequestOp::Range(range) => match self.state.kv.range(range) {
+                    Ok(response) => ResponseOp::Range(response),
+                    // check_txn_path validated the revision and the shape checked the key.
+                    Err(error) => panic!("txn range failed after validation: {error}"),
+                },
+                RequestOp::Put(put) => ResponseOp::Put(self.put_checked(put)),
+                RequestOp::DeleteRange(delete) => {
+                    ResponseOp::DeleteRange(self.delete_checked(delete))
+                }
+                RequestOp::Txn(inner) => {
+                    let Some(inner_path) = nested.next() else {
+                        panic!("txn path lacks a nested txn");
+                    };
+                    ResponseOp::Txn(self.execute_txn(inner, inner_path))
+                }
+            };
+            responses.push(response);
+        }
+        TxnResponse {
+            succeeded: path.succeeded,
+            responses,
+        }
+    }
+
+    // ---- leases --------------------------------------------------------------------------
+
+    /// Removes a lease, deletes its keys (one revision) and its group registrations.
+    fn revoke_lease(&mut self, id: i64, events: &mut Vec<Event>) {
+        let Some(lease) = self.state.leases.remove(id) else {
+            return;
+        };
+        for key in &lease.keys {
+            let deleted = self.state.kv.delete(key);
+            assert!(
+                deleted.as_ref().is_none_or(|kv| kv.lease == id),
+                "lease index out of sync"
+            );
+        }
+        self.flush(events);
+        let mut touched = Vec::new();
+        for (group, candidate) in &lease.candidates {
+            let Some(entry) = self.state.groups.get_mut(group) else {
+                continue;
+            };
+            if entry
+                .candidates
+                .get(candidate)
+                .is_some_and(|c| c.lease_id == id)
+            {
+                entry.candidates.remove(candidate);
+                touched.push(group.clone());
+            }
+        }
+        touched.dedup();
+        for group in touched {
+            self.emit_candidates_changed(&group, events);
+            self.reconcile_group(&group, events);
+        }
+    }
+
+    // ---- etcd Election and Lock recipes ----------------------------------------------------
+
+    /// Campaign and Lock: create `<name>/<lease hex>` if absent (a campaign also updates the
+    /// value, as etcd's Campaign proclaims it), then report the queue position.
+    fn enqueue(&mut self, name: &Bytes, lease: i64, value: Bytes) -> Result<QueueResponse> {
+        if name.is_empty() {
+            return Err(Error::EmptyKey);
+        }
+        if !self.state.leases.is_live(lease, self.state.now_ms) {
+            return Err(Error::LeaseNotFound);
+        }
+        let key = queue_key(name, lease);
+        let put = PutRequest {
+            key: key.clone(),
+            value,
+            lease,
+            ..PutRequest::default()
+        };
+        self.check_put(&put)?;
+        let existing = self.state.kv.get(&key);
+        if existing.as_ref().is_none_or(|kv| kv.value != put.value) {
+            self.put_checked(&put);
+        }
+        let fence = self.state.kv.get(&key).map_or(0, |kv| kv.create_revision);
+        let status = self.queue_status(name, &key, fence);
+        Ok(QueueResponse {
+            key,
+            fence,
+            owner: matches!(status, QueueStatus::Owner { .. }),
+            waiting_for: match status {
+                QueueStatus::Waiting { waiting_for } => Some(waiting_for),
+                _ => None,
+            },
+        })
+    }
+
+    fn proclaim(&mut self, leader: &LeaderKey, value: &Bytes) -> Result<Response> {
+        let current = self.state.kv.get(&leader.key);
+        if current.is_none_or(|kv| kv.create_revision != leader.rev) {
+            return Err(Error::ElectionNotLeader);
+        }
+        let put = PutRequest {
+            key: leader.key.clone(),
+            value: value.clone(),
+            lease: leader.lease,
+            ..PutRequest::default()
+        };
+        self.check_put(&put)?;
+        self.put_checked(&put);
+        Ok(Response::Proclaimed)
+    }
+
+    /// Deletes `key` if it exists and (when a fence is given) was created at that revision.
+    fn delete_if_created_at(&mut self, key: &Bytes, fence: Option<i64>) -> bool {
+        let Some(current) = self.state.kv.get(key) else {
+            return false;
+        };
+        if is_reserved(key) || fence.is_some_and(|fence| fence != current.create_revision) {
+            return false;
+        }
+        self.delete_checked(&DeleteRangeRequest {
+            key: key.clone(),
+            ..DeleteRangeRequest::default()
+        });
+        true
+    }
+
+    /// Where `key` (created at `fence`) stands in the queue of `name`: etcd's rule is that the
+    /// key with the lowest create revision under `<name>/` owns. A waiter whose lease has run
+    /// out (its anchored deadline passed) is `Lost`, never `Owner` (etcd issues 9921, 11456).
+    pub fn queue_status(&self, name: &[u8], key: &[u8], fence: i64) -> QueueStatus {
+        let Some(mine) = self.state.kv.get(key) else {
+            return QueueStatus::Lost;
+        };
+        if mine.create_revision != fence
+            || (mine.lease != 0 && !self.state.leases.is_live(mine.lease, self.state.now_ms))
+        {
+            return QueueStatus::Lost;
+        }
+        let mut prefix = name.to_vec();
+        prefix.push(b'/');
+        let ahead = self
+            .state
+            .kv
+            .live_kvs(&prefix, &prefix_end(&prefix))
+            .into_iter()
+            .filter(|kv| kv.create_revision < fence)
+            .max_by_key(|kv| kv.create_revision);
+        match ahead {
+            None => QueueStatus::Owner { fence },
+            Some(waiting_for) => QueueStatus::Waiting { waiting_for },
+        }
+    }
+
+    /// etcd Election Leader: the key with the lowest create revision under `<name>/`.
+    pub fn election_leader(&self, name: &[u8]) -> Result<KeyValue> {
+        let mut prefix = name.to_vec();
+        prefix.push(b'/');
+        self.state
+            .kv
+            .live_kvs(&prefix, &prefix_end(&prefix))
+            .into_iter()
+            .min_by_key(|kv| kv.create_revision)
+            .ok_or(Error::ElectionNoLeader)
+    }
+
+    // ---- priority election groups -------------------------------------------------------
+
+    fn check_name(&self, what: &str, name: &str) -> Result<()> {
+        if name.is_empty() {
+            return Err(Error::InvalidArgument(format!("{what} name is empty")));
+        }
+        if name.len() > self.config.name_bytes_max {
+            return Err(Error::RequestTooLarge);
+        }
+        Ok(())
+    }
+
+    fn group_register(
+        &mut self,
+        register: &GroupRegister,
+        events: &mut Vec<Event>,
+    ) -> Result<Response> {
+        let GroupRegister {
+            group,
+            candidate,
+            priority,
+            value,
+            lease_id,
+            preempt,
+        } = register;
+        self.check_name("group", group)?;
+        self.check_name("candidate", candidate)?;
+        if value.len() > self.config.value_bytes_max {
+            return Err(Error::RequestTooLarge);
+        }
+        let now_ms = self.state.now_ms;
+        if !self.state.leases.is_live(*lease_id, now_ms) {
+            return Err(Error::LeaseNotFound);
+        }
+        let existing = self
+            .state
+            .groups
+            .get(group)
+            .and_then(|g| g.candidates.get(candidate))
+            .cloned();
+        if let Some(existing) = &existing
+            && existing.lease_id != *lease_id
+        {
+            if self.state.leases.is_live(existing.lease_id, now_ms) {
+                return Err(Error::CandidateIdTaken {
+                    group: group.clone(),
+                    candidate: candidate.clone(),
+                    lease_id: existing.lease_id,
+                });
+            }
+            // The id's previous holder is dead: take the id over.
+            self.state
+                .leases
+                .detach_candidate(existing.lease_id, group, candidate);
+        }
+        let entry = Candidate {
+            id: candidate.clone(),
+            priority: *priority,
+            value: value.clone(),
+            lease_id: *lease_id,
+            preempt: *preempt,
+            registered_revision: self.state.kv.revision(),
+        };
+        self.state
+            .leases
+            .attach_candidate(*lease_id, group, candidate);
+        let group_entry = self.state.groups.entry(group.clone()).or_default();
+        group_entry.candidates.insert(candidate.clone(), entry);
+        let leads = group_entry
+            .seat
+            .as_ref()
+            .is_some_and(|seat| &seat.leader == candidate);
+        let new_incarnation = existing.as_ref().is_some_and(|e| e.lease_id != *lease_id);
+        if leads && new_incarnation {
+            // A new lease is a new incarnation: the old leadership (and its fence) ends here and
+            // the seat is decided afresh, with a new term and fence.
+            group_entry.seat = None;
+        }
+        let value_changed = existing.as_ref().is_some_and(|e| e.value != *value);
+        self.emit_candidates_changed(group, events);
+        if leads && !new_incarnation && value_changed {
+            self.emit_value_changed(group, events);
+        }
+        self.reconcile_group(group, events);
+        Ok(Response::Group(self.group_status(group)))
+    }
+
+    fn group_resign(
+        &mut self,
+        group: &str,
+        candidate: &str,
+        lease_id: i64,
+        events: &mut Vec<Event>,
+    ) -> Result<Response> {
+        let not_found = || Error::CandidateNotFound {
+            group: group.to_owned(),
+            candidate: candidate.to_owned(),
+        };
+        let entry = self.state.groups.get_mut(group).ok_or_else(not_found)?;
+        if entry
+            .candidates
+            .get(candidate)
+            .is_none_or(|c| c.lease_id != lease_id)
+        {
+            return Err(not_found());
+        }
+        entry.candidates.remove(candidate);
+        self.state
+            .leases
+            .detach_candidate(lease_id, group, candidate);
+        self.emit_candidates_changed(group, events);
+        self.reconcile_group(group, events);
+        Ok(Response::Group(self.group_status(group)))
+    }
+
+    fn group_proclaim(
+        &mut self,
+        group: &str,
+        candidate: &str,
+        fence: i64,
+        value: &Bytes,
+        events: &mut Vec<Event>,
+    ) -> Result<Response> {
+        if value.len() > self.config.value_bytes_max {
+            return Err(Error::RequestTooLarge);
+        }
+        let not_leader = || Error::NotGroupLeader {
+            group: group.to_owned(),
+            fence,
+        };
+        let entry = self.state.groups.get_mut(group).ok_or_else(not_leader)?;
+        let leads = entry
+            .seat
+            .as_ref()
+            .is_some_and(|s| s.leader == candidate && s.fence == fence);
+        let Some(registration) = entry.candidates.get_mut(candidate).filter(|_| leads) else {
+            return Err(not_leader());
+        };
+        registration.value = value.clone();
+        self.emit_value_changed(group, events);
+        Ok(Response::Group(self.group_status(group)))
+    }
+
+    fn group_status(&self, group: &str) -> GroupStatus {
+        let entry = self.state.groups.get(group);
+        GroupStatus {
+            group: group.to_owned(),
+            term: entry.map_or(0, |g| g.term),
+            seat: entry.and_then(|g| g.seat.clone()),
+        }
+    }
+
+    fn emit_election(&self, group: &str, kind: ElectionEventKind, events: &mut Vec<Event>) {
+        let term = self.state.groups.get(group).map_or(0, |g| g.term);
+        let revision = self.state.kv.revision();
+        events.push(Event::Election(ElectionEvent {
+            group: group.to_owned(),
+            term,
+            revision,
+            kind,
+        }));
+    }
+
+    fn emit_candidates_changed(&self, group: &str, events: &mut Vec<Event>) {
+        let Some(entry) = self.state.groups.get(group) else {
+            return;
+        };
+        let candidates = entry
+            .succession()
+            .into_iter()
+            .map(|c| CandidateSummary {
+                id: c.id.clone(),
+                priority: c.priority,
+            })
+            .collect();
+        self.emit_election(
+            group,
+            ElectionEventKind::CandidatesChanged { candidates },
+            events,
+        );
+    }
+
+    fn emit_value_changed(&self, group: &str, events: &mut Vec<Event>) {
+        let Some(entry) = self.state.groups.get(group) else {
+            return;
+        };
+        let Some(seat) = &entry.seat else { return };
+        let Some(leader) = entry.candidates.get(&seat.leader) else {
+            return;
+        };
+        let kind = ElectionEventKind::ValueChanged {
+            leader: leader.id.clone(),
+            value: leader.value.clone(),
+            fence: seat.fence,
+        };
+        self.emit_election(group, kind, events);
+    }
+
+    /// Applies the group's decisions until it is stable.
+    fn reconcile_group(&mut self, group: &str, events: &mut Vec<Event>) {
+        // Elect/Vacate leave a stable seat, handoff changes settle in one more step; three
+        // rounds always suffice, so a fourth would be a bug.
+        for _ in 0..4 {
+            let now_ms = self.state.now_ms;
+            let Some(entry) = self.state.groups.get(group) else {
+                return;
+            };
+            let leases = &self.state.leases;
+            let decision = entry.decide(now_ms, &|lease_id| leases.is_live(lease_id, now_ms));
+            match decision {
+                Decision::Keep => return,
+                Decision::Elect(leader) => self.seat_leader(group, &leader, events),
+                Decision::Vacate => self.vacate_seat(group, events),
+                Decision::RequestHandoff {
+                    challenger,
+                    deadline_ms,
+                } => {
+                    self.request_handoff(group, challenger, deadline_ms, events);
+                }
+                Decision::CancelHandoff => {
+                    let Some(seat) = self
+                        .state
+                        .groups
+                        .get_mut(group)
+                        .and_then(|g| g.seat.as_mut())
+                    else {
+                        return;
+                    };
+                    seat.handoff = None;
+                    let leader = seat.leader.clone();
+                    self.emit_election(
+                        group,
+                        ElectionEventKind::HandoffCancelled { leader },
+                        events,
+                    );
+                }
+            }
+        }
+        panic!("group {group:?} did not settle");
+    }
+
+    fn seat_leader(&mut self, group: &str, leader: &str, events: &mut Vec<Event>) {
+        // The grant gets a revision of its own so its fence is unique across groups and locks.
+        self.flush(events);
+        let mirror = group_leader_key(group);
+        self.state.kv.delete(&mirror);
+        let (_, written) = self.state.kv.put(mirror, Bytes::from(leader.to_owned()), 0);
+        let fence = written.create_revision;
+        self.flush(events);
+        assert_eq!(
+            fence,
+            self.state.kv.revision(),
+            "fence must be the grant revision"
+        );
+        let now_ms = self.state.now_ms;
+        let Some(entry) = self.state.groups.get_mut(group) else {
+            return;
+        };
+        let Some(candidate) = entry.candidates.get(leader) else {
+            return;
+        };
+        entry.term += 1;
+        entry.seat = Some(Seat {
+            leader: leader.to_owned(),
+            fence,
+            since_ms: now_ms,
+            handoff: None,
+        });
+        let kind = ElectionEventKind::Elected {
+            leader: leader.to_owned(),
+            priority: candidate.priority,
+            value: candidate.value.clone(),
+            fence,
+        };
+        self.emit_election(group, kind, events);
+    }
+
+    fn vacate_seat(&mut self, group: &str, events: &mut Vec<Event>) {
+        self.flush(events);
+        self.state.kv.delete(&group_leader_key(group));
+        self.flush(events);
+        let Some(entry) = self.state.groups.get_mut(group) else {
+            return;
+        };
+        entry.term += 1;
+        entry.seat = None;
+        self.emit_election(group, ElectionEventKind::Vacant, events);
+    }
+
+    fn request_handoff(
+        &mut self,
+        group: &str,
+        challenger: String,
+        deadline_ms: Option<u64>,
+        events: &mut Vec<Event>,
+    ) {
+        let now_ms = self.state.now_ms;
+        let Some(entry) = self.state.groups.get_mut(group) else {
+            return;
+        };
+        let challenger_priority = entry.candidates.get(&challenger).map_or(0, |c| c.priority);
+        let Some(seat) = entry.seat.as_mut() else {
+            return;
+        };
+        let requested_ms = seat.handoff.as_ref().map_or(now_ms, |h| h.requested_ms);
+        seat.handoff = Some(Handoff {
+            challenger: challenger.clone(),
+            requested_ms,
+            deadline_ms,
+        });
+        let kind = ElectionEventKind::HandoffRequested {
+            leader: seat.leader.clone(),
+            challenger,
+            challenger_priority,
+            deadline_ms,
+        };
+        self.emit_election(group, kind, events);
+    }
+
+    // ---- topics and time -----------------------------------------------------------------
+
+    fn publish(&mut self, topic: &str, data: &Bytes, events: &mut Vec<Event>) -> Result<Response> {
+        self.check_name("topic", topic)?;
+        if data.len() > self.config.value_bytes_max {
+            return Err(Error::RequestTooLarge);
+        }
+        // A publish is a write: it takes a store revision, so messages and KV changes are
+        // totally ordered.
+        self.state.kv.mark_write();
+        let revision = self.state.kv.write_revision();
+        let message = self
+            .state
+            .topics
+            .publish(topic, data.clone(), revision, self.state.now_ms);
+        let seq = message.seq;
+        events.push(Event::Topic(message));
+        Ok(Response::Published { seq, revision })
+    }
+
+    fn tick(&mut self, events: &mut Vec<Event>) {
+        let now_ms = self.state.now_ms;
+        self.state
+            .sessions
+            .expire(now_ms, self.config.session_ttl_ms);
+        self.state.topics.enforce_all(now_ms);
+        let due: Vec<String> = self
+            .state
+            .groups
+            .iter()
+            .filter(|(_, g)| {
+                g.handoff_deadline_ms()
+                    .is_some_and(|deadline_ms| deadline_ms <= now_ms)
+            })
+            .map(|(name, _)| name.clone())
+            .collect();
+        for group in due {
+            self.reconcile_group(&group, events);
+        }
+    }
+
+    // ---- read-only queries -----------------------------------------------------------------
+
+    /// The current store revision.
+    pub fn revision(&self) -> i64 {
+        self.state.kv.revision()
+    }
+
+    /// The compaction revision (reads below it fail).
+    pub fn compact_revision(&self) -> i64 {
+        self.state.kv.compact_revision()
+    }
+
+    /// etcd Range, served from applied state (serializable read; linearizable once the server
+    /// has done a ReadIndex).
+    pub fn range(&self, request: &RangeRequest) -> Result<RangeResponse> {
+        self.state.kv.range(request)
+    }
+
+    /// Watch replay: every event at revision >= `start_revision` on the key range.
+    pub fn events_since(
+        &self,
+        start_revision: i64,
+        key: &[u8],
+        range_end: &[u8],
+    ) -> Result<Vec<WatchEvent>> {
+        self.state.kv.events_since(start_revision, key, range_end)
+    }
+
+    /// The KV store, for direct reads.
+    pub fn kv(&self) -> &KvStore {
+        &self.state.kv
+    }
+
+    /// A lease, for LeaseTimeToLive (remaining time comes from the leader's `LeaseKeeper`).
+    pub fn lease(&self, id: i64) -> Option<&Lease> {
+        self.state.leases.get(id)
+    }
+
+    /// The lease table (for `LeaseKeeper` and LeaseLeases).
+    pub fn leases(&self) -> &LeaseTable {
+        &self.state.leases
+    }
+
+    /// A priority group.
+    pub fn group(&self, group: &str) -> Option<&Group> {
+        self.state.groups.get(group)
+    }
+
+    /// A priority group's seat.
+    pub fn group_leader(&self, group: &str) -> Option<&Seat> {
+        self.state.groups.get(group)?.seat.as_ref()
+    }
+
+    /// A priority group's candidates in order of succession.
+    pub fn group_succession(&self, group: &str) -> Vec<&Candidate> {
+        self.state
+            .groups
+            .get(group)
+            .map(Group::succession)
+            .unwrap_or_default()
+    }
+
+    /// Group names.
+    pub fn group_names(&self) -> impl Iterator<Item = &str> {
+        self.state.groups.keys().map(String::as_str)
+    }
+
+    /// A group's policy (default when the group does not exist).
+    pub fn group_policy(&self, group: &str) -> GroupPolicy {
+        self.state
+            .groups
+            .get(group)
+            .map(|g| g.policy)
+            .unwrap_or_default()
+    }
+
+    /// Read a topic from `from_seq` (at most `limit` messages, 0 for all).
+    pub fn topic_read(&self, topic: &str, from_seq: u64, limit: usize) -> TopicRead {
+        self.state.topics.read(topic, from_seq, limit)
+    }
+
+    /// What `consumer` has not acknowledged on `topics`.
+    pub fn inbox(&self, consumer: &str, topics: &[String], limit: usize) -> Vec<TopicRead> {
+        self.state.topics.inbox(consumer, topics, limit)
+    }
+
+    /// The topics.
+    pub fn topics(&self) -> &Topics {
+        &self.state.topics
+    }
+
+    /// Number of open client sessions.
+    pub fn session_count(&self) -> usize {
+        self.state.sessions.len()
+    }
+
+    /// The earliest leader-clock time at which a `Tick` would change something (a handoff
+    /// timeout or a topic's age retention). The leader proposes a `Tick` then.
+    pub fn next_timer_ms(&self) -> Option<u64> {
+        let handoffs = self
+            .state
+            .groups
+            .values()
+            .filter_map(Group::handoff_deadline_ms)
+            .min();
+        let retention = self.state.topics.next_expiry_ms();
+        [handoffs, retention].into_iter().flatten().min()
+    }
+
+    /// Asserts internal invariants (kept in release builds: a broken one is a bug).
+    pub fn check_invariants(&self) {
+        let verdict = self.verify();
+        assert!(
+            verdict.is_ok(),
+            "state machine invariant broken: {verdict:?}"
+        );
+    }
+
+    /// Checks internal invariants without panicking (a restored snapshot is input).
+    pub(crate) fn verify(&self) -> std::result::Result<(), String> {
+        self.state.kv.verify()?;
+        for lease in self.state.leases.iter() {
+            for key in &lease.keys {
+                if self.state.kv.get(key).is_none_or(|kv| kv.lease != lease.id) {
+                    return Err(format!("lease {} lists a key it does not hold", lease.id));
+                }
+            }
+        }
+        for (name, group) in &self.state.groups {
+            if let Some(seat) = &group.seat {
+                let mirror = self.state.kv.get(&group_leader_key(name));
+                if mirror.is_none_or(|kv| kv.create_revision != seat.fence) {
+                    return Err(format!(
+                        "seat mirror of group {name:?} does not match its fence"
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Bytes of user data in a request, for the request size limit.
+fn request_payload_bytes(request: &Request) -> usize {
+    fn range(r: &RangeRequest) -> usize {
+        r.key.len() + r.range_end.len()
+    }
+    fn txn_bytes(t: &TxnRequest) -> usize {
+        let compares: usize = t
+            .compare
+            .iter()
+            .map(|c| {
+                let operand = match &c.target {
+                    txn::CompareTarget::Value(value) => value.len(),
+                    _ => 8,
+                };
+                c.key.len() + c.range_end.len() + operand
+            })
+            .sum();
+        let ops: usize = t.success.iter().chain(&t.failure).map(op_bytes).sum();
+        compares + ops
+    }
+    fn op_bytes(op: &RequestOp) -> usize {
+        match op {
+            RequestOp::Range(r) => range(r),
+            RequestOp::Put(p) => p.key.len() + p.value.len(),
+            RequestOp::DeleteRange(d) => d.key.len() + d.range_end.len(),
+            RequestOp::Txn(t) => txn_bytes(t),
+        }
+    }
+    match request {
+        Request::Range(r) => range(r),
+        Request::Put(p) => p.key.len() + p.value.len(),
+        Request::DeleteRange(d) => d.key.len() + d.range_end.len(),
+        Request::Txn(t) => txn_bytes(t),
+        Request::LeaseCheckpoint { checkpoints } => checkpoints.len() * 16,
+        Request::LeaseExpire { ids } => ids.len() * 8,
+        Request::Campaign { name, value, .. } => name.len() + value.len(),
+        Request::Proclaim { leader, value } => leader.name.len() + leader.key.len() + value.len(),
+        Request::Resign { leader } => leader.name.len() + leader.key.len(),
+        Request::Lock { name, .. } => name.len(),
+        Request::Unlock { key, .. } => key.len(),
+        Request::GroupRegister(r) => r.group.len() + r.candidate.len() + r.value.len(),
+        Request::GroupResign {
+            group, candidate, ..
+        } => group.len() + candidate.len(),
+        Request::GroupProclaim {
+            group,
+            candidate,
+            value,
+            ..
+        } => group.len() + candidate.len() + value.len(),
+        Request::GroupConfigure { group, .. } => group.len(),
+        Request::Publish { topic, data } => topic.len() + data.len(),
+        Request::Ack {
+            consumer, topic, ..
+        } => consumer.len() + topic.len(),
+        Request::TopicConfigure { topic, .. } => topic.len(),
+        Request::Compact { .. }
+        | Request::LeaseGrant { .. }
+        | Request::LeaseRevoke { .. }
+        | Request::OpenSession
+        | Request::CloseSession { .. }
+        | Request::Tick => 0,
+    }
+}
+
+/// Used by `Retention` in docs and tests: a topic with no limits.
+impl Retention {
+    /// Keep everything.
+    pub fn unbounded() -> Self {
+        Retention::default()
+    }
+}
