@@ -1,1 +1,130 @@
+//! Peer transport: Raft messages between Conclave nodes over TCP.
+//!
+//! ```text
+//!   node 1                                                   node 2
+//!  ┌────────────────┐  send(msg to 2)                        ┌───────────────────┐
+//!  │ Raft driver    │──► PeerTransport ── queue ── task ─TCP─► serve_peers        │
+//!  │                │                                        │  └► mpsc ─► driver │
+//!  │  ◄─ mpsc ◄─ serve_peers ◄─TCP─ task ── queue ── PeerTransport ◄─ send(msg to 1)
+//!  └────────────────┘                                        └───────────────────┘
+//! ```
+//!
+//! Each direction of each pair of nodes has its own long-lived connection, opened by the
+//! sender: a node dials every peer it sends to ([`PeerTransport`]) and accepts connections
+//! from every peer that sends to it ([`serve_peers`]). Messages are pipelined (nothing waits
+//! for an acknowledgement; Raft's own responses are the acknowledgements) and batched (the
+//! sender drains its queue into one buffer per write). Snapshot chunks are ordinary messages:
+//! the Raft core already cuts snapshots into `SnapshotChunk`s.
+//!
+//! The wire format is in [`frame`] and `docs/transport.md`.
+//!
+//! # Use from the Raft driver
+//!
+//! ```no_run
+//! # async fn example(ready_messages: Vec<conclave_raft::Message>) -> Result<(), conclave_server::Error> {
+//! use conclave_server::transport::{PeerTransport, TransportConfig, bind_peer_listener, serve_peers};
+//!
+//! let config = TransportConfig::new(0xC0C1, 1);
+//! let listener = bind_peer_listener("127.0.0.1:2380").await?;
+//! let (inbound_sender, mut inbound) = tokio::sync::mpsc::channel(4096);
+//! tokio::spawn(serve_peers(listener, config.clone(), inbound_sender, std::future::pending()));
+//!
+//! let mut transport = PeerTransport::new(config)?;
+//! transport.add_peer(2, "127.0.0.1:2382");
+//! for message in ready_messages {
+//!     // Never blocks; a full queue drops the message, which Raft recovers from.
+//!     let _ = transport.send(message);
+//! }
+//! while let Some((from, message)) = inbound.recv().await {
+//!     // raw_node.step(message) ...
+//! #   let _ = (from, message);
+//! }
+//! # Ok(()) }
+//! ```
 
+pub mod frame;
+mod inbound;
+mod outbound;
+
+pub use frame::{MAX_PEER_FRAME_BYTES, WIRE_VERSION};
+pub use inbound::{InboundMessage, bind_peer_listener, serve_peers};
+pub use outbound::{PeerStats, PeerTransport};
+
+use conclave_raft::NodeId;
+
+use crate::error::Error;
+
+/// Settings shared by both directions of the transport. Every bound has its unit in its name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TransportConfig {
+    /// Both ends of a connection must agree on it; it keeps two clusters from mixing.
+    pub cluster_id: u64,
+    /// This node's id; never 0.
+    pub node_id: NodeId,
+    /// Messages that may wait for one peer before new ones are dropped.
+    pub queue_messages_max: usize,
+    /// Estimated bytes that may wait for one peer before new messages are dropped.
+    pub queue_bytes_max: usize,
+    /// A batch is written to the socket once its encoding reaches this many bytes.
+    pub batch_bytes_max: usize,
+    /// First wait after a failed connect; doubles on each further failure.
+    pub reconnect_backoff_initial_ms: u64,
+    /// The longest wait between connection attempts.
+    pub reconnect_backoff_max_ms: u64,
+    pub connect_timeout_ms: u64,
+    /// Time allowed for the Hello exchange on a new connection, in both directions.
+    pub handshake_timeout_ms: u64,
+    /// Inbound connections accepted at once; more are refused.
+    pub peer_connections_max: usize,
+}
+
+impl TransportConfig {
+    /// Conclave's defaults for node `node_id` of cluster `cluster_id`.
+    ///
+    /// The backoff cap is short because the failover target is well under a second: a peer
+    /// that comes back must be reached again within a heartbeat or two, not after seconds.
+    pub fn new(cluster_id: u64, node_id: NodeId) -> Self {
+        TransportConfig {
+            cluster_id,
+            node_id,
+            queue_messages_max: 4096,
+            queue_bytes_max: 64 * 1024 * 1024,
+            batch_bytes_max: 256 * 1024,
+            reconnect_backoff_initial_ms: 10,
+            reconnect_backoff_max_ms: 500,
+            connect_timeout_ms: 1000,
+            handshake_timeout_ms: 2000,
+            peer_connections_max: 64,
+        }
+    }
+
+    /// Checks every field, naming the first one out of range.
+    pub fn validate(&self) -> Result<(), Error> {
+        let invalid = |reason: &str| {
+            Err(Error::InvalidConfig {
+                reason: reason.to_string(),
+            })
+        };
+        if self.node_id == 0 {
+            return invalid("node_id 0 is reserved");
+        }
+        if self.queue_messages_max == 0 || self.queue_bytes_max == 0 {
+            return invalid("queue_messages_max and queue_bytes_max must be at least 1");
+        }
+        if self.batch_bytes_max == 0 || self.batch_bytes_max > MAX_PEER_FRAME_BYTES {
+            return invalid("batch_bytes_max must be in 1..=MAX_PEER_FRAME_BYTES");
+        }
+        if self.reconnect_backoff_initial_ms == 0
+            || self.reconnect_backoff_initial_ms > self.reconnect_backoff_max_ms
+        {
+            return invalid("reconnect backoff must satisfy 0 < initial_ms <= max_ms");
+        }
+        if self.connect_timeout_ms == 0 || self.handshake_timeout_ms == 0 {
+            return invalid("connect_timeout_ms and handshake_timeout_ms must be at least 1");
+        }
+        if self.peer_connections_max == 0 {
+            return invalid("peer_connections_max must be at least 1");
+        }
+        Ok(())
+    }
+}

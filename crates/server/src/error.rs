@@ -1,0 +1,104 @@
+//! The server's one error type.
+//!
+//! Variants fall in two groups, told apart by [`Error::is_fatal`]:
+//! - operating errors concern one message or one connection; the caller logs them and carries
+//!   on (Raft tolerates lost messages, and a broken connection is simply reopened);
+//! - fatal errors mean the node cannot run as configured and must stop with one clear sentence.
+
+use std::io;
+
+use conclave_raft::NodeId;
+
+/// Everything that can go wrong in the server.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    // ---- Operating errors ----
+    /// The Raft core addressed a node the transport has no address for.
+    #[error("peer {peer} is not known to the transport")]
+    UnknownPeer { peer: NodeId },
+
+    /// The bounded send queue to `peer` is full, so the newest message was dropped.
+    #[error("send queue to peer {peer} is full; the message was dropped")]
+    PeerQueueFull { peer: NodeId },
+
+    /// A frame (sent or received) is over [`crate::transport::MAX_PEER_FRAME_BYTES`].
+    #[error("peer frame of {size_bytes} bytes exceeds the {max_bytes}-byte limit")]
+    FrameTooLarge { size_bytes: u64, max_bytes: u64 },
+
+    /// A received frame's body does not match its CRC32C.
+    #[error("peer frame checksum mismatch: header {expected:#010x}, body {actual:#010x}")]
+    FrameChecksum { expected: u32, actual: u32 },
+
+    /// A received frame uses a wire format version this node does not speak.
+    #[error("peer frame has wire version {version}; this node speaks version {supported}")]
+    FrameVersion { version: u8, supported: u8 },
+
+    /// A received frame is structurally wrong: unknown kind, undecodable body, trailing bytes.
+    #[error("malformed peer frame: {reason}")]
+    FrameMalformed { reason: String },
+
+    /// The connection ended in the middle of a frame.
+    #[error("peer connection closed in the middle of a frame")]
+    FrameTruncated,
+
+    /// A well-formed frame arrived that the protocol does not allow at this point.
+    #[error("peer protocol violation: {reason}")]
+    ProtocolViolation { reason: String },
+
+    /// The other side refused our handshake (or we refused theirs), for example because the
+    /// cluster ids differ.
+    #[error("peer handshake rejected: {reason}")]
+    HandshakeRejected { reason: String },
+
+    /// The other side did not finish the handshake in time.
+    #[error("peer handshake did not complete within {timeout_ms} ms")]
+    HandshakeTimeout { timeout_ms: u64 },
+
+    /// Opening a TCP connection to a peer took too long.
+    #[error("connecting to peer {peer} at {address} timed out after {timeout_ms} ms")]
+    ConnectTimeout {
+        peer: NodeId,
+        address: String,
+        timeout_ms: u64,
+    },
+
+    /// The other side closed the connection.
+    #[error("peer closed the connection")]
+    ConnectionClosed,
+
+    /// A socket operation on a peer connection failed.
+    #[error("peer connection failed: {0}")]
+    PeerIo(#[from] io::Error),
+
+    // ---- Fatal errors ----
+    /// A configuration value is out of range.
+    #[error("invalid transport configuration: {reason}")]
+    InvalidConfig { reason: String },
+
+    /// The peer address cannot be listened on (in use, not local, no permission).
+    #[error("cannot listen for peers on {address}: {source}")]
+    PeerListen { address: String, source: io::Error },
+}
+
+impl Error {
+    /// Whether the node must stop: the error does not concern one message or connection but
+    /// the node's configuration or environment.
+    pub fn is_fatal(&self) -> bool {
+        match self {
+            Error::InvalidConfig { .. } | Error::PeerListen { .. } => true,
+            Error::UnknownPeer { .. }
+            | Error::PeerQueueFull { .. }
+            | Error::FrameTooLarge { .. }
+            | Error::FrameChecksum { .. }
+            | Error::FrameVersion { .. }
+            | Error::FrameMalformed { .. }
+            | Error::FrameTruncated
+            | Error::ProtocolViolation { .. }
+            | Error::HandshakeRejected { .. }
+            | Error::HandshakeTimeout { .. }
+            | Error::ConnectTimeout { .. }
+            | Error::ConnectionClosed
+            | Error::PeerIo(_) => false,
+        }
+    }
+}

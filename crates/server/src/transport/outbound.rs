@@ -1,0 +1,432 @@
+//! Outbound side: one task and one long-lived connection per peer.
+//!
+//! ```text
+//!  Raft driver ── send(msg) ──► bounded queue ──► peer task ──► TCP ──► peer's listener
+//!                 (never blocks;  (messages and   (connect, handshake,
+//!                  full: drop      bytes bounded)  batch-encode, write;
+//!                  newest)                         on error: back off, reconnect)
+//! ```
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use conclave_raft::{Message, MessageBody, NodeId};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::net::tcp::OwnedReadHalf;
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tracing::{debug, info, warn};
+
+use super::TransportConfig;
+use super::frame::{self, Frame, FrameReader, Hello};
+use crate::error::Error;
+
+/// Messages taken from the queue in one go; they are encoded into one buffer and written with
+/// as few system calls as the batch byte limit allows.
+const BATCH_MESSAGES_MAX: usize = 256;
+
+/// Sends Raft messages to the other members.
+///
+/// Each peer gets its own task, holding one outbound TCP connection (messages from the peer
+/// to us arrive on the connection *it* opens, see [`super::serve_peers`]). Sending never blocks:
+/// the message joins a bounded per-peer queue, and when the queue is full it is dropped and
+/// counted. Raft tolerates loss, and the core re-sends what a follower misses.
+///
+/// The queue drops the *newest* message rather than the oldest: what is already queued stays
+/// a contiguous run that the follower can still use, whereas evicting the head would punch a
+/// hole that makes every queued append after it fail the log-matching check. It is also
+/// lock-free (a full bounded channel simply refuses).
+///
+/// Dropping a `PeerTransport` stops every peer task and closes their connections.
+pub struct PeerTransport {
+    config: Arc<TransportConfig>,
+    peers: HashMap<NodeId, Peer>,
+}
+
+struct Peer {
+    address: String,
+    queue: mpsc::Sender<Message>,
+    counters: Arc<PeerCounters>,
+    task: JoinHandle<()>,
+}
+
+/// Shared between the sending side and the peer task.
+#[derive(Default)]
+struct PeerCounters {
+    /// Estimated bytes of queued messages. Invariant: <= config.queue_bytes_max plus one
+    /// message's estimate (a racing send may overshoot by one message before it backs out).
+    queued_bytes: AtomicU64,
+    sent_messages: AtomicU64,
+    sent_bytes: AtomicU64,
+    dropped_messages: AtomicU64,
+    connections: AtomicU64,
+    connected: AtomicBool,
+}
+
+/// A point-in-time view of one peer's link, for metrics and status pages.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerStats {
+    pub address: String,
+    /// Whether a handshaken connection is up right now.
+    pub connected: bool,
+    /// Messages waiting in the queue.
+    pub queued_messages: usize,
+    pub queued_bytes: u64,
+    /// Messages written to a socket (not necessarily received: a connection may die after).
+    pub sent_messages: u64,
+    /// Frame bytes written to a socket.
+    pub sent_bytes: u64,
+    /// Messages dropped because the queue was full or the message was too large.
+    pub dropped_messages: u64,
+    /// Successful handshakes so far; more than one means reconnects.
+    pub connections: u64,
+}
+
+impl PeerTransport {
+    /// A transport with no peers yet. Fails only on a configuration out of range.
+    pub fn new(config: TransportConfig) -> Result<Self, Error> {
+        config.validate()?;
+        Ok(PeerTransport {
+            config: Arc::new(config),
+            peers: HashMap::new(),
+        })
+    }
+
+    /// Starts sending to `peer` at `address` (`host:port`, resolved on every connect so a
+    /// renamed host is followed). Re-adding a peer with another address restarts its link;
+    /// with the same address it does nothing. Must be called inside a tokio runtime.
+    pub fn add_peer(&mut self, peer: NodeId, address: impl Into<String>) {
+        let address = address.into();
+        assert!(
+            peer != self.config.node_id,
+            "a node does not send to itself"
+        );
+        if self
+            .peers
+            .get(&peer)
+            .is_some_and(|existing| existing.address == address)
+        {
+            return;
+        }
+        self.remove_peer(peer);
+        let (queue, receiver) = mpsc::channel(self.config.queue_messages_max);
+        let counters = Arc::new(PeerCounters::default());
+        let link = PeerLink {
+            config: Arc::clone(&self.config),
+            peer,
+            address: address.clone(),
+            counters: Arc::clone(&counters),
+        };
+        let task = tokio::spawn(link.run(receiver));
+        self.peers.insert(
+            peer,
+            Peer {
+                address,
+                queue,
+                counters,
+                task,
+            },
+        );
+    }
+
+    /// Stops sending to `peer`, dropping whatever is queued for it.
+    pub fn remove_peer(&mut self, peer: NodeId) {
+        if let Some(removed) = self.peers.remove(&peer) {
+            removed.task.abort();
+        }
+    }
+
+    /// The peers messages can be sent to.
+    pub fn peers(&self) -> impl Iterator<Item = NodeId> + '_ {
+        self.peers.keys().copied()
+    }
+
+    /// Queues `message` for `message.to` and returns at once.
+    ///
+    /// Errors (both operating, the message is gone): `UnknownPeer` if `to` was never added,
+    /// `PeerQueueFull` if the peer's queue is at its message or byte bound.
+    pub fn send(&self, message: Message) -> Result<(), Error> {
+        let peer_id = message.to;
+        let Some(peer) = self.peers.get(&peer_id) else {
+            return Err(Error::UnknownPeer { peer: peer_id });
+        };
+        let estimate_bytes = estimated_size_bytes(&message);
+        let queued_before = peer
+            .counters
+            .queued_bytes
+            .fetch_add(estimate_bytes, Ordering::Relaxed);
+        // An empty queue always admits one message, so a single message above the byte bound
+        // still moves (the frame limit is what bounds a single message).
+        let over_bytes = queued_before > 0
+            && queued_before + estimate_bytes > self.config.queue_bytes_max as u64;
+        if over_bytes || peer.queue.try_send(message).is_err() {
+            peer.counters
+                .queued_bytes
+                .fetch_sub(estimate_bytes, Ordering::Relaxed);
+            peer.counters
+                .dropped_messages
+                .fetch_add(1, Ordering::Relaxed);
+            return Err(Error::PeerQueueFull { peer: peer_id });
+        }
+        Ok(())
+    }
+
+    /// The link state of `peer`, if it was added.
+    pub fn peer_stats(&self, peer: NodeId) -> Option<PeerStats> {
+        let entry = self.peers.get(&peer)?;
+        let counters = &entry.counters;
+        Some(PeerStats {
+            address: entry.address.clone(),
+            connected: counters.connected.load(Ordering::Relaxed),
+            queued_messages: entry.queue.max_capacity() - entry.queue.capacity(),
+            queued_bytes: counters.queued_bytes.load(Ordering::Relaxed),
+            sent_messages: counters.sent_messages.load(Ordering::Relaxed),
+            sent_bytes: counters.sent_bytes.load(Ordering::Relaxed),
+            dropped_messages: counters.dropped_messages.load(Ordering::Relaxed),
+            connections: counters.connections.load(Ordering::Relaxed),
+        })
+    }
+}
+
+impl Drop for PeerTransport {
+    fn drop(&mut self) {
+        for peer in self.peers.values() {
+            peer.task.abort();
+        }
+    }
+}
+
+/// What a queued message is charged against the byte bound: its payload plus a fixed
+/// allowance for the envelope. An estimate, so `send` need not encode.
+fn estimated_size_bytes(message: &Message) -> u64 {
+    const ENVELOPE_BYTES: u64 = 64;
+    const ENTRY_OVERHEAD_BYTES: u64 = 24;
+    let payload_bytes = match &message.body {
+        MessageBody::Append { entries, .. } => entries
+            .iter()
+            .map(|entry| entry.payload_size() + ENTRY_OVERHEAD_BYTES)
+            .sum(),
+        MessageBody::SnapshotChunk { data, meta, .. } => {
+            data.len() as u64 + 8 * meta.conf_state.members().len() as u64
+        }
+        MessageBody::Heartbeat { context, .. } | MessageBody::HeartbeatResponse { context } => {
+            context.as_ref().map_or(0, |context| context.len() as u64)
+        }
+        MessageBody::ReadIndexRequest { context }
+        | MessageBody::ReadIndexResponse { context, .. } => context.len() as u64,
+        MessageBody::AppendResponse { .. }
+        | MessageBody::Vote { .. }
+        | MessageBody::VoteResponse { .. }
+        | MessageBody::SnapshotResponse { .. }
+        | MessageBody::TimeoutNow => 0,
+    };
+    ENVELOPE_BYTES + payload_bytes
+}
+
+/// How a connection ended without an error.
+enum LinkEnd {
+    /// The transport dropped this peer: stop for good.
+    QueueClosed,
+}
+
+/// The task behind one peer.
+struct PeerLink {
+    config: Arc<TransportConfig>,
+    peer: NodeId,
+    address: String,
+    counters: Arc<PeerCounters>,
+}
+
+impl PeerLink {
+    async fn run(self, mut queue: mpsc::Receiver<Message>) {
+        let mut backoff_ms = self.config.reconnect_backoff_initial_ms;
+        let mut failures_in_row = 0u64;
+        loop {
+            let stream = match self.connect().await {
+                Ok(stream) => stream,
+                Err(error) => {
+                    failures_in_row += 1;
+                    // Say it once loudly; a peer that stays down would otherwise flood the log.
+                    if failures_in_row == 1 {
+                        warn!(peer = self.peer, address = %self.address, %error, "cannot reach peer; retrying with backoff");
+                    } else {
+                        debug!(peer = self.peer, %error, failures_in_row, "peer still unreachable");
+                    }
+                    if error.is_fatal() || matches!(error, Error::HandshakeRejected { .. }) {
+                        // A rejection will not fix itself quickly; wait the longest step.
+                        backoff_ms = self.config.reconnect_backoff_max_ms;
+                    }
+                    tokio::time::sleep(Duration::from_millis(backoff_ms)).await;
+                    backoff_ms = (backoff_ms * 2).min(self.config.reconnect_backoff_max_ms);
+                    continue;
+                }
+            };
+            info!(peer = self.peer, address = %self.address, "connected to peer");
+            failures_in_row = 0;
+            backoff_ms = self.config.reconnect_backoff_initial_ms;
+            self.counters.connections.fetch_add(1, Ordering::Relaxed);
+            self.counters.connected.store(true, Ordering::Relaxed);
+            let outcome = self.pump(stream, &mut queue).await;
+            self.counters.connected.store(false, Ordering::Relaxed);
+            match outcome {
+                Ok(LinkEnd::QueueClosed) => return,
+                Err(error) => {
+                    warn!(peer = self.peer, %error, "peer connection lost; reconnecting");
+                    // A short pause so a peer that accepts and then drops us is not hammered.
+                    tokio::time::sleep(Duration::from_millis(backoff_ms)).await;
+                }
+            }
+        }
+    }
+
+    /// Opens a connection and completes the handshake.
+    async fn connect(&self) -> Result<TcpStream, Error> {
+        let timeout = Duration::from_millis(self.config.connect_timeout_ms);
+        let mut stream = tokio::time::timeout(timeout, TcpStream::connect(&self.address))
+            .await
+            .map_err(|_| Error::ConnectTimeout {
+                peer: self.peer,
+                address: self.address.clone(),
+                timeout_ms: self.config.connect_timeout_ms,
+            })??;
+        // We batch ourselves; Nagle would only add latency to heartbeats and votes.
+        stream.set_nodelay(true)?;
+        let hello = Hello {
+            cluster_id: self.config.cluster_id,
+            from: self.config.node_id,
+            to: self.peer,
+        };
+        let mut buffer = Vec::new();
+        frame::encode_frame(&Frame::Hello(hello), &mut buffer)?;
+        stream.write_all(&buffer).await?;
+        let handshake_timeout = Duration::from_millis(self.config.handshake_timeout_ms);
+        let answer = tokio::time::timeout(
+            handshake_timeout,
+            FrameReader::new(&mut stream).next_frame(),
+        )
+        .await
+        .map_err(|_| Error::HandshakeTimeout {
+            timeout_ms: self.config.handshake_timeout_ms,
+        })??;
+        match answer {
+            Some(Frame::HelloAccepted(accepted))
+                if accepted.cluster_id == self.config.cluster_id
+                    && accepted.node_id == self.peer =>
+            {
+                Ok(stream)
+            }
+            Some(Frame::HelloAccepted(accepted)) => Err(Error::HandshakeRejected {
+                reason: format!(
+                    "expected node {} of cluster {:#x}, reached node {} of cluster {:#x}",
+                    self.peer, self.config.cluster_id, accepted.node_id, accepted.cluster_id
+                ),
+            }),
+            Some(Frame::HelloRejected(rejected)) => Err(Error::HandshakeRejected {
+                reason: rejected.reason,
+            }),
+            Some(other) => Err(Error::ProtocolViolation {
+                reason: format!("expected a handshake answer, got {}", frame_name(&other)),
+            }),
+            None => Err(Error::ConnectionClosed),
+        }
+    }
+
+    /// Moves messages from the queue to the socket until either side ends.
+    async fn pump(
+        &self,
+        stream: TcpStream,
+        queue: &mut mpsc::Receiver<Message>,
+    ) -> Result<LinkEnd, Error> {
+        let (mut read_half, mut write_half) = stream.into_split();
+        let mut batch = Vec::with_capacity(BATCH_MESSAGES_MAX);
+        let mut buffer = Vec::with_capacity(self.config.batch_bytes_max);
+        loop {
+            tokio::select! {
+                received = queue.recv_many(&mut batch, BATCH_MESSAGES_MAX) => {
+                    if received == 0 {
+                        return Ok(LinkEnd::QueueClosed);
+                    }
+                    self.write_batch(&mut batch, &mut buffer, &mut write_half).await?;
+                }
+                // The listener never talks after the handshake, so any readiness here is the
+                // connection closing; noticing it now beats losing the next batch into a
+                // dead socket.
+                closed = wait_closed(&mut read_half) => return Err(closed),
+            }
+        }
+    }
+
+    async fn write_batch(
+        &self,
+        batch: &mut Vec<Message>,
+        buffer: &mut Vec<u8>,
+        socket: &mut tokio::net::tcp::OwnedWriteHalf,
+    ) -> Result<(), Error> {
+        buffer.clear();
+        let mut messages_in_buffer = 0u64;
+        for message in batch.drain(..) {
+            let estimate_bytes = estimated_size_bytes(&message);
+            self.counters
+                .queued_bytes
+                .fetch_sub(estimate_bytes, Ordering::Relaxed);
+            if let Err(error) = frame::encode_message(&message, buffer) {
+                // Only an oversize message gets here; dropping it is all we can do.
+                self.counters
+                    .dropped_messages
+                    .fetch_add(1, Ordering::Relaxed);
+                warn!(peer = self.peer, kind = message.body.name(), %error, "dropping message");
+                continue;
+            }
+            messages_in_buffer += 1;
+            if buffer.len() >= self.config.batch_bytes_max {
+                self.flush(buffer, messages_in_buffer, socket).await?;
+                messages_in_buffer = 0;
+            }
+        }
+        self.flush(buffer, messages_in_buffer, socket).await
+    }
+
+    async fn flush(
+        &self,
+        buffer: &mut Vec<u8>,
+        messages: u64,
+        socket: &mut tokio::net::tcp::OwnedWriteHalf,
+    ) -> Result<(), Error> {
+        if buffer.is_empty() {
+            return Ok(());
+        }
+        socket.write_all(buffer).await?;
+        self.counters
+            .sent_messages
+            .fetch_add(messages, Ordering::Relaxed);
+        self.counters
+            .sent_bytes
+            .fetch_add(buffer.len() as u64, Ordering::Relaxed);
+        buffer.clear();
+        Ok(())
+    }
+}
+
+/// Resolves when the read half reports end of stream, an error, or unexpected bytes.
+async fn wait_closed(read_half: &mut OwnedReadHalf) -> Error {
+    let mut probe = [0u8; 1];
+    match read_half.read(&mut probe).await {
+        Ok(0) => Error::ConnectionClosed,
+        Ok(_) => Error::ProtocolViolation {
+            reason: "listener sent data after the handshake".into(),
+        },
+        Err(error) => Error::PeerIo(error),
+    }
+}
+
+pub(super) fn frame_name(frame: &Frame) -> &'static str {
+    match frame {
+        Frame::Hello(_) => "Hello",
+        Frame::HelloAccepted(_) => "HelloAccepted",
+        Frame::HelloRejected(_) => "HelloRejected",
+        Frame::Message(_) => "Message",
+    }
+}

@@ -1,0 +1,436 @@
+//! The peer transport over real loopback sockets.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use conclave_raft::{ConfState, Entry, EntryKind, Message, MessageBody, SnapshotMeta};
+use conclave_server::Error;
+use conclave_server::transport::frame::{self, Frame, FrameReader, Hello};
+use conclave_server::transport::{
+    InboundMessage, MAX_PEER_FRAME_BYTES, PeerTransport, TransportConfig, bind_peer_listener,
+    serve_peers,
+};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+
+const CLUSTER_ID: u64 = 0xC0C1_A7E5;
+const WAIT: Duration = Duration::from_secs(10);
+
+struct Listener {
+    address: SocketAddr,
+    inbound: mpsc::Receiver<InboundMessage>,
+    stop: oneshot::Sender<()>,
+    task: JoinHandle<Result<(), Error>>,
+}
+
+impl Listener {
+    async fn start(node_id: u64, address: &str) -> Listener {
+        let listener = bind_peer_listener(address).await.expect("loopback binds");
+        let address = listener.local_addr().expect("bound socket has an address");
+        let (sender, inbound) = mpsc::channel(1024);
+        let (stop, stopped) = oneshot::channel::<()>();
+        let config = TransportConfig::new(CLUSTER_ID, node_id);
+        let task = tokio::spawn(serve_peers(listener, config, sender, async {
+            let _ = stopped.await;
+        }));
+        Listener {
+            address,
+            inbound,
+            stop,
+            task,
+        }
+    }
+
+    async fn stop(self) -> mpsc::Receiver<InboundMessage> {
+        let _ = self.stop.send(());
+        self.task
+            .await
+            .expect("listener task ends")
+            .expect("listener ends cleanly");
+        self.inbound
+    }
+
+    async fn receive(&mut self) -> InboundMessage {
+        tokio::time::timeout(WAIT, self.inbound.recv())
+            .await
+            .expect("a message arrives in time")
+            .expect("listener still running")
+    }
+}
+
+/// One of every kind of message, from node 1 to node 2, tagged with `seq` so order shows.
+fn sample_message(seq: u64) -> Message {
+    let context = Bytes::from(seq.to_be_bytes().to_vec());
+    let body = match seq % 8 {
+        0 => MessageBody::Append {
+            prev_index: seq,
+            prev_term: 1,
+            entries: vec![
+                Entry {
+                    term: 2,
+                    index: seq + 1,
+                    kind: EntryKind::Normal,
+                    data: context.clone(),
+                },
+                Entry {
+                    term: 2,
+                    index: seq + 2,
+                    kind: EntryKind::ConfChange,
+                    data: Bytes::new(),
+                },
+            ],
+            commit: seq,
+        },
+        1 => MessageBody::AppendResponse {
+            index: seq,
+            reject: seq.is_multiple_of(3),
+            hint_index: 4,
+            hint_term: 1,
+        },
+        2 => MessageBody::Vote {
+            pre: true,
+            last_index: seq,
+            last_term: 2,
+            transfer: false,
+        },
+        3 => MessageBody::VoteResponse {
+            pre: false,
+            granted: true,
+        },
+        4 => MessageBody::Heartbeat {
+            commit: seq,
+            context: Some(context),
+        },
+        5 => MessageBody::SnapshotChunk {
+            meta: SnapshotMeta {
+                index: seq,
+                term: 2,
+                conf_state: ConfState::with_voters([1, 2, 3]),
+            },
+            offset: seq * 10,
+            data: Bytes::from(vec![7u8; 1000]),
+            done: seq.is_multiple_of(2),
+        },
+        6 => MessageBody::ReadIndexResponse {
+            context,
+            index: seq,
+        },
+        _ => MessageBody::TimeoutNow,
+    };
+    Message {
+        from: 1,
+        to: 2,
+        term: seq,
+        body,
+    }
+}
+
+/// Sends through the transport, waiting out a full queue (tests want every message).
+async fn send_all(transport: &PeerTransport, messages: impl IntoIterator<Item = Message>) {
+    for message in messages {
+        loop {
+            match transport.send(message.clone()) {
+                Ok(()) => break,
+                Err(Error::PeerQueueFull { .. }) => {
+                    tokio::time::sleep(Duration::from_millis(1)).await
+                }
+                Err(other) => panic!("unexpected send error: {other}"),
+            }
+        }
+    }
+}
+
+async fn wait_until(mut condition: impl FnMut() -> bool) {
+    let deadline = Instant::now() + WAIT;
+    while !condition() {
+        assert!(
+            Instant::now() < deadline,
+            "condition not met within {WAIT:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_messages_arrive_in_order_and_intact() {
+    let mut listener = Listener::start(2, "127.0.0.1:0").await;
+    let mut transport =
+        PeerTransport::new(TransportConfig::new(CLUSTER_ID, 1)).expect("valid config");
+    transport.add_peer(2, listener.address.to_string());
+
+    const COUNT: u64 = 20_000;
+    let sender = tokio::spawn(async move {
+        send_all(&transport, (0..COUNT).map(sample_message)).await;
+        transport
+    });
+    for seq in 0..COUNT {
+        let (from, message) = listener.receive().await;
+        assert_eq!(from, 1);
+        assert_eq!(message, sample_message(seq));
+    }
+    let transport = sender.await.expect("sender finishes");
+    let stats = transport.peer_stats(2).expect("peer 2 was added");
+    assert_eq!(stats.sent_messages, COUNT);
+    assert_eq!(stats.connections, 1);
+    assert!(stats.connected);
+    listener.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn both_directions_between_two_nodes() {
+    let mut node1 = Listener::start(1, "127.0.0.1:0").await;
+    let mut node2 = Listener::start(2, "127.0.0.1:0").await;
+    let mut transport1 = PeerTransport::new(TransportConfig::new(CLUSTER_ID, 1)).expect("valid");
+    let mut transport2 = PeerTransport::new(TransportConfig::new(CLUSTER_ID, 2)).expect("valid");
+    transport1.add_peer(2, node2.address.to_string());
+    transport2.add_peer(1, node1.address.to_string());
+    for seq in 0..100 {
+        let to_2 = sample_message(seq);
+        let to_1 = Message {
+            from: 2,
+            to: 1,
+            ..sample_message(seq)
+        };
+        send_all(&transport1, [to_2.clone()]).await;
+        send_all(&transport2, [to_1.clone()]).await;
+        assert_eq!(node2.receive().await, (1, to_2));
+        assert_eq!(node1.receive().await, (2, to_1));
+    }
+    assert!(matches!(
+        transport1.send(Message {
+            to: 9,
+            ..sample_message(0)
+        }),
+        Err(Error::UnknownPeer { peer: 9 })
+    ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconnects_after_the_listener_restarts() {
+    let mut listener = Listener::start(2, "127.0.0.1:0").await;
+    let address = listener.address;
+    let mut transport = PeerTransport::new(TransportConfig::new(CLUSTER_ID, 1)).expect("valid");
+    transport.add_peer(2, address.to_string());
+    send_all(&transport, [sample_message(1)]).await;
+    assert_eq!(listener.receive().await.1, sample_message(1));
+
+    listener.stop().await;
+    wait_until(|| {
+        transport
+            .peer_stats(2)
+            .is_some_and(|stats| !stats.connected)
+    })
+    .await;
+    // Sent while the peer is down: queued, maybe lost; Raft tolerates either.
+    send_all(&transport, [sample_message(2)]).await;
+
+    let mut listener = Listener::start(2, &address.to_string()).await;
+    wait_until(|| {
+        transport
+            .peer_stats(2)
+            .is_some_and(|stats| stats.connections == 2)
+    })
+    .await;
+    send_all(&transport, (100..200).map(sample_message)).await;
+    let mut received = Vec::new();
+    while received.last() != Some(&sample_message(199)) {
+        received.push(listener.receive().await.1);
+    }
+    let expected: Vec<Message> = (100..200).map(sample_message).collect();
+    assert!(
+        received.ends_with(&expected),
+        "messages after the reconnect all arrive in order"
+    );
+    listener.stop().await;
+}
+
+/// A raw connection that has passed the handshake, for feeding hand-made frames.
+async fn handshaken(address: SocketAddr, hello: Hello) -> (TcpStream, Option<Frame>) {
+    let mut stream = TcpStream::connect(address).await.expect("listener accepts");
+    let mut buffer = Vec::new();
+    frame::encode_frame(&Frame::Hello(hello), &mut buffer).expect("encodes");
+    stream.write_all(&buffer).await.expect("writes");
+    let answer = tokio::time::timeout(WAIT, FrameReader::new(&mut stream).next_frame())
+        .await
+        .expect("answer in time")
+        .expect("a well-formed answer");
+    (stream, answer)
+}
+
+fn good_hello() -> Hello {
+    Hello {
+        cluster_id: CLUSTER_ID,
+        from: 1,
+        to: 2,
+    }
+}
+
+/// The listener closes the connection: reading yields end of stream (or a reset).
+async fn assert_closed_by_listener(stream: &mut TcpStream) {
+    let mut byte = [0u8; 1];
+    let read = tokio::time::timeout(WAIT, stream.read(&mut byte))
+        .await
+        .expect("closed in time");
+    assert!(
+        matches!(read, Ok(0) | Err(_)),
+        "expected the listener to close, read {read:?}"
+    );
+}
+
+fn encoded(message: &Message) -> Vec<u8> {
+    let mut buffer = Vec::new();
+    frame::encode_message(message, &mut buffer).expect("encodes");
+    buffer
+}
+
+#[tokio::test]
+async fn corrupt_frame_closes_the_connection_cleanly() {
+    let mut listener = Listener::start(2, "127.0.0.1:0").await;
+    let (mut stream, answer) = handshaken(listener.address, good_hello()).await;
+    assert!(matches!(answer, Some(Frame::HelloAccepted(_))));
+
+    stream
+        .write_all(&encoded(&sample_message(1)))
+        .await
+        .expect("writes");
+    assert_eq!(listener.receive().await.1, sample_message(1));
+
+    let mut corrupt = encoded(&sample_message(2));
+    let last = corrupt.len() - 1;
+    corrupt[last] ^= 0xFF;
+    stream.write_all(&corrupt).await.expect("writes");
+    assert_closed_by_listener(&mut stream).await;
+
+    // The listener itself is unharmed and serves the next connection.
+    let (mut stream, answer) = handshaken(listener.address, good_hello()).await;
+    assert!(matches!(answer, Some(Frame::HelloAccepted(_))));
+    stream
+        .write_all(&encoded(&sample_message(3)))
+        .await
+        .expect("writes");
+    assert_eq!(listener.receive().await.1, sample_message(3));
+    assert!(
+        listener.inbound.try_recv().is_err(),
+        "the corrupt frame was not forwarded"
+    );
+}
+
+#[tokio::test]
+async fn oversize_frame_closes_the_connection_before_allocating() {
+    let mut listener = Listener::start(2, "127.0.0.1:0").await;
+    let (mut stream, _) = handshaken(listener.address, good_hello()).await;
+    let mut header = Vec::new();
+    header.extend_from_slice(&(MAX_PEER_FRAME_BYTES as u32 + 1).to_be_bytes());
+    header.extend_from_slice(&0u32.to_be_bytes());
+    stream.write_all(&header).await.expect("writes");
+    assert_closed_by_listener(&mut stream).await;
+    assert!(listener.inbound.try_recv().is_err());
+}
+
+#[tokio::test]
+async fn spoofed_sender_closes_the_connection() {
+    let mut listener = Listener::start(2, "127.0.0.1:0").await;
+    let (mut stream, _) = handshaken(listener.address, good_hello()).await;
+    let spoofed = Message {
+        from: 3,
+        ..sample_message(1)
+    };
+    stream.write_all(&encoded(&spoofed)).await.expect("writes");
+    assert_closed_by_listener(&mut stream).await;
+    assert!(listener.inbound.try_recv().is_err());
+}
+
+#[tokio::test]
+async fn handshake_mismatches_are_rejected_with_a_reason() {
+    let listener = Listener::start(2, "127.0.0.1:0").await;
+    let cases = [
+        (
+            Hello {
+                cluster_id: CLUSTER_ID + 1,
+                ..good_hello()
+            },
+            "cluster id mismatch",
+        ),
+        (
+            Hello {
+                to: 5,
+                ..good_hello()
+            },
+            "dialed node 5",
+        ),
+        (
+            Hello {
+                from: 2,
+                ..good_hello()
+            },
+            "cannot be a peer",
+        ),
+    ];
+    for (hello, expected) in cases {
+        let (mut stream, answer) = handshaken(listener.address, hello).await;
+        let Some(Frame::HelloRejected(rejected)) = answer else {
+            panic!("expected a rejection, got {answer:?}");
+        };
+        assert!(rejected.reason.contains(expected), "{}", rejected.reason);
+        assert_closed_by_listener(&mut stream).await;
+    }
+
+    // A transport configured for another cluster never gets a connection up.
+    let mut transport = PeerTransport::new(TransportConfig::new(CLUSTER_ID + 1, 1)).expect("valid");
+    transport.add_peer(2, listener.address.to_string());
+    let _ = transport.send(sample_message(1));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let stats = transport.peer_stats(2).expect("added");
+    assert_eq!(stats.connections, 0);
+    assert!(!stats.connected);
+    let mut inbound = listener.stop().await;
+    assert!(inbound.try_recv().is_err());
+}
+
+#[tokio::test]
+async fn a_full_queue_drops_the_newest_and_counts_it() {
+    // Nobody listens at this address, so nothing leaves the queue.
+    let unused = bind_peer_listener("127.0.0.1:0").await.expect("binds");
+    let address = unused.local_addr().expect("has an address");
+    drop(unused);
+    let config = TransportConfig {
+        queue_messages_max: 8,
+        ..TransportConfig::new(CLUSTER_ID, 1)
+    };
+    let mut transport = PeerTransport::new(config).expect("valid");
+    transport.add_peer(2, address.to_string());
+    let results: Vec<_> = (0..20)
+        .map(|seq| transport.send(sample_message(seq)))
+        .collect();
+    assert!(results[..8].iter().all(Result::is_ok));
+    assert!(
+        results[8..]
+            .iter()
+            .all(|result| matches!(result, Err(Error::PeerQueueFull { peer: 2 })))
+    );
+    let stats = transport.peer_stats(2).expect("added");
+    assert_eq!(stats.dropped_messages, 12);
+    assert_eq!(stats.queued_messages, 8);
+}
+
+#[tokio::test]
+async fn invalid_configuration_and_busy_address_are_fatal() {
+    let config = TransportConfig {
+        node_id: 0,
+        ..TransportConfig::new(CLUSTER_ID, 1)
+    };
+    let error = PeerTransport::new(config)
+        .err()
+        .expect("node id 0 is refused");
+    assert!(error.is_fatal());
+    let taken = bind_peer_listener("127.0.0.1:0").await.expect("binds");
+    let address = taken.local_addr().expect("has an address").to_string();
+    let error = bind_peer_listener(&address)
+        .await
+        .expect_err("address in use");
+    assert!(error.is_fatal());
+    assert!(error.to_string().contains(&address));
+}
