@@ -486,3 +486,82 @@ impl DiskFile for SimFile {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_crash_keeps_synced_bytes_and_entries_and_kills_old_handles() {
+        let disk = SimDisk::new(
+            9,
+            SimDiskOptions {
+                torn_write_percent: 0,
+                garble_percent: 0,
+            },
+        );
+        let dir = Path::new("/d");
+        disk.create_dir_all(dir).expect("mkdir");
+        let synced_path = dir.join("synced");
+        let mut file = disk.create(&synced_path).expect("create");
+        file.write_at(0, b"durable").expect("write");
+        file.sync_data().expect("sync");
+        disk.sync_dir(dir).expect("sync dir");
+        file.write_at(7, b" and lost").expect("write");
+        let mut unnamed = disk.create(&dir.join("unnamed")).expect("create");
+        unnamed.write_at(0, b"x").expect("write");
+        unnamed.sync_data().expect("sync"); // data synced, but its directory entry never was
+        let _lock = disk.lock_dir(dir).expect("lock");
+        assert!(disk.lock_dir(dir).is_err());
+
+        disk.crash();
+        assert!(
+            file.read_at(0, &mut [0u8; 4]).is_err(),
+            "old handles die with the crash"
+        );
+        assert_eq!(
+            disk.list_files(dir).expect("list"),
+            vec!["synced".to_string()]
+        );
+        let reopened = disk.open(&synced_path).expect("open");
+        assert_eq!(
+            crate::disk::read_to_end(reopened.as_ref()).expect("read"),
+            b"durable"
+        );
+        assert!(disk.lock_dir(dir).is_ok(), "a crash releases locks");
+    }
+
+    #[test]
+    fn torn_crashes_keep_a_prefix_of_the_unsynced_bytes_with_at_most_a_garbled_end() {
+        for seed in 0..200 {
+            let disk = SimDisk::new(
+                seed,
+                SimDiskOptions {
+                    torn_write_percent: 100,
+                    garble_percent: 50,
+                },
+            );
+            let dir = Path::new("/d");
+            disk.create_dir_all(dir).expect("mkdir");
+            let path = dir.join("f");
+            let mut file = disk.create(&path).expect("create");
+            file.write_at(0, &[1u8; 100]).expect("write");
+            file.sync_data().expect("sync");
+            disk.sync_dir(dir).expect("sync dir");
+            file.write_at(100, &[2u8; 100]).expect("write");
+            disk.crash();
+            let bytes = disk.durable_bytes(&path).expect("file survives");
+            assert!(bytes.len() >= 100 && bytes.len() <= 200, "seed {seed}");
+            assert!(
+                bytes[..100].iter().all(|&b| b == 1),
+                "seed {seed}: synced bytes changed"
+            );
+            let torn = &bytes[100..];
+            let intact = torn.len().saturating_sub(TORN_GARBLE_BYTES_MAX);
+            assert!(
+                torn[..intact].iter().all(|&b| b == 2),
+                "seed {seed}: garbled too early"
+            );
+        }
+    }
+}
