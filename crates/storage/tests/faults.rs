@@ -339,3 +339,43 @@ fn a_real_disk_round_trips_across_reopen_with_preallocated_segments() {
     let storage = WalStorage::open(os, dir.path(), options).expect("reopen");
     assert_eq!(contents(&storage), expected);
 }
+
+#[test]
+fn a_snapshot_file_the_crash_kept_from_being_logged_is_adopted_at_open() {
+    let disk = SimDisk::new(8, SimDiskOptions::default());
+    let mut storage = open(&disk, small_options()).expect("open");
+    for index in 1..=50 {
+        storage.append(&[entry(index, 3, 20)]).expect("append");
+    }
+    storage.sync().expect("sync");
+    let meta = conclave_raft::SnapshotMeta {
+        index: 60,
+        term: 4,
+        conf_state: ConfState::with_voters([1, 2]),
+    };
+    let mut writer = storage.begin_snapshot(meta).expect("begin");
+    writer.write_chunk(b"from the leader").expect("chunk");
+    writer.finish().expect("durable file, never logged");
+    drop(storage);
+    disk.crash();
+    let storage = open(&disk, small_options()).expect("open");
+    assert_eq!(storage.recovery_report().adopted_snapshot, Some(60));
+    assert_eq!(
+        (storage.first_index(), storage.last_index()),
+        (Ok(61), Ok(60))
+    );
+    assert_eq!(storage.hard_state().commit, 60);
+    assert_eq!(
+        storage.snapshot().expect("snapshot").data.as_ref(),
+        b"from the leader"
+    );
+    drop(storage);
+    disk.crash();
+    let storage = open(&disk, small_options()).expect("reopen");
+    assert_eq!(
+        storage.recovery_report().adopted_snapshot,
+        None,
+        "adoption was made durable"
+    );
+    assert_eq!(storage.last_index(), Ok(60));
+}
