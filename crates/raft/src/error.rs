@@ -15,7 +15,7 @@ pub enum Error {
     /// Accepting the proposal would exceed `Config::max_uncommitted_bytes`.
     #[error("too many uncommitted bytes: {uncommitted} in flight, limit is {limit}")]
     UncommittedLimit { uncommitted: u64, limit: u64 },
-    /// A proposal is larger than one message may carry.
+    /// A proposal is larger than `Config::max_uncommitted_bytes`, so it could never be accepted.
     #[error("proposal of {size} bytes exceeds the limit of {limit} bytes")]
     ProposalTooLarge { size: u64, limit: u64 },
     /// A membership change is already pending; only one may be in flight at a time.

@@ -367,6 +367,14 @@ impl<S: Storage> Raft<S> {
                 | MessageBody::SnapshotChunk { .. } => {
                     self.become_follower(m.term, Some(m.from));
                 }
+                MessageBody::Vote { .. } => {
+                    // Only hearing from a leader or granting a vote resets the election timer
+                    // (Raft §5.2): a node whose clock runs fast must not keep a better
+                    // candidate from ever timing out by raising the term.
+                    let elapsed = self.election_elapsed;
+                    self.become_follower(m.term, None);
+                    self.election_elapsed = elapsed;
+                }
                 _ => self.become_follower(m.term, None),
             }
         } else if m.term < self.term {
@@ -946,13 +954,11 @@ impl<S: Storage> Raft<S> {
             return Err(Error::TransferInProgress { target });
         }
         let size = data.len() as u64;
-        if size > self.config.max_append_bytes {
-            return Err(Error::ProposalTooLarge {
-                size,
-                limit: self.config.max_append_bytes,
-            });
-        }
         let limit = self.config.max_uncommitted_bytes;
+        if size > limit {
+            // It could never fit, however empty the pipeline.
+            return Err(Error::ProposalTooLarge { size, limit });
+        }
         if self.uncommitted_bytes > 0 && self.uncommitted_bytes + size > limit {
             return Err(Error::UncommittedLimit {
                 uncommitted: self.uncommitted_bytes,

@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 
-use conclave_raft::{Entry, Index, MemStorage, NodeId, Role, Storage, Term};
+use conclave_raft::{Entry, HardState, Index, MemStorage, NodeId, Role, Storage, Term};
 
 use crate::node::{AppState, chain_hash};
 
@@ -25,6 +25,9 @@ pub struct Checker {
     log_entries: BTreeMap<(Index, Term), (u64, Term)>,
     /// StateMachineSafety: the entry applied at each index and the state hash after it.
     applied: BTreeMap<Index, (Term, u64)>,
+    /// LeaderCompleteness: for each applied index, the lowest term of a node seen applying it
+    /// (the entry was committed in that term or earlier).
+    committed_by_term: BTreeMap<Index, Term>,
     /// The state hash of each node's state machine and how far it has applied.
     node_state: BTreeMap<NodeId, AppState>,
     /// Durability: the highest term each node ever reached (across restarts).
@@ -69,9 +72,12 @@ impl Checker {
     /// A node just became leader: its log must hold every entry known committed.
     pub fn check_leader_completeness(&mut self, node: NodeId, term: Term, log: &LogView<'_>) {
         let first = log.first_index;
+        // Only entries committed in an earlier term must be there: a stale candidate may still
+        // win an old term after later terms committed more.
         let missing: Option<(Index, Term, Option<Term>)> = self
             .applied
             .range(first..)
+            .filter(|(index, _)| self.committed_by_term.get(index).is_some_and(|&c| c < term))
             .map(|(&index, &(t, _))| (index, t, log.term(index)))
             .find(|&(_, t, mine)| mine != Some(t));
         if let Some((index, committed_term, mine)) = missing {
@@ -125,7 +131,12 @@ impl Checker {
     }
 
     /// A node applied `entry`, reaching state hash `hash`.
-    pub fn observe_applied(&mut self, node: NodeId, entry: &Entry, hash: u64) {
+    pub fn observe_applied(&mut self, node: NodeId, node_term: Term, entry: &Entry, hash: u64) {
+        let by_term = self
+            .committed_by_term
+            .entry(entry.index)
+            .or_insert(node_term);
+        *by_term = (*by_term).min(node_term);
         let before = self.node_state.get(&node).map_or(0, |s| s.applied);
         if entry.index != before + 1 {
             let detail = format!("node {node} applied {} after {before}", entry.index);
@@ -170,6 +181,28 @@ impl Checker {
             Some(_) => {}
             None => {
                 self.votes.insert((voter, term), candidate);
+            }
+        }
+    }
+
+    /// A node restarted with `hard_state` from its disk: it must remember every vote it cast
+    /// (a vote leaves the node only after it was persisted) and never go back in term.
+    pub fn check_restart(&mut self, node: NodeId, hard_state: HardState) {
+        let max = self.max_term.get(&node).copied().unwrap_or(0);
+        if hard_state.term < max {
+            let detail = format!(
+                "node {node} restarted at term {} after reaching {max}",
+                hard_state.term
+            );
+            self.fail("Durability(term)", detail);
+        }
+        if let Some(&cast) = self.votes.get(&(node, hard_state.term)) {
+            if hard_state.vote != Some(cast) {
+                let detail = format!(
+                    "node {node} voted for {cast} in term {} but restarted remembering {:?}",
+                    hard_state.term, hard_state.vote
+                );
+                self.fail("Durability(vote)", detail);
             }
         }
     }

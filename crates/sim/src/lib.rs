@@ -15,4 +15,4 @@ pub mod checker;
 pub mod node;
 pub mod sim;
 
-pub use sim::{ConfigHook, Simulation, Stats, SwarmParams};
+pub use sim::{ConfigHook, Profile, Simulation, Stats, SwarmParams};

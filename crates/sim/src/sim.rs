@@ -34,17 +34,27 @@ pub struct SwarmParams {
     /// Per nemesis step: chance to crash a node / restart one / change partitions.
     pub crash_per_mille: u64,
     pub restart_per_mille: u64,
+    /// Per nemesis step: chance to crash whichever node leads (Figure 8 churn).
+    pub leader_crash_per_mille: u64,
     pub partition_per_mille: u64,
     /// Chance that handling one Ready crashes the node part-way through.
     pub crash_in_ready_per_mille: u64,
     /// Tick period of each node in ms (skewed clocks).
     pub tick_ms: Vec<u64>,
     pub snapshot_every: u64,
+    /// Core settings varied per seed: PreVote, CheckQuorum, message size and window.
+    pub pre_vote: bool,
+    pub check_quorum: bool,
+    pub max_append_bytes: u64,
+    pub max_inflight_appends: usize,
+    /// Virtual ms between nemesis steps.
+    pub nemesis_period_ms: u64,
     pub membership_changes: bool,
     pub transfers: bool,
     pub fault_phase_ms: u64,
     /// The liveness bound: after healing, a leader and full agreement must come within this.
     pub liveness_bound_ms: u64,
+    pub profile: Profile,
 }
 
 impl SwarmParams {
@@ -62,7 +72,7 @@ impl SwarmParams {
                 }
             })
             .collect();
-        SwarmParams {
+        let mut params = SwarmParams {
             nodes,
             drop_per_mille: rng.range(0, 201),
             duplicate_per_mille: rng.range(0, 101),
@@ -71,16 +81,63 @@ impl SwarmParams {
             long_delay_max_ms: rng.range(50, 500),
             crash_per_mille: rng.range(0, 60),
             restart_per_mille: rng.range(100, 400),
+            leader_crash_per_mille: if rng.range(0, 3) == 0 {
+                rng.range(50, 400)
+            } else {
+                0
+            },
             partition_per_mille: rng.range(0, 80),
             crash_in_ready_per_mille: rng.range(0, 8),
             tick_ms,
             snapshot_every: [0, 10, 50, 200][rng.range(0, 4) as usize],
+            pre_vote: rng.range(0, 4) != 0,
+            check_quorum: rng.range(0, 4) != 0,
+            max_append_bytes: [1, 64, 1024][rng.range(0, 3) as usize],
+            max_inflight_appends: [1, 8, 64][rng.range(0, 3) as usize],
+            nemesis_period_ms: rng.range(10, 60),
             membership_changes: nodes >= 3 && rng.range(0, 2) == 0,
             transfers: rng.range(0, 2) == 0,
-            fault_phase_ms: rng.range(2_000, 5_000),
+            fault_phase_ms: rng.range(5_000, 20_000),
             liveness_bound_ms: 10_000,
+            profile: Profile::Swarm,
+        };
+        if rng.range(0, 4) == 0 {
+            params.figure8_churn(nodes.max(5).min(7), &mut rng);
         }
+        params
     }
+
+    /// The Figure 8 churn of the MIT 6.5840 tests: leaders crash moments after taking over,
+    /// entries move one per message, so entries of old terms often reach a majority before
+    /// the new leader's own entry does.
+    fn figure8_churn(&mut self, nodes: usize, rng: &mut Prng) {
+        self.profile = Profile::Figure8Churn;
+        self.nodes = nodes;
+        self.tick_ms.resize(nodes + 2, BASE_TICK_MS);
+        self.drop_per_mille = rng.range(0, 50);
+        self.duplicate_per_mille = 0;
+        self.delay_max_ms = rng.range(1, 14);
+        self.long_delay_per_mille = 0;
+        self.crash_per_mille = 0;
+        self.partition_per_mille = 0;
+        self.leader_crash_per_mille = rng.range(300, 700);
+        self.restart_per_mille = 700;
+        self.snapshot_every = 0;
+        self.max_append_bytes = 1;
+        self.max_inflight_appends = 1;
+        self.nemesis_period_ms = rng.range(5, 25);
+        self.membership_changes = false;
+        self.transfers = false;
+    }
+}
+
+/// The flavour of fault schedule a seed drew.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Profile {
+    /// Everything at once, at moderate rates.
+    Swarm,
+    /// Leaders crash right after election; see [`SwarmParams::figure8_churn`].
+    Figure8Churn,
 }
 
 #[derive(Debug, Clone)]
@@ -97,7 +154,12 @@ enum Event {
 struct ClientValue {
     data: Bytes,
     committed: bool,
+    /// When it was last proposed; a client retries only after `CLIENT_RETRY_MS`.
+    proposed_at_ms: Option<u64>,
 }
+
+/// How long a client waits for its value to commit before proposing it again.
+pub const CLIENT_RETRY_MS: u64 = 300;
 
 /// Counters for reports and benchmarks.
 #[derive(Debug, Default, Clone)]
@@ -186,8 +248,10 @@ impl Simulation {
         config.election_ticks = ELECTION_TICKS;
         config.heartbeat_ticks = HEARTBEAT_TICKS;
         config.seed = self.seed.wrapping_mul(1_000_003).wrapping_add(id);
-        config.max_inflight_appends = 8;
-        config.max_append_bytes = 64;
+        config.pre_vote = self.params.pre_vote;
+        config.check_quorum = self.params.check_quorum;
+        config.max_inflight_appends = self.params.max_inflight_appends;
+        config.max_append_bytes = self.params.max_append_bytes;
         config.snapshot_chunk_bytes = 40;
         if let Some(hook) = self.config_hook {
             hook(&mut config);
@@ -290,7 +354,7 @@ impl Simulation {
             Event::Nemesis => {
                 if self.faults_on {
                     self.nemesis();
-                    self.schedule(50, Event::Nemesis);
+                    self.schedule(self.params.nemesis_period_ms, Event::Nemesis);
                 }
             }
             Event::Client => {
@@ -428,6 +492,12 @@ impl Simulation {
         node.start();
         let state = node.state;
         let term = node.term().unwrap_or(0);
+        let hard_state = node
+            .raw
+            .as_ref()
+            .map(|raw| raw.hard_state())
+            .unwrap_or_default();
+        self.checker.check_restart(id, hard_state);
         self.checker.reset_state(id, state);
         self.checker.observe_role(id, Role::Follower, term);
         self.trace(format!(
@@ -470,8 +540,9 @@ impl Simulation {
                 self.stats.snapshots_installed += 1;
                 self.checker.reset_state(id, state);
             }
+            let node_term = after.map_or(0, |(_, term, _)| term);
             for (entry, hash) in &outcome.applied {
-                self.checker.observe_applied(id, entry, *hash);
+                self.checker.observe_applied(id, node_term, entry, *hash);
                 if entry.kind == EntryKind::ConfChange {
                     self.stats.conf_changes_applied += 1;
                 }
@@ -511,12 +582,23 @@ impl Simulation {
     // ---- the nemesis and clients -----------------------------------------------------------
 
     fn nemesis(&mut self) {
+        if self.params.profile == Profile::Figure8Churn {
+            self.figure8_nemesis();
+            return;
+        }
         let roll = self.rng.range(0, 1000);
         let ids: Vec<NodeId> = self.nodes.keys().copied().collect();
         if roll < self.params.crash_per_mille {
             let victim = ids[self.rng.range(0, ids.len() as u64) as usize];
             self.crash(victim);
             return;
+        }
+        let roll = self.rng.range(0, 1000);
+        if roll < self.params.leader_crash_per_mille {
+            if let Some(leader) = self.leader() {
+                self.crash(leader);
+                return;
+            }
         }
         let roll = self.rng.range(0, 1000);
         if roll < self.params.restart_per_mille {
@@ -542,6 +624,32 @@ impl Simulation {
         let roll = self.rng.range(0, 1000);
         if self.params.membership_changes && roll < 30 {
             self.random_membership_change();
+        }
+    }
+
+    /// One round of Figure 8 churn: every leader gets a throwaway proposal, the leader may
+    /// crash at once, and a crashed node comes back only when a quorum is missing.
+    fn figure8_nemesis(&mut self) {
+        self.read_seq += 1;
+        let noise = Bytes::from(format!("noise-{}", self.read_seq));
+        for leader in self.leaders() {
+            let _ = self.propose(leader, noise.clone());
+        }
+        if self.rng.range(0, 1000) < self.params.leader_crash_per_mille {
+            if let Some(leader) = self.leader() {
+                self.crash(leader);
+            }
+        }
+        let up = self.nodes.values().filter(|n| n.is_up()).count();
+        if up <= self.nodes.len() / 2 {
+            let down: Vec<NodeId> = self
+                .nodes
+                .iter()
+                .filter(|(_, n)| !n.is_up())
+                .map(|(&id, _)| id)
+                .collect();
+            let id = down[self.rng.range(0, down.len() as u64) as usize];
+            self.restart(id);
         }
     }
 
@@ -677,17 +785,23 @@ impl Simulation {
             self.clients.push(ClientValue {
                 data,
                 committed: false,
+                proposed_at_ms: None,
             });
         }
         let leaders = self.leaders();
         if let Some(&leader) = leaders.get(self.rng.range(0, leaders.len().max(1) as u64) as usize)
         {
-            let pending: Vec<Bytes> = self
-                .clients
-                .iter()
-                .filter(|v| !v.committed)
-                .map(|v| v.data.clone())
-                .collect();
+            let now = self.now_ms;
+            let due = |v: &ClientValue| {
+                !v.committed
+                    && v.proposed_at_ms
+                        .is_none_or(|at| now >= at + CLIENT_RETRY_MS)
+            };
+            let mut pending = Vec::new();
+            for value in self.clients.iter_mut().filter(|v| due(v)) {
+                value.proposed_at_ms = Some(now);
+                pending.push(value.data.clone());
+            }
             if let Some(raw) = self.nodes.get_mut(&leader).and_then(|n| n.raw.as_mut()) {
                 for data in pending {
                     let _ = raw.propose(data);
