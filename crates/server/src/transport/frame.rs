@@ -16,6 +16,7 @@
 //! encoding follows the shape of `conclave_raft`'s types. [`WIRE_VERSION`] must be bumped
 //! whenever those types change shape; the golden-bytes test below fails when they do.
 
+use bytes::{Buf, BytesMut};
 use conclave_raft::{Message, NodeId};
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt};
@@ -185,71 +186,93 @@ fn decode_payload<'a, T: Deserialize<'a>>(payload: &'a [u8]) -> Result<T, Error>
     Ok(value)
 }
 
-/// Reads frames one by one from a byte stream, reusing one body buffer.
+/// Spare room kept in the read buffer so that a read can take in a whole batch of small
+/// frames at once.
+const READ_CHUNK_BYTES: usize = 64 * 1024;
+
+/// A read buffer grown past this by a large frame is released once it is empty again.
+const READ_BUFFER_RETAINED_BYTES_MAX: usize = 4 * 1024 * 1024;
+
+enum Parsed {
+    Frame(Frame),
+    /// The buffer holds less than one frame; the frame is this long (0: header incomplete).
+    NeedFrameBytes(usize),
+}
+
+/// Reads frames from a byte stream through its own buffer: many small frames come out of one
+/// read, and a large frame is read straight into room reserved for all of it, so each byte is
+/// copied once from the kernel and decoded in place.
+///
+/// It may read past the frame it returns, so a stream must not be handed elsewhere after use.
 pub struct FrameReader<R> {
     stream: R,
-    body: Vec<u8>,
+    buffer: BytesMut,
 }
 
 impl<R: AsyncRead + Unpin> FrameReader<R> {
     pub fn new(stream: R) -> Self {
         FrameReader {
             stream,
-            body: Vec::new(),
+            buffer: BytesMut::new(),
         }
     }
 
     /// The next frame, or `None` when the stream ended cleanly between frames.
     ///
-    /// Cancel safety: not cancel safe; a frame half read when the future is dropped is lost,
-    /// so callers drop the reader with the connection.
+    /// Cancel safe: bytes already read stay in the buffer for the next call.
     pub async fn next_frame(&mut self) -> Result<Option<Frame>, Error> {
-        let mut header = [0u8; FRAME_HEADER_BYTES];
-        if !self.read_header(&mut header).await? {
-            return Ok(None);
-        }
-        let (body_bytes, checksum) = parse_header(header)?;
-        self.body.resize(body_bytes, 0);
-        self.stream
-            .read_exact(&mut self.body)
-            .await
-            .map_err(truncated_or_io)?;
-        let frame = decode_body(&self.body, checksum);
-        // Give back memory after an unusually large frame (a snapshot chunk, a big append).
-        if self.body.capacity() > 4 * 1024 * 1024 {
-            self.body = Vec::new();
-        }
-        frame.map(Some)
-    }
-
-    /// Fills `header`; false if the stream ended before its first byte.
-    async fn read_header(&mut self, header: &mut [u8; FRAME_HEADER_BYTES]) -> Result<bool, Error> {
-        let mut filled = 0;
-        while filled < header.len() {
-            let read = self.stream.read(&mut header[filled..]).await?;
+        loop {
+            let frame_bytes = match self.parse_buffered()? {
+                Parsed::Frame(frame) => return Ok(Some(frame)),
+                Parsed::NeedFrameBytes(frame_bytes) => frame_bytes,
+            };
+            let read = if frame_bytes > READ_CHUNK_BYTES {
+                // Read a large frame's remainder exactly, so the buffer ends on the frame
+                // boundary and the next frame starts at the front without being moved.
+                let remaining_bytes = (frame_bytes - self.buffer.len()) as u64;
+                (&mut self.stream)
+                    .take(remaining_bytes)
+                    .read_buf(&mut self.buffer)
+                    .await?
+            } else {
+                if self.buffer.capacity() - self.buffer.len() < READ_CHUNK_BYTES / 16 {
+                    self.buffer.reserve(READ_CHUNK_BYTES);
+                }
+                self.stream.read_buf(&mut self.buffer).await?
+            };
             if read == 0 {
-                return if filled == 0 {
-                    Ok(false)
+                return if self.buffer.is_empty() {
+                    Ok(None)
                 } else {
                     Err(Error::FrameTruncated)
                 };
             }
-            filled += read;
         }
-        Ok(true)
+    }
+
+    /// Takes one whole frame off the front of the buffer if there is one; otherwise makes
+    /// room for the rest of the frame and says how long the frame is (header only: 0).
+    fn parse_buffered(&mut self) -> Result<Parsed, Error> {
+        let Some(header) = self.buffer.first_chunk::<FRAME_HEADER_BYTES>() else {
+            return Ok(Parsed::NeedFrameBytes(0));
+        };
+        let (body_bytes, checksum) = parse_header(*header)?;
+        let frame_bytes = FRAME_HEADER_BYTES + body_bytes;
+        if self.buffer.len() < frame_bytes {
+            self.buffer.reserve(frame_bytes - self.buffer.len());
+            return Ok(Parsed::NeedFrameBytes(frame_bytes));
+        }
+        let frame = decode_body(&self.buffer[FRAME_HEADER_BYTES..frame_bytes], checksum);
+        self.buffer.advance(frame_bytes);
+        if self.buffer.is_empty() && self.buffer.capacity() > READ_BUFFER_RETAINED_BYTES_MAX {
+            self.buffer = BytesMut::new();
+        }
+        frame.map(Parsed::Frame)
     }
 
     /// The underlying stream, for writing answers on the same connection.
     pub fn get_mut(&mut self) -> &mut R {
         &mut self.stream
-    }
-}
-
-fn truncated_or_io(error: std::io::Error) -> Error {
-    if error.kind() == std::io::ErrorKind::UnexpectedEof {
-        Error::FrameTruncated
-    } else {
-        Error::PeerIo(error)
     }
 }
 

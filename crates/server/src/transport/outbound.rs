@@ -303,6 +303,7 @@ impl PeerLink {
         frame::encode_frame(&Frame::Hello(hello), &mut buffer)?;
         stream.write_all(&buffer).await?;
         let handshake_timeout = Duration::from_millis(self.config.handshake_timeout_ms);
+        // The reader may buffer past the answer; harmless, the listener sends nothing after it.
         let answer = tokio::time::timeout(
             handshake_timeout,
             FrameReader::new(&mut stream).next_frame(),
