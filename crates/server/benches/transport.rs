@@ -100,7 +100,7 @@ async fn run(scenario: &Scenario) -> Result<Measured, Error> {
         },
     ));
     let mut transport = PeerTransport::new(TransportConfig::new(CLUSTER_ID, 1))?;
-    transport.add_peer(2, address);
+    transport.add_peer(2, address)?;
     while !transport.peer_stats(2).is_some_and(|stats| stats.connected) {
         tokio::time::sleep(Duration::from_millis(1)).await;
     }

@@ -159,7 +159,9 @@ async fn many_messages_arrive_in_order_and_intact() {
     let mut listener = Listener::start(2, "127.0.0.1:0").await;
     let mut transport =
         PeerTransport::new(TransportConfig::new(CLUSTER_ID, 1)).expect("valid config");
-    transport.add_peer(2, listener.address.to_string());
+    transport
+        .add_peer(2, listener.address.to_string())
+        .expect("valid peer");
 
     const COUNT: u64 = 20_000;
     let sender = tokio::spawn(async move {
@@ -185,8 +187,12 @@ async fn both_directions_between_two_nodes() {
     let mut node2 = Listener::start(2, "127.0.0.1:0").await;
     let mut transport1 = PeerTransport::new(TransportConfig::new(CLUSTER_ID, 1)).expect("valid");
     let mut transport2 = PeerTransport::new(TransportConfig::new(CLUSTER_ID, 2)).expect("valid");
-    transport1.add_peer(2, node2.address.to_string());
-    transport2.add_peer(1, node1.address.to_string());
+    transport1
+        .add_peer(2, node2.address.to_string())
+        .expect("valid peer");
+    transport2
+        .add_peer(1, node1.address.to_string())
+        .expect("valid peer");
     for seq in 0..100 {
         let to_2 = sample_message(seq);
         let to_1 = Message {
@@ -213,7 +219,9 @@ async fn reconnects_after_the_listener_restarts() {
     let mut listener = Listener::start(2, "127.0.0.1:0").await;
     let address = listener.address;
     let mut transport = PeerTransport::new(TransportConfig::new(CLUSTER_ID, 1)).expect("valid");
-    transport.add_peer(2, address.to_string());
+    transport
+        .add_peer(2, address.to_string())
+        .expect("valid peer");
     send_all(&transport, [sample_message(1)]).await;
     assert_eq!(listener.receive().await.1, sample_message(1));
 
@@ -380,7 +388,9 @@ async fn handshake_mismatches_are_rejected_with_a_reason() {
 
     // A transport configured for another cluster never gets a connection up.
     let mut transport = PeerTransport::new(TransportConfig::new(CLUSTER_ID + 1, 1)).expect("valid");
-    transport.add_peer(2, listener.address.to_string());
+    transport
+        .add_peer(2, listener.address.to_string())
+        .expect("valid peer");
     let _ = transport.send(sample_message(1));
     tokio::time::sleep(Duration::from_millis(200)).await;
     let stats = transport.peer_stats(2).expect("added");
@@ -401,7 +411,9 @@ async fn a_full_queue_drops_the_newest_and_counts_it() {
         ..TransportConfig::new(CLUSTER_ID, 1)
     };
     let mut transport = PeerTransport::new(config).expect("valid");
-    transport.add_peer(2, address.to_string());
+    transport
+        .add_peer(2, address.to_string())
+        .expect("valid peer");
     let results: Vec<_> = (0..20)
         .map(|seq| transport.send(sample_message(seq)))
         .collect();

@@ -30,7 +30,7 @@
 //! tokio::spawn(serve_peers(listener, config.clone(), inbound_sender, std::future::pending()));
 //!
 //! let mut transport = PeerTransport::new(config)?;
-//! transport.add_peer(2, "127.0.0.1:2382");
+//! transport.add_peer(2, "127.0.0.1:2382")?;
 //! for message in ready_messages {
 //!     // Never blocks; a full queue drops the message, which Raft recovers from.
 //!     let _ = transport.send(message);

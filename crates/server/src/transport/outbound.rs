@@ -98,18 +98,21 @@ impl PeerTransport {
     /// Starts sending to `peer` at `address` (`host:port`, resolved on every connect so a
     /// renamed host is followed). Re-adding a peer with another address restarts its link;
     /// with the same address it does nothing. Must be called inside a tokio runtime.
-    pub fn add_peer(&mut self, peer: NodeId, address: impl Into<String>) {
+    ///
+    /// Fails (fatal: a configuration error) for id 0 or this node's own id.
+    pub fn add_peer(&mut self, peer: NodeId, address: impl Into<String>) -> Result<(), Error> {
         let address = address.into();
-        assert!(
-            peer != self.config.node_id,
-            "a node does not send to itself"
-        );
+        if peer == 0 || peer == self.config.node_id {
+            return Err(Error::InvalidConfig {
+                reason: format!("node {} cannot have peer id {peer}", self.config.node_id),
+            });
+        }
         if self
             .peers
             .get(&peer)
             .is_some_and(|existing| existing.address == address)
         {
-            return;
+            return Ok(());
         }
         self.remove_peer(peer);
         let (queue, receiver) = mpsc::channel(self.config.queue_messages_max);
@@ -130,6 +133,7 @@ impl PeerTransport {
                 task,
             },
         );
+        Ok(())
     }
 
     /// Stops sending to `peer`, dropping whatever is queued for it.
@@ -255,7 +259,7 @@ impl PeerLink {
                     } else {
                         debug!(peer = self.peer, %error, failures_in_row, "peer still unreachable");
                     }
-                    if error.is_fatal() || matches!(error, Error::HandshakeRejected { .. }) {
+                    if matches!(error, Error::HandshakeRejected { .. }) {
                         // A rejection will not fix itself quickly; wait the longest step.
                         backoff_ms = self.config.reconnect_backoff_max_ms;
                     }
