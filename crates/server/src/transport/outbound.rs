@@ -10,7 +10,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use conclave_raft::{Message, MessageBody, NodeId};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -270,17 +270,23 @@ impl PeerLink {
             };
             info!(peer = self.peer, address = %self.address, "connected to peer");
             failures_in_row = 0;
-            backoff_ms = self.config.reconnect_backoff_initial_ms;
             self.counters.connections.fetch_add(1, Ordering::Relaxed);
             self.counters.connected.store(true, Ordering::Relaxed);
+            let connected_at = Instant::now();
             let outcome = self.pump(stream, &mut queue).await;
             self.counters.connected.store(false, Ordering::Relaxed);
             match outcome {
                 Ok(LinkEnd::QueueClosed) => return,
                 Err(error) => {
                     warn!(peer = self.peer, %error, "peer connection lost; reconnecting");
-                    // A short pause so a peer that accepts and then drops us is not hammered.
+                    // Only a connection that lived a while resets the backoff, so a peer that
+                    // accepts and then drops us at once is retried ever more slowly.
+                    let lived_ms = connected_at.elapsed().as_millis() as u64;
+                    if lived_ms >= self.config.reconnect_backoff_max_ms {
+                        backoff_ms = self.config.reconnect_backoff_initial_ms;
+                    }
                     tokio::time::sleep(Duration::from_millis(backoff_ms)).await;
+                    backoff_ms = (backoff_ms * 2).min(self.config.reconnect_backoff_max_ms);
                 }
             }
         }
