@@ -181,8 +181,11 @@ impl LeaseTable {
     }
 
     pub(crate) fn attach_key(&mut self, id: i64, key: &Bytes) {
-        if let Some(lease) = self.leases.get_mut(&id) {
-            lease.keys.insert(key.clone());
+        if let Some(lease) = self.leases.get_mut(&id)
+            && !lease.keys.contains(key)
+        {
+            // A private copy, so a shared request buffer is not kept alive.
+            lease.keys.insert(Bytes::copy_from_slice(key));
         }
     }
 

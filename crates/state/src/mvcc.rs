@@ -411,7 +411,15 @@ impl KvStore {
         let revision = self.write_revision();
         let sub = self.pending_writes;
         self.pending_writes += 1;
-        let history = self.keys.entry(key.clone()).or_default();
+        // Store private copies: a request's Bytes may be a slice of a much larger buffer, which
+        // the store would otherwise keep alive for as long as the key exists.
+        if !self.keys.contains_key(&key[..]) {
+            self.keys.insert(Bytes::copy_from_slice(&key), Vec::new());
+        }
+        let value = Bytes::copy_from_slice(&value);
+        let Some(history) = self.keys.get_mut(&key[..]) else {
+            unreachable!("inserted above")
+        };
         let previous = visible(history, None).map(|record| record.to_kv(&key));
         let (create_revision, version) = match &previous {
             Some(prev) => (prev.create_revision, prev.version + 1),
