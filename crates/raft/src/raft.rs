@@ -237,7 +237,9 @@ impl<S: Storage> Raft<S> {
 
     fn tick_election(&mut self) {
         self.election_elapsed += 1;
-        if self.election_elapsed >= self.randomized_election_ticks {
+        // A node that cannot campaign keeps counting, so its leader lease runs out and it
+        // will vote for others once the leader is gone.
+        if self.promotable() && self.election_elapsed >= self.randomized_election_ticks {
             self.election_elapsed = 0;
             self.campaign(CampaignKind::Timeout);
         }

@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 
-use conclave_raft::{Entry, HardState, Index, MemStorage, NodeId, Role, Storage, Term};
+use conclave_raft::{Entry, HardState, Index, NodeId, Role, Storage, Term};
 
 use crate::node::{AppState, chain_hash};
 
@@ -236,12 +236,12 @@ impl Checker {
 pub struct LogView<'a> {
     pub first_index: Index,
     pub last_index: Index,
-    store: &'a MemStorage,
+    store: &'a dyn Storage,
 }
 
 impl<'a> LogView<'a> {
     /// A view of what `store` holds (call after a Ready was persisted).
-    pub fn new(store: &'a MemStorage) -> Self {
+    pub fn new(store: &'a dyn Storage) -> Self {
         let first_index = store.first_index().unwrap_or(1);
         let last_index = store.last_index().unwrap_or(0);
         LogView {

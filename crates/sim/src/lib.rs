@@ -15,4 +15,5 @@ pub mod checker;
 pub mod node;
 pub mod sim;
 
+pub use node::StorageKind;
 pub use sim::{ConfigHook, Profile, Simulation, Stats, SwarmParams};

@@ -5,7 +5,7 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use clap::Parser;
-use conclave_sim::Simulation;
+use conclave_sim::{Simulation, StorageKind, SwarmParams};
 
 /// Deterministic simulation of Conclave's Raft core under network and crash faults.
 #[derive(Parser, Debug)]
@@ -23,9 +23,28 @@ struct Args {
     /// Cluster size (1, 3, 5 or 7); drawn from the seed when absent.
     #[arg(long, value_parser = parse_nodes)]
     nodes: Option<usize>,
+    /// Storage under the nodes: `mem`, or `wal` for Conclave's write-ahead log on a simulated
+    /// disk that loses unsynced writes and tears the last one on a crash.
+    #[arg(long, value_enum, default_value_t = StorageArg::Mem)]
+    storage: StorageArg,
     /// With --seed: print `trace_hash=<hex>` of the run.
     #[arg(long, requires = "seed")]
     trace_hash: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum StorageArg {
+    Mem,
+    Wal,
+}
+
+fn simulation(seed: u64, args: &Args) -> Simulation {
+    let mut params = SwarmParams::from_seed(seed, args.nodes);
+    params.storage = match args.storage {
+        StorageArg::Mem => StorageKind::Mem,
+        StorageArg::Wal => StorageKind::Wal,
+    };
+    Simulation::with_params(seed, params, true, None)
 }
 
 fn parse_nodes(s: &str) -> Result<usize, String> {
@@ -45,7 +64,7 @@ fn main() -> ExitCode {
     let on_terminal = std::io::stderr().is_terminal();
     let (mut events, mut violations) = (0u64, 0u64);
     for seed in args.first_seed..args.first_seed + count {
-        let mut sim = Simulation::new(seed, args.nodes);
+        let mut sim = simulation(seed, &args);
         let ok = sim.run();
         events += sim.stats.events;
         if !ok {
@@ -76,7 +95,7 @@ fn main() -> ExitCode {
 }
 
 fn run_one(seed: u64, args: &Args) -> ExitCode {
-    let mut sim = Simulation::new(seed, args.nodes);
+    let mut sim = simulation(seed, args);
     let ok = sim.run();
     if args.trace_hash {
         println!("trace_hash={:016x}", sim.trace_hash());

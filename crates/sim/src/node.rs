@@ -1,11 +1,174 @@
 //! A simulated Conclave node: a Raft core over in-memory durable storage, plus a tiny state
 //! machine (a hash chain over applied entries) that the checkers can compare across nodes.
 
+use std::sync::Arc;
+
 use bytes::Bytes;
 use conclave_raft::{
-    Config, Entry, EntryKind, Index, MemStorage, Message, RawNode, ReadState, Ready, Role,
-    SoftState, Storage, Term,
+    ConfState, Config, Entry, EntryKind, HardState, Index, MemStorage, Message, RawNode, ReadState,
+    Ready, Role, Snapshot, SoftState, Storage, StorageError, Term,
 };
+use conclave_storage::{SimDisk, SimDiskOptions, StorageOptions, WalStorage};
+
+/// Which storage the simulated nodes persist to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StorageKind {
+    /// `MemStorage`: every persist is atomic and durable at once.
+    Mem,
+    /// Conclave's write-ahead log over a simulated disk that loses unsynced bytes on a crash
+    /// and may tear the last write.
+    Wal,
+}
+
+/// The directory of a node's data on its simulated disk.
+const WAL_DIR: &str = "/data";
+
+/// A node's storage, whichever kind the run uses.
+pub enum NodeStorage {
+    Mem(MemStorage),
+    Wal(Box<WalStorage>),
+}
+
+/// What outlives a crash.
+#[derive(Clone)]
+pub enum NodeDisk {
+    Mem(MemStorage),
+    Wal(SimDisk),
+}
+
+impl NodeStorage {
+    fn write(&mut self, ready: &Ready) -> Result<(), String> {
+        match self {
+            NodeStorage::Mem(mem) => {
+                if let Some(snapshot) = &ready.snapshot {
+                    mem.apply_snapshot(snapshot.clone());
+                }
+                mem.append(&ready.entries);
+                if let Some(hard_state) = ready.hard_state {
+                    mem.set_hard_state(hard_state);
+                }
+                Ok(())
+            }
+            NodeStorage::Wal(wal) => {
+                if let Some(snapshot) = &ready.snapshot {
+                    wal.apply_snapshot(snapshot.clone())
+                        .map_err(|e| e.to_string())?;
+                }
+                wal.append(&ready.entries).map_err(|e| e.to_string())?;
+                if let Some(hard_state) = ready.hard_state {
+                    wal.set_hard_state(hard_state).map_err(|e| e.to_string())?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    fn sync(&mut self) -> Result<(), String> {
+        match self {
+            NodeStorage::Mem(_) => Ok(()),
+            NodeStorage::Wal(wal) => wal.sync().map(|_| ()).map_err(|e| e.to_string()),
+        }
+    }
+
+    fn create_snapshot(
+        &mut self,
+        index: Index,
+        conf_state: ConfState,
+        data: Bytes,
+    ) -> Result<(), String> {
+        match self {
+            NodeStorage::Mem(mem) => {
+                mem.create_snapshot(index, conf_state, data);
+                Ok(())
+            }
+            NodeStorage::Wal(wal) => wal
+                .create_snapshot(index, conf_state, data)
+                .map_err(|e| e.to_string()),
+        }
+    }
+}
+
+impl Storage for NodeStorage {
+    fn initial_state(&self) -> Result<(HardState, ConfState), StorageError> {
+        match self {
+            NodeStorage::Mem(s) => s.initial_state(),
+            NodeStorage::Wal(s) => s.initial_state(),
+        }
+    }
+    fn entries(&self, low: Index, high: Index, max_bytes: u64) -> Result<Vec<Entry>, StorageError> {
+        match self {
+            NodeStorage::Mem(s) => s.entries(low, high, max_bytes),
+            NodeStorage::Wal(s) => s.entries(low, high, max_bytes),
+        }
+    }
+    fn term(&self, index: Index) -> Result<Term, StorageError> {
+        match self {
+            NodeStorage::Mem(s) => s.term(index),
+            NodeStorage::Wal(s) => s.term(index),
+        }
+    }
+    fn first_index(&self) -> Result<Index, StorageError> {
+        match self {
+            NodeStorage::Mem(s) => s.first_index(),
+            NodeStorage::Wal(s) => s.first_index(),
+        }
+    }
+    fn last_index(&self) -> Result<Index, StorageError> {
+        match self {
+            NodeStorage::Mem(s) => s.last_index(),
+            NodeStorage::Wal(s) => s.last_index(),
+        }
+    }
+    fn snapshot(&self) -> Result<Snapshot, StorageError> {
+        match self {
+            NodeStorage::Mem(s) => s.snapshot(),
+            NodeStorage::Wal(s) => s.snapshot(),
+        }
+    }
+}
+
+impl NodeDisk {
+    /// A fresh disk; founding members get the bootstrap membership.
+    pub fn new(
+        kind: StorageKind,
+        seed: u64,
+        founding: Option<ConfState>,
+    ) -> Result<NodeDisk, String> {
+        match kind {
+            StorageKind::Mem => Ok(NodeDisk::Mem(match founding {
+                Some(conf) => MemStorage::new_with_conf_state(conf),
+                None => MemStorage::default(),
+            })),
+            StorageKind::Wal => {
+                let disk = SimDisk::new(seed, SimDiskOptions::default());
+                let mut wal = WalStorage::open(
+                    Arc::new(disk.clone()),
+                    WAL_DIR,
+                    StorageOptions::for_simulation(),
+                )
+                .map_err(|e| e.to_string())?;
+                if let Some(conf) = founding {
+                    wal.bootstrap(conf).map_err(|e| e.to_string())?;
+                }
+                wal.sync().map_err(|e| e.to_string())?;
+                Ok(NodeDisk::Wal(disk))
+            }
+        }
+    }
+
+    fn open(&self) -> Result<NodeStorage, String> {
+        match self {
+            NodeDisk::Mem(mem) => Ok(NodeStorage::Mem(mem.clone())),
+            NodeDisk::Wal(disk) => WalStorage::open(
+                Arc::new(disk.clone()),
+                WAL_DIR,
+                StorageOptions::for_simulation(),
+            )
+            .map(|wal| NodeStorage::Wal(Box::new(wal)))
+            .map_err(|e| format!("write-ahead log failed to recover: {e}")),
+        }
+    }
+}
 
 /// Where a crash may strike while a Ready is handled.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -16,6 +179,8 @@ pub enum CrashPoint {
     AfterPersist,
     /// After sending, before applying.
     AfterSend,
+    /// After writing, before the fsync: the disk keeps an arbitrary, possibly torn, part.
+    BeforeSync,
 }
 
 /// The simulated application state: how many entries were applied and a hash over them, so
@@ -88,15 +253,17 @@ pub struct ReadyOutcome {
     /// Entries made durable (for the log-matching check).
     pub persisted: Vec<Entry>,
     pub crashed: bool,
+    /// The storage failed; the node stopped.
+    pub storage_error: Option<String>,
 }
 
 /// One node of the simulated cluster.
 pub struct SimNode {
     pub id: u64,
     /// `None` while the node is down.
-    pub raw: Option<RawNode<MemStorage>>,
+    pub raw: Option<RawNode<NodeStorage>>,
     /// What survives a crash: everything persisted so far.
-    pub disk: MemStorage,
+    pub disk: NodeDisk,
     pub state: AppState,
     pub config: Config,
     /// Take a snapshot once this many entries were applied since the last one (0 = never).
@@ -105,7 +272,7 @@ pub struct SimNode {
 }
 
 impl SimNode {
-    pub fn new(config: Config, disk: MemStorage, snapshot_every: u64) -> Self {
+    pub fn new(config: Config, disk: NodeDisk, snapshot_every: u64) -> Result<Self, String> {
         let id = config.id;
         let mut node = SimNode {
             id,
@@ -116,14 +283,16 @@ impl SimNode {
             snapshot_every,
             restarts: 0,
         };
-        node.start();
-        node
+        node.start()?;
+        Ok(node)
     }
 
     /// Boots the core from the durable disk; the state machine restarts from the snapshot.
-    pub fn start(&mut self) {
+    /// Fails (a durability violation) when the disk cannot be recovered.
+    pub fn start(&mut self) -> Result<(), String> {
         assert!(self.raw.is_none(), "node {} started twice", self.id);
-        let snapshot = self.disk.snapshot().expect("mem storage snapshot");
+        let store = self.disk.open()?;
+        let snapshot = store.snapshot().map_err(|e| e.to_string())?;
         self.state = AppState::decode(&snapshot.data);
         self.state.applied = snapshot.meta.index;
         let mut config = self.config.clone();
@@ -133,14 +302,22 @@ impl SimNode {
             .seed
             .wrapping_add(self.restarts.wrapping_mul(0x9E37_79B9));
         self.restarts += 1;
-        let raw = RawNode::new(config, self.disk.clone()).expect("valid sim config");
+        let raw = RawNode::new(config, store)?;
         self.raw = Some(raw);
+        Ok(())
     }
 
     pub fn crash(&mut self) {
-        if let Some(raw) = self.raw.take() {
+        let Some(raw) = self.raw.take() else { return };
+        match (&mut self.disk, raw.store()) {
             // Only what a completed persist step wrote is on the disk.
-            self.disk = raw.store().clone();
+            (NodeDisk::Mem(disk), NodeStorage::Mem(mem)) => *disk = mem.clone(),
+            (NodeDisk::Wal(disk), NodeStorage::Wal(_)) => {
+                drop(raw);
+                // Unsynced bytes are lost; the last write may be torn.
+                disk.crash();
+            }
+            _ => unreachable!("a node's storage and disk are of one kind"),
         }
     }
 
@@ -168,28 +345,45 @@ impl SimNode {
         let ready: Ready = raw.ready();
         out.soft_state = ready.soft_state;
         if crash_at == Some(CrashPoint::BeforePersist) {
-            self.raw = None;
+            self.crash();
             out.crashed = true;
             return out;
         }
         let store = raw.store_mut();
-        if let Some(snapshot) = &ready.snapshot {
-            store.apply_snapshot(snapshot.clone());
+        if let Err(e) = store.write(&ready) {
+            out.storage_error = Some(e);
+            self.crash();
+            out.crashed = true;
+            return out;
         }
-        store.append(&ready.entries);
-        if let Some(hard_state) = ready.hard_state {
-            store.set_hard_state(hard_state);
+        if crash_at == Some(CrashPoint::BeforeSync) {
+            self.crash();
+            out.crashed = true;
+            return out;
+        }
+        if ready.must_sync {
+            if let Err(e) = raw.store_mut().sync() {
+                out.storage_error = Some(e);
+                self.crash();
+                out.crashed = true;
+                return out;
+            }
         }
         out.persisted = ready.entries.clone();
-        self.disk = store.clone();
+        let Some(raw) = self.raw.as_mut() else {
+            return out;
+        };
+        if let (NodeDisk::Mem(disk), NodeStorage::Mem(mem)) = (&mut self.disk, raw.store()) {
+            *disk = mem.clone();
+        }
         if crash_at == Some(CrashPoint::AfterPersist) {
-            self.raw = None;
+            self.crash();
             out.crashed = true;
             return out;
         }
         out.messages = ready.messages.clone();
         if crash_at == Some(CrashPoint::AfterSend) {
-            self.raw = None;
+            self.crash();
             out.crashed = true;
             return out;
         }
@@ -205,17 +399,23 @@ impl SimNode {
         }
         out.read_states = ready.read_states.clone();
         raw.advance(ready);
-        self.maybe_snapshot();
+        if let Err(e) = self.maybe_snapshot() {
+            out.storage_error = Some(e);
+            self.crash();
+            out.crashed = true;
+        }
         out
     }
 
-    fn maybe_snapshot(&mut self) {
-        let Some(raw) = self.raw.as_mut() else { return };
+    fn maybe_snapshot(&mut self) -> Result<(), String> {
+        let Some(raw) = self.raw.as_mut() else {
+            return Ok(());
+        };
         if self.snapshot_every == 0 {
-            return;
+            return Ok(());
         }
         let applied = raw.applied_index();
-        let snap_index = raw.store().first_index().expect("mem storage") - 1;
+        let snap_index = raw.store().first_index().map_err(|e| e.to_string())? - 1;
         if applied >= snap_index + self.snapshot_every {
             assert_eq!(
                 applied, self.state.applied,
@@ -223,8 +423,11 @@ impl SimNode {
             );
             let conf_state = raw.conf_state().clone();
             let data = self.state.encode();
-            raw.store_mut().create_snapshot(applied, conf_state, data);
-            self.disk = raw.store().clone();
+            raw.store_mut().create_snapshot(applied, conf_state, data)?;
+            if let (NodeDisk::Mem(disk), NodeStorage::Mem(mem)) = (&mut self.disk, raw.store()) {
+                *disk = mem.clone();
+            }
         }
+        Ok(())
     }
 }

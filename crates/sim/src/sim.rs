@@ -6,12 +6,11 @@ use std::fmt::Write as _;
 
 use bytes::Bytes;
 use conclave_raft::{
-    ConfChangeStep, ConfState, Config, EntryKind, MemStorage, Message, MessageBody, NodeId, Prng,
-    Role, Storage,
+    ConfChangeStep, ConfState, Config, EntryKind, Message, MessageBody, NodeId, Prng, Role, Storage,
 };
 
 use crate::checker::{Checker, LogView, Violation};
-use crate::node::{CrashPoint, SimNode};
+use crate::node::{CrashPoint, NodeDisk, NodeStorage, SimNode, StorageKind};
 
 /// Virtual milliseconds between ticks of a node running at nominal speed.
 pub const BASE_TICK_MS: u64 = 10;
@@ -55,6 +54,7 @@ pub struct SwarmParams {
     /// The liveness bound: after healing, a leader and full agreement must come within this.
     pub liveness_bound_ms: u64,
     pub profile: Profile,
+    pub storage: StorageKind,
 }
 
 impl SwarmParams {
@@ -100,6 +100,7 @@ impl SwarmParams {
             fault_phase_ms: rng.range(5_000, 20_000),
             liveness_bound_ms: 10_000,
             profile: Profile::Swarm,
+            storage: StorageKind::Mem,
         };
         if rng.range(0, 4) == 0 {
             params.figure8_churn(nodes.max(5).min(7), &mut rng);
@@ -232,8 +233,7 @@ impl Simulation {
         };
         let voters: Vec<NodeId> = (1..=sim.params.nodes as u64).collect();
         for &id in &voters {
-            let disk = MemStorage::new_with_conf_state(ConfState::with_voters(voters.clone()));
-            sim.add_node(id, disk);
+            sim.add_node(id, Some(ConfState::with_voters(voters.clone())));
         }
         if automatic {
             sim.schedule(1, Event::Nemesis);
@@ -259,9 +259,16 @@ impl Simulation {
         config
     }
 
-    fn add_node(&mut self, id: NodeId, disk: MemStorage) {
+    /// Starts node `id` on a fresh disk; founding members get the initial membership.
+    fn add_node(&mut self, id: NodeId, founding: Option<ConfState>) {
         let config = self.node_config(id);
-        let node = SimNode::new(config, disk, self.params.snapshot_every);
+        let disk_seed = self.seed.wrapping_mul(31).wrapping_add(id);
+        let node = NodeDisk::new(self.params.storage, disk_seed, founding)
+            .and_then(|disk| SimNode::new(config, disk, self.params.snapshot_every));
+        let node = match node {
+            Ok(node) => node,
+            Err(e) => panic!("cannot create simulated node {id}: {e}"),
+        };
         self.checker.reset_state(id, node.state);
         self.nodes.insert(id, node);
         let tick = self.tick_period(id);
@@ -489,7 +496,14 @@ impl Simulation {
         if node.is_up() {
             return;
         }
-        node.start();
+        if let Err(e) = node.start() {
+            let detail = format!("node {id} cannot restart: {e}");
+            self.checker.violations.push(Violation {
+                invariant: "Durability(storage)",
+                detail,
+            });
+            return;
+        }
         let state = node.state;
         let term = node.term().unwrap_or(0);
         let hard_state = node
@@ -511,7 +525,7 @@ impl Simulation {
     fn process(&mut self, id: NodeId) {
         for _ in 0..16 {
             let crash_roll = self.rng.range(0, 1000);
-            let point_roll = self.rng.range(0, 3);
+            let point_roll = self.rng.range(0, 12);
             let Some(node) = self.nodes.get_mut(&id) else {
                 return;
             };
@@ -519,12 +533,18 @@ impl Simulation {
             if !raw.has_ready() {
                 return;
             }
+            let points = match self.params.storage {
+                StorageKind::Mem => 3,
+                StorageKind::Wal => 4,
+            };
+            let point_roll = point_roll % points;
             let crash_at = (self.faults_on && crash_roll < self.params.crash_in_ready_per_mille)
                 .then(|| {
                     [
                         CrashPoint::BeforePersist,
                         CrashPoint::AfterPersist,
                         CrashPoint::AfterSend,
+                        CrashPoint::BeforeSync,
                     ][point_roll as usize]
                 });
             let outcome = node.handle_ready(crash_at);
@@ -556,6 +576,13 @@ impl Simulation {
             }
             for m in outcome.messages {
                 self.send(m);
+            }
+            if let Some(e) = outcome.storage_error {
+                let detail = format!("node {id} storage failed: {e}");
+                self.checker.violations.push(Violation {
+                    invariant: "Durability(storage)",
+                    detail,
+                });
             }
             if outcome.crashed {
                 self.stats.crashes += 1;
@@ -764,7 +791,7 @@ impl Simulation {
         if let ConfChangeStep::AddLearner(id) = step {
             // A node joining from scratch: an empty disk that knows no members; it learns
             // everything from the leader.
-            self.add_node(id, MemStorage::default());
+            self.add_node(id, None);
         }
         let raw = self
             .nodes
@@ -938,7 +965,7 @@ impl Simulation {
     }
 }
 
-fn raw_holds_applied(raw: &conclave_raft::RawNode<MemStorage>, applied: u64, data: &[u8]) -> bool {
+fn raw_holds_applied(raw: &conclave_raft::RawNode<NodeStorage>, applied: u64, data: &[u8]) -> bool {
     let store = raw.store();
     let first = store.first_index().unwrap_or(1);
     let last = store.last_index().unwrap_or(0).min(applied);
@@ -953,6 +980,6 @@ fn raw_holds_applied(raw: &conclave_raft::RawNode<MemStorage>, applied: u64, dat
 
 /// The term just before `index` in the node's durable log, if known.
 fn node_prev_term(node: &SimNode, index: u64) -> Option<u64> {
-    let store = node.raw.as_ref().map(|r| r.store()).unwrap_or(&node.disk);
+    let store = node.raw.as_ref()?.store();
     store.term(index.saturating_sub(1)).ok()
 }

@@ -17,16 +17,16 @@
 //!
 //! let disk = SimDisk::new(7, SimDiskOptions::default());
 //! let mut storage = WalStorage::open(Arc::new(disk.clone()), "/node1", StorageOptions::for_simulation())?;
-//! storage.bootstrap(ConfState::with_voters([1, 2, 3]))?;
-//! let entry = Entry { term: 1, index: 1, kind: EntryKind::Normal, data: "put x".into() };
+//! storage.bootstrap(ConfState::with_voters([1, 2, 3]))?; // snapshot at index 1
+//! let entry = Entry { term: 2, index: 2, kind: EntryKind::Normal, data: "put x".into() };
 //! let written = storage.append(&[entry])?;
-//! storage.set_hard_state(HardState { term: 1, vote: Some(1), commit: 0 })?;
+//! storage.set_hard_state(HardState { term: 2, vote: Some(1), commit: 1 })?;
 //! let durable = storage.sync()?; // one fdatasync for everything since the last sync
 //! assert!(durable >= written && storage.is_durable(written));
 //! drop(storage);
 //! disk.crash();
 //! let storage = WalStorage::open(Arc::new(disk), "/node1", StorageOptions::for_simulation())?;
-//! assert_eq!(storage.last_index(), Ok(1));
+//! assert_eq!(storage.last_index(), Ok(2));
 //! # Ok::<(), conclave_storage::Error>(())
 //! ```
 

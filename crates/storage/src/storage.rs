@@ -297,20 +297,25 @@ impl WalStorage {
         self.snapshot_file.is_none() && model.last_index() == 0 && model.snapshot_index == 0
     }
 
-    /// Gives a fresh directory its initial membership: a durable snapshot at index 0.
+    /// Gives a fresh directory of a founding member its initial membership: the durable
+    /// bootstrap snapshot (index 1, term 1; see [`conclave_raft::bootstrap_snapshot`]) and a
+    /// hard state at its term. A node joining an existing cluster skips this and receives a
+    /// snapshot from the leader instead.
     pub fn bootstrap(&mut self, conf_state: ConfState) -> Result<()> {
         if !self.is_fresh() {
             return Err(Error::AlreadyBootstrapped);
         }
-        let meta = SnapshotMeta {
-            index: 0,
-            term: 0,
-            conf_state,
+        let meta = conclave_raft::bootstrap_snapshot(conf_state).meta;
+        let hard_state = HardState {
+            term: meta.term,
+            vote: None,
+            commit: meta.index,
         };
         let writer = self.begin_snapshot(meta)?;
         let file = writer.finish()?;
         self.record_snapshot(file, false)?;
         *self.lock_snapshot_data() = Some(Bytes::new());
+        self.set_hard_state(hard_state)?;
         self.wal.sync()?;
         Ok(())
     }
