@@ -227,6 +227,11 @@ impl Checker {
         }
     }
 
+    /// The term of the entry applied at `index`, if any node applied it.
+    pub fn applied_term(&self, index: Index) -> Option<Term> {
+        self.applied.get(&index).map(|&(term, _)| term)
+    }
+
     pub fn committed_entries(&self) -> usize {
         self.applied.len()
     }

@@ -108,6 +108,36 @@ impl SwarmParams {
         params
     }
 
+    /// A fault-free network and no nemesis: named scenarios inject their own faults.
+    pub fn reliable(nodes: usize) -> Self {
+        SwarmParams {
+            nodes,
+            drop_per_mille: 0,
+            duplicate_per_mille: 0,
+            delay_max_ms: 5,
+            long_delay_per_mille: 0,
+            long_delay_max_ms: 1,
+            crash_per_mille: 0,
+            restart_per_mille: 0,
+            leader_crash_per_mille: 0,
+            partition_per_mille: 0,
+            crash_in_ready_per_mille: 0,
+            tick_ms: vec![BASE_TICK_MS; nodes + 4],
+            snapshot_every: 0,
+            pre_vote: true,
+            check_quorum: true,
+            max_append_bytes: 64 * 1024,
+            max_inflight_appends: 64,
+            nemesis_period_ms: 50,
+            membership_changes: false,
+            transfers: false,
+            fault_phase_ms: 0,
+            liveness_bound_ms: 10_000,
+            profile: Profile::Swarm,
+            storage: StorageKind::Mem,
+        }
+    }
+
     /// The Figure 8 churn of the MIT 6.5840 tests: leaders crash moments after taking over,
     /// entries move one per message, so entries of old terms often reach a majority before
     /// the new leader's own entry does.
@@ -173,6 +203,19 @@ pub struct Stats {
     pub snapshots_installed: u64,
     pub reads_served: u64,
     pub conf_changes_applied: u64,
+    /// Messages sent, by kind (see `MessageBody::name`).
+    pub sent_by_kind: BTreeMap<&'static str, u64>,
+}
+
+impl Stats {
+    /// Requests sent (every message that is not a response): the 6.5840 "RPC count".
+    pub fn requests_sent(&self) -> u64 {
+        self.sent_by_kind
+            .iter()
+            .filter(|(k, _)| !k.ends_with("Response"))
+            .map(|(_, n)| n)
+            .sum()
+    }
 }
 
 /// One simulated run.
@@ -260,7 +303,7 @@ impl Simulation {
     }
 
     /// Starts node `id` on a fresh disk; founding members get the initial membership.
-    fn add_node(&mut self, id: NodeId, founding: Option<ConfState>) {
+    pub fn add_node(&mut self, id: NodeId, founding: Option<ConfState>) {
         let config = self.node_config(id);
         let disk_seed = self.seed.wrapping_mul(31).wrapping_add(id);
         let node = NodeDisk::new(self.params.storage, disk_seed, founding)
@@ -397,6 +440,7 @@ impl Simulation {
 
     fn send(&mut self, m: Message) {
         self.stats.messages_sent += 1;
+        *self.stats.sent_by_kind.entry(m.body.name()).or_insert(0) += 1;
         if let MessageBody::VoteResponse {
             pre: false,
             granted: true,
@@ -949,6 +993,94 @@ impl Simulation {
         self.checker.read_started(node, &context);
         self.process(node);
         Ok(())
+    }
+
+    /// A run with no nemesis and no clients, for named scenarios that drive it by hand.
+    pub fn scenario(seed: u64, params: SwarmParams, config_hook: Option<ConfigHook>) -> Self {
+        Simulation::with_params(seed, params, false, config_hook)
+    }
+
+    /// Turns random network faults on (rates per mille) for scenario runs.
+    pub fn set_network_faults(
+        &mut self,
+        drop: u64,
+        duplicate: u64,
+        long_delay: u64,
+        long_delay_max_ms: u64,
+    ) {
+        self.params.drop_per_mille = drop;
+        self.params.duplicate_per_mille = duplicate;
+        self.params.long_delay_per_mille = long_delay;
+        self.params.long_delay_max_ms = long_delay_max_ms.max(1);
+        self.faults_on = drop + duplicate + long_delay > 0;
+    }
+
+    /// Drops everything from `from` to `to` (one direction).
+    pub fn block(&mut self, from: NodeId, to: NodeId) {
+        self.blocked.insert((from, to));
+        self.trace(format!("block {from} -> {to}"));
+    }
+
+    /// Splits the cluster into groups that cannot talk across.
+    pub fn partition(&mut self, groups: &[&[NodeId]]) {
+        self.blocked.clear();
+        for (i, a) in groups.iter().enumerate() {
+            for b in groups.iter().skip(i + 1) {
+                for &x in a.iter() {
+                    for &y in b.iter() {
+                        self.blocked.insert((x, y));
+                        self.blocked.insert((y, x));
+                    }
+                }
+            }
+        }
+        self.trace(format!("partition {groups:?}"));
+    }
+
+    /// The core of node `id`, if it is up.
+    pub fn node(&self, id: NodeId) -> Option<&conclave_raft::RawNode<NodeStorage>> {
+        self.nodes.get(&id).and_then(|n| n.raw.as_ref())
+    }
+
+    pub fn is_up(&self, id: NodeId) -> bool {
+        self.nodes.get(&id).is_some_and(|n| n.is_up())
+    }
+
+    /// Asks leader `leader` to hand over to `target`.
+    pub fn transfer_leader(
+        &mut self,
+        leader: NodeId,
+        target: NodeId,
+    ) -> Result<(), conclave_raft::Error> {
+        let raw = self
+            .nodes
+            .get_mut(&leader)
+            .and_then(|n| n.raw.as_mut())
+            .ok_or(conclave_raft::Error::NoLeader)?;
+        let result = raw.transfer_leader(target);
+        self.process(leader);
+        result
+    }
+
+    /// Proposes a membership change at `leader`.
+    pub fn propose_conf_change(
+        &mut self,
+        leader: NodeId,
+        steps: Vec<ConfChangeStep>,
+    ) -> Result<u64, conclave_raft::Error> {
+        let raw = self
+            .nodes
+            .get_mut(&leader)
+            .and_then(|n| n.raw.as_mut())
+            .ok_or(conclave_raft::Error::NoLeader)?;
+        let result = raw.propose_conf_change(steps);
+        self.process(leader);
+        result
+    }
+
+    /// The term of the entry every node that applied `index` agreed on, if anyone applied it.
+    pub fn applied_term(&self, index: u64) -> Option<u64> {
+        self.checker.applied_term(index)
     }
 
     /// How many live nodes have applied an entry carrying `data`.
