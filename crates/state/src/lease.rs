@@ -2,23 +2,26 @@
 //!
 //! ```text
 //!   client keepalive ──► LeaseKeeper::renew (leader only, not in the log)
-//!                            │ first renewal after an anchored checkpoint:
-//!                            └─► propose LeaseCheckpoint{deadline: None} and reply once committed
+//!                            │ first keepalive after an anchored deadline, or more than
+//!                            │ `lease_checkpoint_interval_ms` after the last "renewed" record:
+//!                            └─► propose LeaseCheckpoint{deadline: None}; reply once committed
 //!   leader timer ──► LeaseKeeper::expired(now) ──► propose LeaseExpire{ids}
-//!                    LeaseKeeper::checkpoints_due(now) ──► propose LeaseCheckpoint{deadline}
 //!   new leader ──► LeaseKeeper::promote(table, now) ──► propose the returned checkpoints
 //! ```
 //!
-//! The replicated table records for every lease how a new leader must resume it
-//! ([`LeaseResume`]): either "renewed recently, give it a full TTL" or "it ends at this
-//! leader-clock deadline". A new leader resumes each lease at its recorded deadline, but never
-//! sooner than one election timeout from now (grace, so a leader change alone never expires a
-//! lease), and immediately checkpoints what it decided. Because every resumed deadline is
-//! anchored in the log, repeated leader changes cannot keep an abandoned lease alive: each one
-//! can only add the grace, and only if a leader survives that long (etcd issue 9888).
-//! Keepalives that arrive after an anchored checkpoint must commit a "renewed" checkpoint before
-//! the keepalive is answered, so a new leader never expires a lease earlier than its holder was
-//! promised.
+//! The replicated table records, for every lease, a bound on the deadline its holder was
+//! promised ([`LeaseResume`]): either "renewed at leader time `at`", which means every
+//! acknowledged keepalive happened before `at + interval` so the promise ends before
+//! `at + interval + TTL`; or an anchored deadline. A new leader resumes each lease at that
+//! bound (never sooner than one election timeout from now: a leader change alone never expires a
+//! lease) and immediately anchors what it decided. So:
+//! - never early: no leader expires a lease before the last acknowledged keepalive + TTL;
+//! - never forever: an abandoned lease ends by its last keepalive + TTL + the checkpoint
+//!   interval, or one election timeout after the last promotion if that is later, however
+//!   often leaders change (etcd issue 9888).
+//!
+//! The price is at most one (batchable) log entry per lease per checkpoint interval while it is
+//! kept alive.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -28,17 +31,34 @@ use serde::{Deserialize, Serialize};
 use crate::config::{Config, LEASE_TTL_MS_MAX};
 use crate::error::{Error, Result};
 
-/// How a new Raft leader must resume a lease.
+/// What the log knows about a lease's deadline.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum LeaseResume {
-    /// The holder renewed it after the last anchored checkpoint: a new leader gives it a full TTL.
-    FullTtl,
+    /// The holder renewed it; the record was committed at leader time `at_ms`. Keepalives are
+    /// acknowledged without a new record only until `at_ms + lease_checkpoint_interval_ms`, so
+    /// the holder was promised at most `at_ms + interval + TTL`.
+    Renewed {
+        /// Leader-clock time of the record.
+        at_ms: u64,
+    },
     /// It ends at this deadline on the leader clock (the clock that stamps commands), unless
-    /// renewed. Once a command's timestamp reaches it, the lease counts as expired for grants.
+    /// renewed.
     Deadline {
         /// Leader-clock deadline in milliseconds.
         deadline_ms: u64,
     },
+}
+
+impl LeaseResume {
+    /// The latest deadline any holder of the lease can have been promised.
+    pub fn promise_bound_ms(&self, ttl_ms: u64, checkpoint_interval_ms: u64) -> u64 {
+        match *self {
+            LeaseResume::Renewed { at_ms } => at_ms
+                .saturating_add(checkpoint_interval_ms)
+                .saturating_add(ttl_ms),
+            LeaseResume::Deadline { deadline_ms } => deadline_ms,
+        }
+    }
 }
 
 /// One checkpoint entry of a `LeaseCheckpoint` command.
@@ -46,7 +66,8 @@ pub enum LeaseResume {
 pub struct LeaseCheckpoint {
     /// The lease.
     pub id: i64,
-    /// `Some`: the lease ends at this leader-clock deadline. `None`: it was just renewed.
+    /// `Some`: the lease ends at this leader-clock deadline. `None`: it was just renewed (the
+    /// record takes the command's timestamp).
     pub deadline_ms: Option<u64>,
 }
 
@@ -152,29 +173,27 @@ impl LeaseTable {
         self.leases.is_empty()
     }
 
-    /// True when the lease exists and its recorded deadline (if any) is after `now_ms`. A lease
-    /// past its anchored deadline is dead for grants (locks, elections) even before the
-    /// leader's expiry command removes it: no keepalive was acknowledged since the deadline was
-    /// recorded.
-    pub fn is_live(&self, id: i64, now_ms: u64) -> bool {
-        match self.leases.get(&id) {
-            None => false,
-            Some(lease) => match lease.resume {
-                LeaseResume::FullTtl => true,
-                LeaseResume::Deadline { deadline_ms } => now_ms < deadline_ms,
-            },
-        }
+    /// True when the lease exists and `now_ms` is before the latest deadline its holder can
+    /// have been promised. A lease past that bound is dead for grants (locks, elections) even
+    /// before the leader's expiry command removes it.
+    pub fn is_live(&self, id: i64, now_ms: u64, checkpoint_interval_ms: u64) -> bool {
+        self.leases.get(&id).is_some_and(|lease| {
+            now_ms
+                < lease
+                    .resume
+                    .promise_bound_ms(lease.ttl_ms, checkpoint_interval_ms)
+        })
     }
 
     pub(crate) fn remove(&mut self, id: i64) -> Option<Lease> {
         self.leases.remove(&id)
     }
 
-    pub(crate) fn checkpoint(&mut self, checkpoint: &LeaseCheckpoint) {
+    pub(crate) fn checkpoint(&mut self, checkpoint: &LeaseCheckpoint, now_ms: u64) {
         // Unknown IDs are leases revoked since the leader proposed this: nothing to record.
         if let Some(lease) = self.leases.get_mut(&checkpoint.id) {
             lease.resume = match checkpoint.deadline_ms {
-                None => LeaseResume::FullTtl,
+                None => LeaseResume::Renewed { at_ms: now_ms },
                 Some(deadline_ms) => LeaseResume::Deadline { deadline_ms },
             };
         }
@@ -221,21 +240,14 @@ pub struct Renewal {
     pub checkpoint_before_reply: Option<LeaseCheckpoint>,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct KeptLease {
-    deadline_ms: u64,
-    ttl_ms: u64,
-    /// Leader-clock time of the last checkpoint proposed for this lease.
-    last_checkpoint_ms: u64,
-}
-
 /// Leader-side lease deadlines. Pure: the server feeds it the leader clock and proposes what it
 /// returns. Only the Raft leader keeps one; followers drop theirs ([`LeaseKeeper::demote`]).
 #[derive(Clone, Debug, Default)]
 pub struct LeaseKeeper {
     election_timeout_ms: u64,
     checkpoint_interval_ms: u64,
-    kept: BTreeMap<i64, KeptLease>,
+    /// Lease ID -> leader-clock deadline.
+    deadlines: BTreeMap<i64, u64>,
 }
 
 impl LeaseKeeper {
@@ -244,28 +256,26 @@ impl LeaseKeeper {
         LeaseKeeper {
             election_timeout_ms: config.election_timeout_ms,
             checkpoint_interval_ms: config.lease_checkpoint_interval_ms,
-            kept: BTreeMap::new(),
+            deadlines: BTreeMap::new(),
         }
     }
 
     /// Call when this node becomes Raft leader, before serving keepalives. Resumes every lease
-    /// from the table with at least one election timeout of grace, and returns checkpoints to
-    /// propose at once so the next leader resumes from these deadlines.
+    /// at the latest deadline its holder can have been promised (but no later than a full TTL
+    /// from now) with at least one election timeout of grace, and returns checkpoints to
+    /// propose at once so that the next leader resumes from these deadlines.
     pub fn promote(&mut self, table: &LeaseTable, now_ms: u64) -> Vec<LeaseCheckpoint> {
-        self.kept.clear();
+        self.deadlines.clear();
         let grace_until_ms = now_ms.saturating_add(self.election_timeout_ms);
         let mut checkpoints = Vec::with_capacity(table.len());
         for lease in table.iter() {
-            let deadline_ms = match lease.resume {
-                LeaseResume::FullTtl => now_ms.saturating_add(lease.ttl_ms),
-                LeaseResume::Deadline { deadline_ms } => deadline_ms.max(grace_until_ms),
-            };
-            let kept = KeptLease {
-                deadline_ms,
-                ttl_ms: lease.ttl_ms,
-                last_checkpoint_ms: now_ms,
-            };
-            self.kept.insert(lease.id, kept);
+            let bound_ms = lease
+                .resume
+                .promise_bound_ms(lease.ttl_ms, self.checkpoint_interval_ms);
+            let deadline_ms = bound_ms
+                .min(now_ms.saturating_add(lease.ttl_ms))
+                .max(grace_until_ms);
+            self.deadlines.insert(lease.id, deadline_ms);
             checkpoints.push(LeaseCheckpoint {
                 id: lease.id,
                 deadline_ms: Some(deadline_ms),
@@ -276,25 +286,18 @@ impl LeaseKeeper {
 
     /// Call when this node stops being leader.
     pub fn demote(&mut self) {
-        self.kept.clear();
+        self.deadlines.clear();
     }
 
     /// Call after applying committed commands: adopts newly granted leases at their recorded
-    /// deadline and forgets revoked ones.
-    pub fn sync(&mut self, table: &LeaseTable, now_ms: u64) {
-        self.kept.retain(|id, _| table.get(*id).is_some());
+    /// bound and forgets revoked ones.
+    pub fn sync(&mut self, table: &LeaseTable) {
+        self.deadlines.retain(|id, _| table.get(*id).is_some());
         for lease in table.iter() {
-            self.kept.entry(lease.id).or_insert_with(|| {
-                let deadline_ms = match lease.resume {
-                    LeaseResume::FullTtl => now_ms.saturating_add(lease.ttl_ms),
-                    LeaseResume::Deadline { deadline_ms } => deadline_ms,
-                };
-                KeptLease {
-                    deadline_ms,
-                    ttl_ms: lease.ttl_ms,
-                    last_checkpoint_ms: now_ms,
-                }
-            });
+            let bound_ms = lease
+                .resume
+                .promise_bound_ms(lease.ttl_ms, self.checkpoint_interval_ms);
+            self.deadlines.entry(lease.id).or_insert(bound_ms);
         }
     }
 
@@ -302,25 +305,25 @@ impl LeaseKeeper {
     /// deadline (their expiry is on its way; renewing would resurrect them).
     pub fn renew(&mut self, table: &LeaseTable, id: i64, now_ms: u64) -> Result<Renewal> {
         let lease = table.get(id).ok_or(Error::LeaseNotFound)?;
-        let kept = self.kept.entry(id).or_insert(KeptLease {
-            deadline_ms: now_ms.saturating_add(lease.ttl_ms),
-            ttl_ms: lease.ttl_ms,
-            last_checkpoint_ms: now_ms,
-        });
-        if kept.deadline_ms <= now_ms {
+        let interval_ms = self.checkpoint_interval_ms;
+        let deadline_ms = self
+            .deadlines
+            .entry(id)
+            .or_insert_with(|| lease.resume.promise_bound_ms(lease.ttl_ms, interval_ms));
+        if *deadline_ms <= now_ms {
             return Err(Error::LeaseNotFound);
         }
-        kept.deadline_ms = now_ms.saturating_add(lease.ttl_ms);
-        let checkpoint_before_reply = match lease.resume {
-            LeaseResume::FullTtl => None,
-            LeaseResume::Deadline { .. } => {
-                kept.last_checkpoint_ms = now_ms;
-                Some(LeaseCheckpoint {
-                    id,
-                    deadline_ms: None,
-                })
-            }
+        *deadline_ms = now_ms.saturating_add(lease.ttl_ms);
+        // Without a fresh enough "renewed" record, a later leader could resume the lease at a
+        // deadline earlier than the one just promised.
+        let recorded = match lease.resume {
+            LeaseResume::Renewed { at_ms } => now_ms < at_ms.saturating_add(interval_ms),
+            LeaseResume::Deadline { .. } => false,
         };
+        let checkpoint_before_reply = (!recorded).then_some(LeaseCheckpoint {
+            id,
+            deadline_ms: None,
+        });
         Ok(Renewal {
             ttl_ms: lease.ttl_ms,
             checkpoint_before_reply,
@@ -330,51 +333,24 @@ impl LeaseKeeper {
     /// Leases whose deadline has passed, by ID; propose `LeaseExpire` with them. At most
     /// `max_count`, to bound one command.
     pub fn expired(&self, now_ms: u64, max_count: usize) -> Vec<i64> {
-        self.kept
+        self.deadlines
             .iter()
-            .filter(|(_, kept)| kept.deadline_ms <= now_ms)
+            .filter(|(_, deadline_ms)| **deadline_ms <= now_ms)
             .map(|(id, _)| *id)
             .take(max_count)
             .collect()
     }
 
-    /// Anchors leases renewed long ago (longer than the checkpoint interval) at their current
-    /// deadline, so that a lease abandoned right after a keepalive does not get a fresh full
-    /// TTL from every new leader.
-    pub fn checkpoints_due(&mut self, table: &LeaseTable, now_ms: u64) -> Vec<LeaseCheckpoint> {
-        let interval_ms = self.checkpoint_interval_ms;
-        let mut due = Vec::new();
-        for (id, kept) in self.kept.iter_mut() {
-            let renewed = matches!(
-                table.get(*id).map(|lease| lease.resume),
-                Some(LeaseResume::FullTtl)
-            );
-            if renewed && now_ms.saturating_sub(kept.last_checkpoint_ms) >= interval_ms {
-                kept.last_checkpoint_ms = now_ms;
-                due.push(LeaseCheckpoint {
-                    id: *id,
-                    deadline_ms: Some(kept.deadline_ms),
-                });
-            }
-        }
-        due
-    }
-
     /// Remaining time to live on this leader, for `LeaseTimeToLive`.
     pub fn remaining_ms(&self, id: i64, now_ms: u64) -> Option<u64> {
-        self.kept
+        self.deadlines
             .get(&id)
-            .map(|kept| kept.deadline_ms.saturating_sub(now_ms))
+            .map(|deadline_ms| deadline_ms.saturating_sub(now_ms))
     }
 
     /// The earliest deadline kept, for the leader's timer.
     pub fn next_deadline_ms(&self) -> Option<u64> {
-        self.kept.values().map(|kept| kept.deadline_ms).min()
-    }
-
-    /// The TTL of a kept lease.
-    pub fn ttl_ms(&self, id: i64) -> Option<u64> {
-        self.kept.get(&id).map(|kept| kept.ttl_ms)
+        self.deadlines.values().min().copied()
     }
 }
 
@@ -404,7 +380,7 @@ mod tests {
     }
 
     #[test]
-    fn new_leader_gives_grace_but_never_more_than_the_record_plus_grace() {
+    fn new_leader_gives_grace_and_anchors_what_it_decided() {
         let mut table = LeaseTable::new();
         let (id, _) = table.grant(0, 3000, 0, &config()).expect("grant");
         let mut keeper = LeaseKeeper::new(&config());
@@ -418,9 +394,9 @@ mod tests {
             }]
         );
         for checkpoint in &checkpoints {
-            table.checkpoint(checkpoint);
+            table.checkpoint(checkpoint, 2900);
         }
-        // Churn: the next leader, promoted later, resumes from the anchored deadline.
+        // Churn: the next leader, promoted later, resumes from the anchored deadline plus grace.
         let mut next = LeaseKeeper::new(&config());
         next.promote(&table, 3500);
         assert_eq!(next.remaining_ms(id, 3500), Some(1000));
@@ -429,11 +405,11 @@ mod tests {
     }
 
     #[test]
-    fn renewal_after_an_anchor_requires_a_checkpoint_first() {
+    fn renewals_record_themselves_once_per_interval() {
         let mut table = LeaseTable::new();
         let (id, _) = table.grant(0, 3000, 0, &config()).expect("grant");
         let mut keeper = LeaseKeeper::new(&config());
-        keeper.sync(&table, 0);
+        keeper.sync(&table);
         let renewal = keeper.renew(&table, id, 1000).expect("renew");
         assert_eq!(
             renewal.checkpoint_before_reply,
@@ -442,37 +418,46 @@ mod tests {
                 deadline_ms: None
             })
         );
-        table.checkpoint(&LeaseCheckpoint {
-            id,
-            deadline_ms: None,
-        });
+        table.checkpoint(
+            &LeaseCheckpoint {
+                id,
+                deadline_ms: None,
+            },
+            1000,
+        );
         let renewal = keeper.renew(&table, id, 2000).expect("renew");
         assert_eq!(renewal.checkpoint_before_reply, None);
         assert_eq!(keeper.remaining_ms(id, 2000), Some(3000));
+        for now_ms in [4500, 7000, 9500] {
+            let renewal = keeper.renew(&table, id, now_ms).expect("renew");
+            assert_eq!(renewal.checkpoint_before_reply, None);
+        }
+        // The interval (10 s here) has passed since the record: record again.
+        let renewal = keeper.renew(&table, id, 11_000).expect("renew");
+        assert!(renewal.checkpoint_before_reply.is_some());
         // Past the deadline a keepalive cannot resurrect the lease.
-        assert_eq!(keeper.renew(&table, id, 5000), Err(Error::LeaseNotFound));
-        // A full-TTL lease is anchored after the checkpoint interval.
-        let mut keeper = LeaseKeeper::new(&config());
-        keeper.promote(&table, 0);
-        table.checkpoint(&LeaseCheckpoint {
-            id,
-            deadline_ms: None,
-        });
-        assert!(keeper.checkpoints_due(&table, 5000).is_empty());
-        assert_eq!(keeper.checkpoints_due(&table, 10_000).len(), 1);
+        assert_eq!(keeper.renew(&table, id, 20_000), Err(Error::LeaseNotFound));
+        // A new leader resumes a renewed lease at most a full TTL from now.
+        let mut next = LeaseKeeper::new(&config());
+        next.promote(&table, 5000);
+        assert_eq!(next.remaining_ms(id, 5000), Some(3000));
     }
 
     #[test]
-    fn anchored_deadline_makes_a_lease_dead_for_grants() {
+    fn leases_past_their_promise_bound_are_dead_for_grants() {
         let mut table = LeaseTable::new();
         let (id, _) = table.grant(0, 3000, 100, &config()).expect("grant");
-        assert!(table.is_live(id, 3099));
-        assert!(!table.is_live(id, 3100));
-        table.checkpoint(&LeaseCheckpoint {
-            id,
-            deadline_ms: None,
-        });
-        assert!(table.is_live(id, 1_000_000));
-        assert!(!table.is_live(id + 1, 0));
+        assert!(table.is_live(id, 3099, 10_000));
+        assert!(!table.is_live(id, 3100, 10_000));
+        table.checkpoint(
+            &LeaseCheckpoint {
+                id,
+                deadline_ms: None,
+            },
+            5000,
+        );
+        assert!(table.is_live(id, 17_999, 10_000));
+        assert!(!table.is_live(id, 18_000, 10_000));
+        assert!(!table.is_live(id + 1, 0, 10_000));
     }
 }

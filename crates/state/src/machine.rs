@@ -238,7 +238,7 @@ impl StateMachine {
             }
             Request::LeaseCheckpoint { checkpoints } => {
                 for checkpoint in checkpoints {
-                    self.state.leases.checkpoint(checkpoint);
+                    self.state.leases.checkpoint(checkpoint, self.state.now_ms);
                 }
                 Ok(Response::LeaseCheckpointed)
             }
@@ -517,7 +517,11 @@ impl StateMachine {
         if name.is_empty() {
             return Err(Error::EmptyKey);
         }
-        if !self.state.leases.is_live(lease, self.state.now_ms) {
+        if !self.state.leases.is_live(
+            lease,
+            self.state.now_ms,
+            self.config.lease_checkpoint_interval_ms,
+        ) {
             return Err(Error::LeaseNotFound);
         }
         let key = queue_key(name, lease);
@@ -584,7 +588,12 @@ impl StateMachine {
             return QueueStatus::Lost;
         };
         if mine.create_revision != fence
-            || (mine.lease != 0 && !self.state.leases.is_live(mine.lease, self.state.now_ms))
+            || (mine.lease != 0
+                && !self.state.leases.is_live(
+                    mine.lease,
+                    self.state.now_ms,
+                    self.config.lease_checkpoint_interval_ms,
+                ))
         {
             return QueueStatus::Lost;
         }
@@ -646,7 +655,11 @@ impl StateMachine {
             return Err(Error::RequestTooLarge);
         }
         let now_ms = self.state.now_ms;
-        if !self.state.leases.is_live(*lease_id, now_ms) {
+        if !self
+            .state
+            .leases
+            .is_live(*lease_id, now_ms, self.config.lease_checkpoint_interval_ms)
+        {
             return Err(Error::LeaseNotFound);
         }
         let existing = self
@@ -658,7 +671,11 @@ impl StateMachine {
         if let Some(existing) = &existing
             && existing.lease_id != *lease_id
         {
-            if self.state.leases.is_live(existing.lease_id, now_ms) {
+            if self.state.leases.is_live(
+                existing.lease_id,
+                now_ms,
+                self.config.lease_checkpoint_interval_ms,
+            ) {
                 return Err(Error::CandidateIdTaken {
                     group: group.clone(),
                     candidate: candidate.clone(),
@@ -823,7 +840,9 @@ impl StateMachine {
                 return;
             };
             let leases = &self.state.leases;
-            let decision = entry.decide(now_ms, &|lease_id| leases.is_live(lease_id, now_ms));
+            let decision = entry.decide(now_ms, &|lease_id| {
+                leases.is_live(lease_id, now_ms, self.config.lease_checkpoint_interval_ms)
+            });
             match decision {
                 Decision::Keep => return,
                 Decision::Elect(leader) => self.seat_leader(group, &leader, events),

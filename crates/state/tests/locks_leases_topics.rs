@@ -179,7 +179,7 @@ fn lease_survives_a_leader_change_and_expires_after_the_grace() {
     let mut driver = Driver::new();
     let lease = driver.grant(3000); // deadline 3000
     let mut old_leader = LeaseKeeper::new(driver.machine.config());
-    old_leader.sync(driver.machine.leases(), 0);
+    old_leader.sync(driver.machine.leases());
     // Keepalive at 2000: the lease was anchored, so a "renewed" checkpoint commits first.
     let renewal = old_leader
         .renew(driver.machine.leases(), lease, 2000)
@@ -189,7 +189,8 @@ fn lease_survives_a_leader_change_and_expires_after_the_grace() {
     driver.ok(Request::LeaseCheckpoint {
         checkpoints: vec![checkpoint],
     });
-    // The old leader dies; a new one is promoted at 4500 (past the original deadline).
+    // The old leader dies; a new one is promoted at 4500. The promise was at most 2000 + 3000;
+    // the log bounds it by the renewal record + checkpoint interval (1 s) + TTL = 6000.
     let mut new_leader = LeaseKeeper::new(driver.machine.config());
     driver.now_ms = 4500;
     let anchors = new_leader.promote(driver.machine.leases(), 4500);
@@ -197,24 +198,24 @@ fn lease_survives_a_leader_change_and_expires_after_the_grace() {
         anchors,
         vec![LeaseCheckpoint {
             id: lease,
-            deadline_ms: Some(7500)
+            deadline_ms: Some(6000)
         }]
     );
     driver.ok(Request::LeaseCheckpoint {
         checkpoints: anchors,
     });
     assert!(
-        new_leader.expired(7499, 100).is_empty(),
+        new_leader.expired(5999, 100).is_empty(),
         "never before the promised TTL"
     );
-    assert_eq!(new_leader.expired(7500, 100), vec![lease]);
+    assert_eq!(new_leader.expired(6000, 100), vec![lease]);
     // Repeated leader changes without keepalives cannot push the deadline out.
     let mut third = LeaseKeeper::new(driver.machine.config());
     let anchors = third.promote(driver.machine.leases(), 5000);
-    assert_eq!(anchors[0].deadline_ms, Some(7500));
-    driver.now_ms = 7500;
+    assert_eq!(anchors[0].deadline_ms, Some(6000));
+    driver.now_ms = 6000;
     let output = driver.apply(Request::LeaseExpire {
-        ids: new_leader.expired(7500, 100),
+        ids: new_leader.expired(6000, 100),
     });
     assert_eq!(
         output.result,
