@@ -289,3 +289,29 @@ fn a_large_snapshot_spans_many_frames() {
     assert_eq!(restored.kv().live_key_count(), 3000);
     assert_eq!(restored.revision(), machine.revision());
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+
+    /// Arbitrary bytes are an error, never a panic, for both decoders.
+    #[test]
+    fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
+        let _ = Command::decode(&bytes);
+        let mut framed = b"CNCLSTAT\x01\x00\x00\x00".to_vec();
+        framed.extend_from_slice(&bytes);
+        prop_assert!(StateMachine::restore(Config::default(), framed.as_slice()).is_err());
+    }
+
+    /// Mutated valid commands decode to something or fail cleanly, and whatever decodes
+    /// re-encodes to a command that decodes to itself.
+    #[test]
+    fn mutated_commands_decode_cleanly(step in step(), position in any::<proptest::sample::Index>(), flip in 1u8..=255) {
+        let command = Command { leader_time_ms: step.advance_ms, session: None, request: step.request };
+        let mut bytes = command.encode();
+        let at = position.index(bytes.len());
+        bytes[at] ^= flip;
+        if let Ok(decoded) = Command::decode(&bytes) {
+            prop_assert_eq!(Command::decode(&decoded.encode()), Ok(decoded));
+        }
+    }
+}
