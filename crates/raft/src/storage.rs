@@ -259,7 +259,7 @@ mod tests {
 
     #[test]
     fn append_truncates_conflicts_and_compaction_keeps_terms() {
-        let mut s = MemStorage::new_with_conf_state(ConfState::with_voters([1, 2, 3]));
+        let mut s = MemStorage::default();
         s.append(&[entry(1, 1), entry(2, 1), entry(3, 1)]);
         s.append(&[entry(2, 2)]);
         assert_eq!(s.last_index(), Ok(2));
@@ -276,6 +276,18 @@ mod tests {
         assert_eq!(s.entries(3, 5, u64::MAX), Err(StorageError::Compacted(3)));
         assert_eq!(s.entries(4, 6, u64::MAX), Err(StorageError::Unavailable(6)));
         assert_eq!(s.entries(4, 5, u64::MAX).map(|e| e.len()), Ok(1));
+    }
+
+    #[test]
+    fn founding_members_start_from_the_bootstrap_snapshot() {
+        let s = MemStorage::new_with_conf_state(ConfState::with_voters([1, 2, 3]));
+        assert_eq!(
+            (s.first_index(), s.last_index(), s.term(1)),
+            (Ok(2), Ok(1), Ok(1))
+        );
+        let (hard_state, conf) = s.initial_state().expect("state");
+        assert_eq!((hard_state.term, hard_state.commit), (1, 1));
+        assert_eq!(conf.voters.len(), 3);
     }
 
     #[test]

@@ -196,14 +196,14 @@ impl Checker {
             );
             self.fail("Durability(term)", detail);
         }
-        if let Some(&cast) = self.votes.get(&(node, hard_state.term)) {
-            if hard_state.vote != Some(cast) {
-                let detail = format!(
-                    "node {node} voted for {cast} in term {} but restarted remembering {:?}",
-                    hard_state.term, hard_state.vote
-                );
-                self.fail("Durability(vote)", detail);
-            }
+        if let Some(&cast) = self.votes.get(&(node, hard_state.term))
+            && hard_state.vote != Some(cast)
+        {
+            let detail = format!(
+                "node {node} voted for {cast} in term {} but restarted remembering {:?}",
+                hard_state.term, hard_state.vote
+            );
+            self.fail("Durability(vote)", detail);
         }
     }
 

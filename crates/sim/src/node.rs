@@ -361,13 +361,13 @@ impl SimNode {
             out.crashed = true;
             return out;
         }
-        if ready.must_sync {
-            if let Err(e) = raw.store_mut().sync() {
-                out.storage_error = Some(e);
-                self.crash();
-                out.crashed = true;
-                return out;
-            }
+        if ready.must_sync
+            && let Err(e) = raw.store_mut().sync()
+        {
+            out.storage_error = Some(e);
+            self.crash();
+            out.crashed = true;
+            return out;
         }
         out.persisted = ready.entries.clone();
         let Some(raw) = self.raw.as_mut() else {

@@ -103,7 +103,7 @@ impl SwarmParams {
             storage: StorageKind::Mem,
         };
         if rng.range(0, 4) == 0 {
-            params.figure8_churn(nodes.max(5).min(7), &mut rng);
+            params.figure8_churn(nodes.clamp(5, 7), &mut rng);
         }
         params
     }
@@ -205,6 +205,8 @@ pub struct Stats {
     pub conf_changes_applied: u64,
     /// Messages sent, by kind (see `MessageBody::name`).
     pub sent_by_kind: BTreeMap<&'static str, u64>,
+    /// Every read answered, as (node, context, read index), so scenarios can check them.
+    pub served_reads: Vec<(NodeId, Bytes, u64)>,
 }
 
 impl Stats {
@@ -616,6 +618,9 @@ impl Simulation {
             }
             for rs in &outcome.read_states {
                 self.stats.reads_served += 1;
+                self.stats
+                    .served_reads
+                    .push((id, rs.context.clone(), rs.index));
                 self.checker.read_served(id, &rs.context, rs.index);
             }
             for m in outcome.messages {
@@ -665,11 +670,11 @@ impl Simulation {
             return;
         }
         let roll = self.rng.range(0, 1000);
-        if roll < self.params.leader_crash_per_mille {
-            if let Some(leader) = self.leader() {
-                self.crash(leader);
-                return;
-            }
+        if roll < self.params.leader_crash_per_mille
+            && let Some(leader) = self.leader()
+        {
+            self.crash(leader);
+            return;
         }
         let roll = self.rng.range(0, 1000);
         if roll < self.params.restart_per_mille {
@@ -706,10 +711,10 @@ impl Simulation {
         for leader in self.leaders() {
             let _ = self.propose(leader, noise.clone());
         }
-        if self.rng.range(0, 1000) < self.params.leader_crash_per_mille {
-            if let Some(leader) = self.leader() {
-                self.crash(leader);
-            }
+        if self.rng.range(0, 1000) < self.params.leader_crash_per_mille
+            && let Some(leader) = self.leader()
+        {
+            self.crash(leader);
         }
         let up = self.nodes.values().filter(|n| n.is_up()).count();
         if up <= self.nodes.len() / 2 {

@@ -1,0 +1,605 @@
+//! Behaviour of the Raft core driven directly, message by message, with a tiny in-memory
+//! network. Each test names the rule it checks; the simulator covers the same rules under
+//! random faults.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use bytes::Bytes;
+use conclave_raft::{
+    ConfChangeStep, ConfState, Config, Entry, EntryKind, Error, HardState, MemStorage, Message,
+    MessageBody, RawNode, ReadState, Role, Snapshot, SnapshotMeta, Storage, apply_steps,
+};
+
+struct Net {
+    nodes: BTreeMap<u64, RawNode<MemStorage>>,
+    /// Directed links that drop everything.
+    cut: BTreeSet<(u64, u64)>,
+    /// Every message sent, in order.
+    sent: Vec<Message>,
+    read_states: BTreeMap<u64, Vec<ReadState>>,
+}
+
+fn config(id: u64) -> Config {
+    let mut config = Config::new(id);
+    config.election_ticks = 10;
+    config.heartbeat_ticks = 2;
+    config
+}
+
+impl Net {
+    fn new(size: u64) -> Net {
+        let voters: Vec<u64> = (1..=size).collect();
+        let stores = voters
+            .iter()
+            .map(|&id| {
+                (
+                    id,
+                    MemStorage::new_with_conf_state(ConfState::with_voters(voters.clone())),
+                )
+            })
+            .collect();
+        Net::with_stores(stores, config)
+    }
+
+    fn with_stores(stores: BTreeMap<u64, MemStorage>, make: fn(u64) -> Config) -> Net {
+        let nodes = stores
+            .into_iter()
+            .map(|(id, store)| (id, RawNode::new(make(id), store).expect("valid config")))
+            .collect();
+        Net {
+            nodes,
+            cut: BTreeSet::new(),
+            sent: Vec::new(),
+            read_states: BTreeMap::new(),
+        }
+    }
+
+    fn node(&mut self, id: u64) -> &mut RawNode<MemStorage> {
+        self.nodes.get_mut(&id).expect("node exists")
+    }
+
+    fn isolate(&mut self, id: u64) {
+        for &other in self.nodes.keys() {
+            if other != id {
+                self.cut.insert((id, other));
+                self.cut.insert((other, id));
+            }
+        }
+    }
+
+    fn heal(&mut self) {
+        self.cut.clear();
+    }
+
+    /// Handles every Ready (persisting to the node's MemStorage) and returns the messages.
+    fn collect(&mut self) -> Vec<Message> {
+        let mut out = Vec::new();
+        for (&id, node) in self.nodes.iter_mut() {
+            while node.has_ready() {
+                let ready = node.ready();
+                let store = node.store_mut();
+                if let Some(snapshot) = &ready.snapshot {
+                    store.apply_snapshot(snapshot.clone());
+                }
+                store.append(&ready.entries);
+                if let Some(hard_state) = ready.hard_state {
+                    store.set_hard_state(hard_state);
+                }
+                out.extend(ready.messages.iter().cloned());
+                self.read_states
+                    .entry(id)
+                    .or_default()
+                    .extend(ready.read_states.iter().cloned());
+                node.advance(ready);
+            }
+        }
+        self.sent.extend(out.iter().cloned());
+        out
+    }
+
+    /// Delivers messages until the network is quiet, passing each through `filter`.
+    fn settle_with(&mut self, filter: &mut dyn FnMut(&Message) -> bool) {
+        for _ in 0..10_000 {
+            let messages = self.collect();
+            if messages.is_empty() {
+                return;
+            }
+            for m in messages {
+                if self.cut.contains(&(m.from, m.to)) || !filter(&m) {
+                    continue;
+                }
+                if let Some(node) = self.nodes.get_mut(&m.to) {
+                    let _ = node.step(m);
+                }
+            }
+        }
+        panic!("network never went quiet");
+    }
+
+    fn settle(&mut self) {
+        self.settle_with(&mut |_| true);
+    }
+
+    fn tick_all(&mut self, ticks: u64) {
+        for _ in 0..ticks {
+            for node in self.nodes.values_mut() {
+                node.tick();
+            }
+            self.settle();
+        }
+    }
+
+    fn leaders(&self) -> Vec<u64> {
+        self.nodes
+            .iter()
+            .filter(|(_, n)| n.role() == Role::Leader)
+            .map(|(&id, _)| id)
+            .collect()
+    }
+
+    fn elect(&mut self, id: u64) {
+        self.node(id).campaign();
+        self.settle();
+        assert_eq!(
+            self.node(id).role(),
+            Role::Leader,
+            "node {id} failed to win"
+        );
+    }
+}
+
+fn entry(index: u64, term: u64) -> Entry {
+    Entry {
+        index,
+        term,
+        kind: EntryKind::Normal,
+        data: Bytes::from(format!("{index}@{term}")),
+    }
+}
+
+#[test]
+fn a_leader_is_elected_and_its_empty_entry_commits_everywhere() {
+    let mut net = Net::new(3);
+    net.tick_all(30);
+    let leaders = net.leaders();
+    assert_eq!(leaders.len(), 1, "exactly one leader, got {leaders:?}");
+    let leader = leaders[0];
+    let commit = net.node(leader).commit_index();
+    for id in 1..=3 {
+        assert_eq!(net.node(id).commit_index(), commit);
+        assert_eq!(net.node(id).leader(), Some(leader));
+    }
+}
+
+/// Raft §9.6 (PreVote): a node cut off from the cluster keeps timing out but does not raise
+/// its term, so it does not depose the leader when it returns.
+#[test]
+fn prevote_keeps_a_rejoining_node_from_raising_the_term() {
+    let mut net = Net::new(3);
+    net.elect(1);
+    let term = net.node(1).term();
+    net.isolate(3);
+    net.tick_all(100);
+    assert_eq!(net.node(3).term(), term, "isolated node raised its term");
+    net.heal();
+    net.tick_all(30);
+    assert_eq!(net.leaders(), vec![1]);
+    assert_eq!(net.node(1).term(), term);
+}
+
+/// CheckQuorum: a leader that hears from no quorum for an election timeout steps down.
+#[test]
+fn check_quorum_makes_an_isolated_leader_step_down() {
+    let mut net = Net::new(3);
+    net.elect(1);
+    net.isolate(1);
+    for _ in 0..25 {
+        net.node(1).tick();
+        net.collect();
+    }
+    assert_eq!(net.node(1).role(), Role::Follower);
+}
+
+/// Raft §5.4.2 (Figure 8): an entry of an earlier term is not committed by counting replicas;
+/// only an entry of the leader's own term commits it.
+#[test]
+fn entries_of_earlier_terms_commit_only_through_the_current_term() {
+    let voters = ConfState::with_voters([1, 2, 3]);
+    let mut stores = BTreeMap::new();
+    for id in 1..=3 {
+        let mut store = MemStorage::new_with_conf_state(voters.clone());
+        let log: Vec<Entry> = if id == 3 { vec![] } else { vec![entry(2, 2)] };
+        store.append(&log);
+        store.set_hard_state(HardState {
+            term: 3,
+            vote: None,
+            commit: 1,
+        });
+        stores.insert(id, store);
+    }
+    let mut net = Net::with_stores(stores, config);
+    // Node 1 wins term 4 but its appends are held back.
+    net.node(1).campaign();
+    net.settle_with(&mut |m| !matches!(m.body, MessageBody::Append { .. }));
+    assert_eq!(net.node(1).role(), Role::Leader);
+    let term = net.node(1).term();
+    // Node 2 reports holding index 2 (term 2): a majority stores it, but it must not commit.
+    let ack = Message {
+        from: 2,
+        to: 1,
+        term,
+        body: MessageBody::AppendResponse {
+            index: 2,
+            reject: false,
+            hint_index: 0,
+            hint_term: 0,
+        },
+    };
+    net.node(1).step(ack).expect("ack accepted");
+    net.collect();
+    assert_eq!(
+        net.node(1).commit_index(),
+        1,
+        "earlier-term entry committed by counting"
+    );
+    // Once the leader's own empty entry (index 3) reaches a majority, both commit.
+    net.tick_all(5);
+    assert_eq!(net.node(1).commit_index(), 3);
+}
+
+/// Conflict hints let the leader skip a whole term of divergent entries per round trip,
+/// instead of backing up one index at a time.
+#[test]
+fn conflict_hints_repair_fifty_divergent_entries_in_few_round_trips() {
+    let voters = ConfState::with_voters([1, 2, 3]);
+    let mut stores = BTreeMap::new();
+    for id in 1..=3 {
+        let mut store = MemStorage::new_with_conf_state(voters.clone());
+        let log: Vec<Entry> = match id {
+            1 | 2 => (2..=51).map(|i| entry(i, 3)).collect(),
+            _ => (2..=51).map(|i| entry(i, 2)).collect(),
+        };
+        store.append(&log);
+        store.set_hard_state(HardState {
+            term: 3,
+            vote: None,
+            commit: 1,
+        });
+        stores.insert(id, store);
+    }
+    let mut net = Net::with_stores(stores, config);
+    net.elect(1);
+    let rejections = net
+        .sent
+        .iter()
+        .filter(|m| {
+            m.from == 3 && matches!(m.body, MessageBody::AppendResponse { reject: true, .. })
+        })
+        .count();
+    assert!(
+        rejections <= 2,
+        "{rejections} rejections to repair one divergent term"
+    );
+    let leader_last = net.node(1).last_index();
+    assert_eq!(net.node(3).last_index(), leader_last);
+    assert_eq!(net.node(3).commit_index(), net.node(1).commit_index());
+}
+
+/// In replicate mode the leader pipelines at most `max_inflight_appends` unanswered appends.
+#[test]
+fn pipelined_appends_stop_at_the_inflight_window() {
+    fn small_window(id: u64) -> Config {
+        let mut c = config(id);
+        c.max_inflight_appends = 4;
+        c
+    }
+    let voters = ConfState::with_voters([1, 2, 3]);
+    let stores = (1..=3)
+        .map(|id| (id, MemStorage::new_with_conf_state(voters.clone())))
+        .collect();
+    let mut net = Net::with_stores(stores, small_window);
+    net.elect(1);
+    net.cut.insert((2, 1));
+    net.cut.insert((3, 1));
+    let before = net.sent.len();
+    for i in 0..20 {
+        net.node(1)
+            .propose(Bytes::from(format!("p{i}")))
+            .expect("leader accepts");
+        net.settle();
+    }
+    let appends_to_2 = net.sent[before..]
+        .iter()
+        .filter(|m| m.to == 2 && matches!(m.body, MessageBody::Append { .. }))
+        .count();
+    assert_eq!(appends_to_2, 4, "window of 4 not respected");
+}
+
+/// Proposals beyond the uncommitted-bytes budget are refused, not buffered.
+#[test]
+fn proposals_beyond_the_uncommitted_budget_are_refused() {
+    fn small_budget(id: u64) -> Config {
+        let mut c = config(id);
+        c.max_uncommitted_bytes = 1000;
+        c
+    }
+    let voters = ConfState::with_voters([1, 2, 3]);
+    let stores = (1..=3)
+        .map(|id| (id, MemStorage::new_with_conf_state(voters.clone())))
+        .collect();
+    let mut net = Net::with_stores(stores, small_budget);
+    net.elect(1);
+    net.isolate(1);
+    let chunk = Bytes::from(vec![0u8; 300]);
+    let mut accepted = 0;
+    let refusal = loop {
+        match net.node(1).propose(chunk.clone()) {
+            Ok(_) => accepted += 1,
+            Err(e) => break e,
+        }
+        assert!(accepted < 10, "budget never enforced");
+    };
+    assert!(
+        matches!(refusal, Error::UncommittedLimit { limit: 1000, .. }),
+        "{refusal:?}"
+    );
+    assert_eq!(accepted, 3);
+    let huge = Bytes::from(vec![0u8; 2000]);
+    assert!(matches!(
+        net.node(1).propose(huge),
+        Err(Error::ProposalTooLarge { .. })
+    ));
+}
+
+/// ReadIndex: a new leader answers reads only after an entry of its term is committed and a
+/// heartbeat round confirms it still leads; a follower's read goes through the leader.
+#[test]
+fn read_index_needs_a_quorum_round_and_works_from_followers() {
+    let mut net = Net::new(3);
+    net.elect(1);
+    let commit = net.node(1).commit_index();
+    net.node(1)
+        .read_index(Bytes::from_static(b"r1"))
+        .expect("leader read");
+    net.node(2)
+        .read_index(Bytes::from_static(b"r2"))
+        .expect("follower read");
+    net.settle();
+    let on_leader = &net.read_states[&1];
+    assert_eq!(
+        on_leader,
+        &vec![ReadState {
+            index: commit,
+            context: Bytes::from_static(b"r1")
+        }]
+    );
+    let on_follower = &net.read_states[&2];
+    assert_eq!(on_follower.len(), 1);
+    assert!(on_follower[0].index >= commit);
+
+    // Cut off from the others, the leader cannot confirm a read.
+    net.isolate(1);
+    net.node(1)
+        .read_index(Bytes::from_static(b"r3"))
+        .expect("queued");
+    net.settle();
+    assert_eq!(
+        net.read_states[&1].len(),
+        1,
+        "an isolated leader served a read"
+    );
+}
+
+/// A new leader holds reads until its own empty entry commits (its commit index may lag).
+#[test]
+fn read_index_on_a_new_leader_waits_for_its_first_commit() {
+    let mut net = Net::new(3);
+    net.node(1).campaign();
+    // Win the election but keep the empty entry from being acknowledged.
+    net.settle_with(&mut |m| !matches!(m.body, MessageBody::AppendResponse { .. }));
+    assert_eq!(net.node(1).role(), Role::Leader);
+    net.node(1)
+        .read_index(Bytes::from_static(b"early"))
+        .expect("queued");
+    net.settle_with(&mut |m| !matches!(m.body, MessageBody::AppendResponse { .. }));
+    assert!(
+        net.read_states.get(&1).is_none_or(|r| r.is_empty()),
+        "read served before commit"
+    );
+    net.settle();
+    net.tick_all(3);
+    let commit = net.node(1).commit_index();
+    let reads = &net.read_states[&1];
+    assert_eq!(reads.len(), 1);
+    assert_eq!(reads[0].index, commit);
+}
+
+/// Leadership transfer: the target is caught up, then campaigns at once and wins.
+#[test]
+fn leadership_transfer_hands_over_to_the_target() {
+    let mut net = Net::new(3);
+    net.elect(1);
+    net.node(1)
+        .propose(Bytes::from_static(b"before"))
+        .expect("accepted");
+    net.settle();
+    net.node(1).transfer_leader(3).expect("transfer starts");
+    net.settle();
+    assert_eq!(net.leaders(), vec![3]);
+    assert_eq!(net.node(1).role(), Role::Follower);
+    assert!(matches!(
+        net.node(1).transfer_leader(2),
+        Err(Error::NotLeader { leader: Some(3) })
+    ));
+    assert!(matches!(
+        net.node(3).transfer_leader(9),
+        Err(Error::InvalidTransferTarget(9))
+    ));
+}
+
+/// Joint consensus: adding a voter enters and then leaves the joint configuration by
+/// itself; only one change may be pending; a removed leader steps down.
+#[test]
+fn membership_changes_run_through_joint_consensus() {
+    let mut net = Net::new(3);
+    net.nodes.insert(
+        4,
+        RawNode::new(config(4), MemStorage::default()).expect("valid"),
+    );
+    net.elect(1);
+    net.node(1)
+        .propose_conf_change(vec![ConfChangeStep::AddVoter(4)])
+        .expect("accepted");
+    assert!(matches!(
+        net.node(1)
+            .propose_conf_change(vec![ConfChangeStep::AddLearner(5)]),
+        Err(Error::ConfChangeInProgress)
+    ));
+    net.tick_all(10);
+    let conf = net.node(1).conf_state().clone();
+    assert_eq!(conf.voters, [1, 2, 3, 4].into_iter().collect());
+    assert!(
+        !conf.is_joint(),
+        "leader did not leave the joint configuration"
+    );
+    assert_eq!(
+        net.node(4).conf_state(),
+        &conf,
+        "joining node did not learn the membership"
+    );
+
+    net.node(1)
+        .propose_conf_change(vec![ConfChangeStep::RemoveNode(1)])
+        .expect("accepted");
+    net.tick_all(40);
+    assert_ne!(
+        net.node(1).role(),
+        Role::Leader,
+        "removed leader kept leading"
+    );
+    let leaders = net.leaders();
+    assert_eq!(leaders.len(), 1);
+    assert_ne!(leaders[0], 1);
+    assert_eq!(
+        net.node(leaders[0]).conf_state().voters,
+        [2, 3, 4].into_iter().collect()
+    );
+}
+
+#[test]
+fn invalid_membership_changes_are_refused_with_a_reason() {
+    let conf = ConfState::with_voters([1, 2]);
+    assert!(apply_steps(&conf, &[]).is_err());
+    assert!(apply_steps(&conf, &[ConfChangeStep::AddVoter(0)]).is_err());
+    assert!(
+        apply_steps(
+            &conf,
+            &[ConfChangeStep::RemoveNode(1), ConfChangeStep::RemoveNode(2)]
+        )
+        .is_err()
+    );
+    assert!(apply_steps(&conf, &[ConfChangeStep::AddLearner(1)]).is_err());
+    let joint = apply_steps(&conf, &[ConfChangeStep::AddVoter(3)]).expect("valid");
+    assert!(joint.is_joint());
+    let learner_only = apply_steps(&conf, &[ConfChangeStep::AddLearner(3)]).expect("valid");
+    assert!(
+        !learner_only.is_joint(),
+        "learner changes need no joint phase"
+    );
+}
+
+/// A follower behind the leader's compacted log receives the snapshot in chunks.
+#[test]
+fn lagging_follower_receives_the_snapshot_in_chunks() {
+    fn small_chunks(id: u64) -> Config {
+        let mut c = config(id);
+        c.snapshot_chunk_bytes = 10;
+        c
+    }
+    let voters = ConfState::with_voters([1, 2, 3]);
+    let stores = (1..=3)
+        .map(|id| (id, MemStorage::new_with_conf_state(voters.clone())))
+        .collect();
+    let mut net = Net::with_stores(stores, small_chunks);
+    net.elect(1);
+    net.isolate(3);
+    for i in 0..20 {
+        net.node(1)
+            .propose(Bytes::from(format!("p{i}")))
+            .expect("accepted");
+        net.settle();
+    }
+    let applied = net.node(1).applied_index();
+    let conf = net.node(1).conf_state().clone();
+    let data = Bytes::from(vec![9u8; 45]);
+    net.node(1)
+        .store_mut()
+        .create_snapshot(applied, conf, data.clone());
+    net.heal();
+    let before = net.sent.len();
+    net.tick_all(10);
+    let chunks = net.sent[before..]
+        .iter()
+        .filter(|m| m.to == 3 && matches!(m.body, MessageBody::SnapshotChunk { .. }))
+        .count();
+    assert_eq!(chunks, 5, "45 bytes in chunks of 10");
+    assert_eq!(net.node(3).store().snapshot().map(|s| s.data), Ok(data));
+    assert_eq!(net.node(3).applied_index(), net.node(1).applied_index());
+}
+
+/// Ready contract: a candidate's vote for itself arrives in the same Ready as its vote
+/// requests, marked for fsync, so it is durable before anyone hears of the election.
+#[test]
+fn a_candidate_persists_its_vote_before_asking_for_votes() {
+    let mut net = Net::new(3);
+    fn no_prevote(id: u64) -> Config {
+        let mut c = config(id);
+        c.pre_vote = false;
+        c
+    }
+    let voters = ConfState::with_voters([1, 2, 3]);
+    let stores = (1..=3)
+        .map(|id| (id, MemStorage::new_with_conf_state(voters.clone())))
+        .collect();
+    net = Net {
+        nodes: Net::with_stores(stores, no_prevote).nodes,
+        ..net
+    };
+    net.node(1).campaign();
+    let ready = net.node(1).ready();
+    let hard_state = ready.hard_state.expect("hard state changed");
+    assert_eq!(hard_state.vote, Some(1));
+    assert!(ready.must_sync);
+    assert!(
+        ready
+            .messages
+            .iter()
+            .all(|m| matches!(m.body, MessageBody::Vote { pre: false, .. }))
+    );
+    assert_eq!(ready.messages.len(), 2);
+    net.node(1).advance(ready);
+}
+
+/// A restarted node comes back with exactly what it persisted.
+#[test]
+fn a_node_restarted_from_its_storage_resumes_term_vote_and_log() {
+    let mut net = Net::new(3);
+    net.elect(1);
+    for i in 0..5 {
+        net.node(1)
+            .propose(Bytes::from(format!("p{i}")))
+            .expect("accepted");
+    }
+    net.settle();
+    let store = net.node(2).store().clone();
+    let hard_state = store.hard_state();
+    let restarted = RawNode::new(config(2), store).expect("restart");
+    assert_eq!(restarted.term(), hard_state.term);
+    assert_eq!(restarted.hard_state().vote, hard_state.vote);
+    assert_eq!(restarted.last_index(), net.node(2).last_index());
+    let snapshot = Snapshot {
+        meta: SnapshotMeta::default(),
+        data: Bytes::new(),
+    };
+    assert!(snapshot.is_empty());
+}
