@@ -84,7 +84,9 @@ fn bench_puts(count: u64) -> (String, String) {
     let seconds = start.elapsed().as_secs_f64();
     (
         rate(count, seconds),
-        format!("{count} puts over 100,000 keys (16-byte keys, ~12-byte values)"),
+        format!(
+            "{count} puts over 100,000 keys (10-byte keys, 7-12-byte values; 5 revisions per key kept)"
+        ),
     )
 }
 
@@ -150,6 +152,7 @@ fn bench_election_churn(rounds: u64) -> (String, String) {
         let policy = GroupPolicy {
             preempt: true,
             handoff_timeout_ms: None,
+            settle_ms: None,
         };
         runner.apply(Request::GroupConfigure {
             group: format!("group-{group}"),

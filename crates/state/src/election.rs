@@ -50,6 +50,10 @@ pub struct GroupPolicy {
     pub preempt: bool,
     /// If set, a requested handoff completes after this long even if the incumbent stays.
     pub handoff_timeout_ms: Option<u64>,
+    /// If set, an empty seat is filled this long after the first live candidate shows up, from
+    /// everyone registered by then. Agents that start together then get the leader the rules
+    /// predict, not whichever registered first.
+    pub settle_ms: Option<u64>,
 }
 
 /// A pending handoff of the seat.
@@ -88,12 +92,16 @@ pub struct Group {
     pub candidates: BTreeMap<String, Candidate>,
     /// The seat.
     pub seat: Option<Seat>,
+    /// With `settle_ms`: when the first live candidate showed up at the empty seat.
+    pub settling_since_ms: Option<u64>,
 }
 
 /// What the group must do next.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum Decision {
     Keep,
+    StartSettling,
+    StopSettling,
     Elect(String),
     Vacate,
     RequestHandoff {
@@ -128,9 +136,22 @@ impl Group {
     pub(crate) fn decide(&self, now_ms: u64, is_live: &dyn Fn(i64) -> bool) -> Decision {
         let best = self.best(is_live);
         let Some(seat) = &self.seat else {
-            return match best {
-                Some(best) => Decision::Elect(best.id.clone()),
-                None => Decision::Keep,
+            let Some(best) = best else {
+                // Everyone left while the seat was settling: start afresh next time.
+                return match self.settling_since_ms {
+                    Some(_) => Decision::StopSettling,
+                    None => Decision::Keep,
+                };
+            };
+            return match (self.policy.settle_ms, self.settling_since_ms) {
+                (None, _) => Decision::Elect(best.id.clone()),
+                (Some(_), None) => Decision::StartSettling,
+                (Some(settle_ms), Some(since_ms))
+                    if now_ms >= since_ms.saturating_add(settle_ms) =>
+                {
+                    Decision::Elect(best.id.clone())
+                }
+                (Some(_), Some(_)) => Decision::Keep,
             };
         };
         let Some(leader) = self.candidates.get(&seat.leader) else {
@@ -173,9 +194,15 @@ impl Group {
         }
     }
 
-    /// The earliest handoff deadline, for the server's timer.
-    pub fn handoff_deadline_ms(&self) -> Option<u64> {
-        self.seat.as_ref()?.handoff.as_ref()?.deadline_ms
+    /// When a `Tick` would next change the group: a handoff timeout or the end of settling.
+    pub fn timer_ms(&self) -> Option<u64> {
+        match &self.seat {
+            Some(seat) => seat.handoff.as_ref()?.deadline_ms,
+            None => {
+                let settle_ms = self.policy.settle_ms?;
+                Some(self.settling_since_ms?.saturating_add(settle_ms))
+            }
+        }
     }
 }
 
@@ -304,6 +331,7 @@ mod tests {
         g.policy = GroupPolicy {
             preempt: true,
             handoff_timeout_ms: Some(100),
+            settle_ms: None,
         };
         assert_eq!(
             g.decide(10, &all_live),

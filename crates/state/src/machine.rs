@@ -279,9 +279,9 @@ impl StateMachine {
             } => self.group_proclaim(group, candidate, *fence, value, events),
             Request::GroupConfigure { group, policy } => {
                 self.check_name("group", group)?;
-                if let Some(0) = policy.handoff_timeout_ms {
+                if policy.handoff_timeout_ms == Some(0) || policy.settle_ms == Some(0) {
                     return Err(Error::InvalidArgument(
-                        "handoff_timeout_ms must be > 0".into(),
+                        "handoff_timeout_ms and settle_ms must be > 0 when set".into(),
                     ));
                 }
                 self.state.groups.entry(group.clone()).or_default().policy = *policy;
@@ -845,6 +845,12 @@ impl StateMachine {
             });
             match decision {
                 Decision::Keep => return,
+                Decision::StartSettling | Decision::StopSettling => {
+                    let settling = (decision == Decision::StartSettling).then_some(now_ms);
+                    if let Some(entry) = self.state.groups.get_mut(group) {
+                        entry.settling_since_ms = settling;
+                    }
+                }
                 Decision::Elect(leader) => self.seat_leader(group, &leader, events),
                 Decision::Vacate => self.vacate_seat(group, events),
                 Decision::RequestHandoff {
@@ -896,6 +902,7 @@ impl StateMachine {
             return;
         };
         entry.term += 1;
+        entry.settling_since_ms = None;
         entry.seat = Some(Seat {
             leader: leader.to_owned(),
             fence,
@@ -920,6 +927,7 @@ impl StateMachine {
         };
         entry.term += 1;
         entry.seat = None;
+        entry.settling_since_ms = None;
         self.emit_election(group, ElectionEventKind::Vacant, events);
     }
 
@@ -984,7 +992,7 @@ impl StateMachine {
             .groups
             .iter()
             .filter(|(_, g)| {
-                g.handoff_deadline_ms()
+                g.timer_ms()
                     .is_some_and(|deadline_ms| deadline_ms <= now_ms)
             })
             .map(|(name, _)| name.clone())
@@ -1093,12 +1101,7 @@ impl StateMachine {
     /// The earliest leader-clock time at which a `Tick` would change something (a handoff
     /// timeout or a topic's age retention). The leader proposes a `Tick` then.
     pub fn next_timer_ms(&self) -> Option<u64> {
-        let handoffs = self
-            .state
-            .groups
-            .values()
-            .filter_map(Group::handoff_deadline_ms)
-            .min();
+        let handoffs = self.state.groups.values().filter_map(Group::timer_ms).min();
         let retention = self.state.topics.next_expiry_ms();
         [handoffs, retention].into_iter().flatten().min()
     }

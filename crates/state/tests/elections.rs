@@ -85,6 +85,7 @@ fn preemption_hands_off_only_when_the_incumbent_resigns() {
         GroupPolicy {
             preempt: true,
             handoff_timeout_ms: None,
+            settle_ms: None,
         },
     );
     let (low, high) = (driver.grant(10_000), driver.grant(10_000));
@@ -125,6 +126,7 @@ fn handoff_timeout_moves_the_seat_on_tick() {
         GroupPolicy {
             preempt: true,
             handoff_timeout_ms: Some(500),
+            settle_ms: None,
         },
     );
     let (low, high) = (driver.grant(100_000), driver.grant(100_000));
@@ -165,6 +167,7 @@ fn leader_lease_expiry_during_handoff_elects_the_challenger() {
         GroupPolicy {
             preempt: true,
             handoff_timeout_ms: Some(60_000),
+            settle_ms: None,
         },
     );
     let (low, high) = (driver.grant(10_000), driver.grant(10_000));
@@ -305,6 +308,7 @@ fn a_deposed_leader_cannot_write_through_a_fenced_txn() {
         GroupPolicy {
             preempt: true,
             handoff_timeout_ms: Some(10),
+            settle_ms: None,
         },
     );
     let (old, new) = (driver.grant(10_000), driver.grant(10_000));
@@ -436,4 +440,70 @@ fn etcd_election_recipe_lowest_create_revision_leads() {
         driver.machine.queue_status(b"svc", &two.key, two.fence),
         QueueStatus::Owner { fence: two.fence }
     );
+}
+
+#[test]
+fn settling_makes_the_first_leader_independent_of_arrival_order() {
+    for order in [["b", "a", "c"], ["c", "b", "a"], ["a", "c", "b"]] {
+        let mut driver = Driver::new();
+        let policy = GroupPolicy {
+            preempt: false,
+            handoff_timeout_ms: None,
+            settle_ms: Some(200),
+        };
+        driver.configure("g", policy);
+        for (arrival, candidate) in order.iter().enumerate() {
+            driver.now_ms = arrival as u64 * 50;
+            let lease = driver.grant(10_000);
+            driver.register("g", candidate, 5, lease);
+            assert!(
+                driver.leader_of("g").is_none(),
+                "nobody leads while the seat settles"
+            );
+        }
+        assert_eq!(driver.machine.next_timer_ms(), Some(200));
+        driver.now_ms = 200;
+        let output = driver.apply(Request::Tick);
+        assert_eq!(
+            driver.leader_of("g").as_deref(),
+            Some("a"),
+            "order {order:?}"
+        );
+        assert_eq!(
+            election_events(&output.events)
+                .iter()
+                .filter(|kind| matches!(kind, ElectionEventKind::Elected { .. }))
+                .count(),
+            1
+        );
+        assert_eq!(driver.machine.next_timer_ms(), None);
+    }
+}
+
+#[test]
+fn settling_restarts_when_everyone_leaves() {
+    let mut driver = Driver::new();
+    let policy = GroupPolicy {
+        preempt: false,
+        handoff_timeout_ms: None,
+        settle_ms: Some(200),
+    };
+    driver.configure("g", policy);
+    let early = driver.grant(10_000);
+    driver.register("g", "early", 1, early);
+    driver.ok(Request::GroupResign {
+        group: "g".into(),
+        candidate: "early".into(),
+        lease_id: early,
+    });
+    driver.now_ms = 1000;
+    let late = driver.grant(10_000);
+    driver.register("g", "late", 1, late);
+    assert!(
+        driver.leader_of("g").is_none(),
+        "a new settling period starts at 1000"
+    );
+    driver.now_ms = 1200;
+    driver.ok(Request::Tick);
+    assert_eq!(driver.leader_of("g").as_deref(), Some("late"));
 }

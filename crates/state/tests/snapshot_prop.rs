@@ -107,21 +107,22 @@ fn request() -> impl Strategy<Value = Request> {
             fence,
             value: Bytes::from_static(b"p")
         }),
-        (name(), any::<bool>(), proptest::option::of(1u64..3000)).prop_map(
-            |(group, preempt, handoff_timeout_ms)| {
+        (
+            name(),
+            any::<bool>(),
+            proptest::option::of(1u64..3000),
+            proptest::option::of(1u64..500)
+        )
+            .prop_map(|(group, preempt, handoff_timeout_ms, settle_ms)| {
                 Request::GroupConfigure {
                     group,
                     policy: GroupPolicy {
                         preempt,
                         handoff_timeout_ms,
+                        settle_ms,
                     },
                 }
-            }
-        ),
-        (0usize..2, any::<u8>()).prop_map(|(t, v)| Request::Publish {
-            topic: format!("t{t}"),
-            data: Bytes::from(vec![v])
-        }),
+            }),
         (0usize..2, 0u64..6).prop_map(|(t, seq)| Request::Ack {
             consumer: "bot".into(),
             topic: format!("t{t}"),
