@@ -172,6 +172,28 @@ impl StateMachine {
         self.output(result, events, false)
     }
 
+    /// Decodes a Raft entry's bytes and applies them. Bytes that do not decode are a
+    /// replicated fact like any other: every replica marks the index applied and answers
+    /// `Error::Decode`, so replicas stay identical.
+    pub fn apply_encoded(&mut self, index: u64, bytes: &[u8]) -> ApplyOutput {
+        match Command::decode(bytes) {
+            Ok(command) => self.apply(index, &command),
+            Err(error) => {
+                let last_applied = self.state.last_applied;
+                let result = if index <= last_applied {
+                    Err(Error::AlreadyApplied {
+                        index,
+                        last_applied,
+                    })
+                } else {
+                    self.state.last_applied = index;
+                    Err(error)
+                };
+                self.output(result, Vec::new(), false)
+            }
+        }
+    }
+
     fn record_session(&mut self, at: SessionSeq, result: &Result<Response>) {
         let now_ms = self.state.now_ms;
         // Closing one's own session has nothing left to cache.

@@ -415,3 +415,17 @@ fn commands_round_trip_and_garbage_does_not_decode() {
         assert!(Command::decode(&bytes[..cut]).is_err());
     }
 }
+
+#[test]
+fn undecodable_entries_are_applied_as_errors() {
+    let mut driver = Driver::new();
+    let good = Command::new(0, Request::Put(PutRequest::new("k", "v"))).encode();
+    assert!(driver.machine.apply_encoded(1, &good).result.is_ok());
+    let bad = driver.machine.apply_encoded(2, &[0xff, 0xff, 0xff]);
+    assert!(matches!(bad.result, Err(Error::Decode(_))));
+    assert_eq!(driver.machine.last_applied(), 2);
+    assert!(matches!(
+        driver.machine.apply_encoded(2, &good).result,
+        Err(Error::AlreadyApplied { .. })
+    ));
+}
