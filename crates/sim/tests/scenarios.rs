@@ -5,6 +5,10 @@
 
 mod common;
 
+#[path = "scenarios/budget.rs"]
+mod budget;
+#[path = "scenarios/crashes.rs"]
+mod crashes;
 #[path = "scenarios/elections.rs"]
 mod elections;
 #[path = "scenarios/replication.rs"]
