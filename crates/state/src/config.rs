@@ -32,6 +32,18 @@ pub struct Config {
     pub session_ttl_ms: u64,
     /// Most client sessions kept; past it the least recently active one is evicted.
     pub sessions_max: usize,
+    /// Most leases at once.
+    pub leases_max: usize,
+    /// Most priority election groups.
+    pub groups_max: usize,
+    /// Most candidates in one group.
+    pub group_candidates_max: usize,
+    /// Most topics.
+    pub topics_max: usize,
+    /// Most messages kept per topic, whatever its retention says.
+    pub topic_messages_max: u64,
+    /// Most named consumers.
+    pub consumers_max: usize,
     /// A keepalive more than this long after the lease's last "renewed" record commits a new
     /// one before it is answered. An abandoned lease ends by its last keepalive + TTL + this,
     /// however often the Raft leader changes; the cost is at most one (batchable) log entry per
@@ -51,6 +63,12 @@ impl Default for Config {
             session_ttl_ms: 60 * 60 * 1000,
             sessions_max: 100_000,
             lease_checkpoint_interval_ms: 1000,
+            leases_max: 1_000_000,
+            groups_max: 100_000,
+            group_candidates_max: 10_000,
+            topics_max: 100_000,
+            topic_messages_max: 1_000_000,
+            consumers_max: 100_000,
         }
     }
 }
@@ -75,6 +93,15 @@ impl Config {
         }
         if self.name_bytes_max == 0 || self.sessions_max == 0 || self.session_ttl_ms == 0 {
             return invalid("name_bytes_max, sessions_max and session_ttl_ms must be > 0");
+        }
+        let bounds = [
+            self.leases_max,
+            self.groups_max,
+            self.group_candidates_max,
+            self.topics_max,
+        ];
+        if bounds.contains(&0) || self.consumers_max == 0 || self.topic_messages_max == 0 {
+            return invalid("object limits must be > 0");
         }
         if self.lease_checkpoint_interval_ms == 0 {
             return invalid("lease_checkpoint_interval_ms must be > 0");

@@ -100,6 +100,14 @@ pub enum Error {
         /// The topic's last sequence number.
         last_seq: u64,
     },
+    /// Creating this object would pass one of the configured bounds.
+    #[error("conclave: limit reached: at most {limit} {what}")]
+    LimitReached {
+        /// What is bounded (e.g. "leases").
+        what: String,
+        /// The bound.
+        limit: u64,
+    },
     /// A request argument is out of its domain (the message says which).
     #[error("conclave: invalid argument: {0}")]
     InvalidArgument(String),
@@ -175,6 +183,7 @@ impl Error {
             Error::NotGroupLeader { .. } => 1304,
             Error::AckBeyondEnd { .. } => 1401,
             Error::InvalidArgument(_) => 1402,
+            Error::LimitReached { .. } => 1403,
             Error::SessionNotFound { .. } => 1501,
             Error::SessionSeqStale { .. } => 1502,
             Error::AlreadyApplied { .. } => 1503,
@@ -276,6 +285,10 @@ mod tests {
                 last_seq: 0,
             },
             Error::InvalidArgument(String::new()),
+            Error::LimitReached {
+                what: String::new(),
+                limit: 0,
+            },
             Error::SessionNotFound { client_id: 0 },
             Error::SessionSeqStale {
                 client_id: 0,

@@ -117,6 +117,12 @@ impl LeaseTable {
         if ttl_ms > LEASE_TTL_MS_MAX {
             return Err(Error::LeaseTtlTooLarge);
         }
+        if self.leases.len() >= config.leases_max {
+            return Err(Error::LimitReached {
+                what: "leases".into(),
+                limit: config.leases_max as u64,
+            });
+        }
         let id = if id == 0 { self.choose_id() } else { id };
         if self.leases.contains_key(&id) {
             return Err(Error::LeaseExists);

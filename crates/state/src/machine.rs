@@ -306,6 +306,7 @@ impl StateMachine {
                         "handoff_timeout_ms and settle_ms must be > 0 when set".into(),
                     ));
                 }
+                self.check_new_group(group)?;
                 self.state.groups.entry(group.clone()).or_default().policy = *policy;
                 self.reconcile_group(group, events);
                 Ok(Response::Group(self.group_status(group)))
@@ -318,14 +319,22 @@ impl StateMachine {
             } => {
                 self.check_name("consumer", consumer)?;
                 self.check_name("topic", topic)?;
+                let consumers_max = self.config.consumers_max;
+                if !self.state.topics.has_consumer(consumer)
+                    && self.state.topics.consumer_count() >= consumers_max
+                {
+                    return Err(limit("consumers", consumers_max));
+                }
                 let cursor = self.state.topics.ack(consumer, topic, *seq)?;
                 Ok(Response::Acked { cursor })
             }
             Request::TopicConfigure { topic, retention } => {
                 self.check_name("topic", topic)?;
+                self.check_new_topic(topic)?;
+                let messages_max = self.config.topic_messages_max;
                 self.state
                     .topics
-                    .configure(topic, *retention, self.state.now_ms);
+                    .configure(topic, *retention, self.state.now_ms, messages_max);
                 Ok(Response::TopicConfigured)
             }
             Request::OpenSession => {
@@ -658,6 +667,22 @@ impl StateMachine {
         Ok(())
     }
 
+    fn check_new_group(&self, group: &str) -> Result<()> {
+        let groups_max = self.config.groups_max;
+        if !self.state.groups.contains_key(group) && self.state.groups.len() >= groups_max {
+            return Err(limit("groups", groups_max));
+        }
+        Ok(())
+    }
+
+    fn check_new_topic(&self, topic: &str) -> Result<()> {
+        let topics_max = self.config.topics_max;
+        if !self.state.topics.contains(topic) && self.state.topics.len() >= topics_max {
+            return Err(limit("topics", topics_max));
+        }
+        Ok(())
+    }
+
     fn group_register(
         &mut self,
         register: &GroupRegister,
@@ -708,6 +733,18 @@ impl StateMachine {
             self.state
                 .leases
                 .detach_candidate(existing.lease_id, group, candidate);
+        }
+        if existing.is_none() {
+            self.check_new_group(group)?;
+            let candidates_max = self.config.group_candidates_max;
+            let count = self
+                .state
+                .groups
+                .get(group)
+                .map_or(0, |g| g.candidates.len());
+            if count >= candidates_max {
+                return Err(limit("candidates in a group", candidates_max));
+            }
         }
         let entry = Candidate {
             id: candidate.clone(),
@@ -992,12 +1029,17 @@ impl StateMachine {
         }
         // A publish is a write: it takes a store revision, so messages and KV changes are
         // totally ordered.
+        self.check_new_topic(topic)?;
+        let messages_max = self.config.topic_messages_max;
         self.state.kv.mark_write();
         let revision = self.state.kv.write_revision();
-        let message = self
-            .state
-            .topics
-            .publish(topic, data.clone(), revision, self.state.now_ms);
+        let message = self.state.topics.publish(
+            topic,
+            data.clone(),
+            revision,
+            self.state.now_ms,
+            messages_max,
+        );
         let seq = message.seq;
         events.push(Event::Topic(message));
         Ok(Response::Published { seq, revision })
@@ -1008,7 +1050,8 @@ impl StateMachine {
         self.state
             .sessions
             .expire(now_ms, self.config.session_ttl_ms);
-        self.state.topics.enforce_all(now_ms);
+        let messages_max = self.config.topic_messages_max;
+        self.state.topics.enforce_all(now_ms, messages_max);
         let due: Vec<String> = self
             .state
             .groups
@@ -1158,6 +1201,13 @@ impl StateMachine {
             }
         }
         Ok(())
+    }
+}
+
+fn limit(what: &str, limit: usize) -> Error {
+    Error::LimitReached {
+        what: what.to_owned(),
+        limit: limit as u64,
     }
 }
 

@@ -69,12 +69,15 @@ impl Topic {
             .map_or(self.last_seq + 1, |message| message.seq)
     }
 
-    fn enforce_retention(&mut self, now_ms: u64) {
-        if let Some(max_messages) = self.retention.max_messages {
-            let max_messages = usize::try_from(max_messages).unwrap_or(usize::MAX);
-            while self.messages.len() > max_messages {
-                self.messages.pop_front();
-            }
+    fn enforce_retention(&mut self, now_ms: u64, messages_max: u64) {
+        let max_messages = self
+            .retention
+            .max_messages
+            .unwrap_or(u64::MAX)
+            .min(messages_max);
+        let max_messages = usize::try_from(max_messages).unwrap_or(usize::MAX);
+        while self.messages.len() > max_messages {
+            self.messages.pop_front();
         }
         if let Some(max_age_ms) = self.retention.max_age_ms {
             while self
@@ -103,6 +106,7 @@ impl Topics {
         data: Bytes,
         revision: i64,
         now_ms: u64,
+        messages_max: u64,
     ) -> Message {
         let entry = self.topics.entry(topic.to_owned()).or_default();
         entry.last_seq += 1;
@@ -114,20 +118,51 @@ impl Topics {
             data,
         };
         entry.messages.push_back(message.clone());
-        entry.enforce_retention(now_ms);
+        entry.enforce_retention(now_ms, messages_max);
         message
     }
 
-    pub(crate) fn configure(&mut self, topic: &str, retention: Retention, now_ms: u64) {
+    pub(crate) fn configure(
+        &mut self,
+        topic: &str,
+        retention: Retention,
+        now_ms: u64,
+        messages_max: u64,
+    ) {
         let entry = self.topics.entry(topic.to_owned()).or_default();
         entry.retention = retention;
-        entry.enforce_retention(now_ms);
+        entry.enforce_retention(now_ms, messages_max);
     }
 
-    pub(crate) fn enforce_all(&mut self, now_ms: u64) {
+    pub(crate) fn enforce_all(&mut self, now_ms: u64, messages_max: u64) {
         for topic in self.topics.values_mut() {
-            topic.enforce_retention(now_ms);
+            topic.enforce_retention(now_ms, messages_max);
         }
+    }
+
+    /// True when the topic exists (it was published to or configured).
+    pub fn contains(&self, topic: &str) -> bool {
+        self.topics.contains_key(topic)
+    }
+
+    /// Number of topics.
+    pub fn len(&self) -> usize {
+        self.topics.len()
+    }
+
+    /// True when there is no topic.
+    pub fn is_empty(&self) -> bool {
+        self.topics.is_empty()
+    }
+
+    /// True when the consumer has acknowledged something.
+    pub fn has_consumer(&self, consumer: &str) -> bool {
+        self.cursors.contains_key(consumer)
+    }
+
+    /// Number of consumers with cursors.
+    pub fn consumer_count(&self) -> usize {
+        self.cursors.len()
     }
 
     /// Moves the consumer's cursor forward (never back). Returns the cursor.
@@ -226,7 +261,13 @@ mod tests {
     fn dense_sequences_retention_and_cursors() {
         let mut topics = Topics::default();
         for i in 0..5u64 {
-            let message = topics.publish("t", Bytes::from(vec![i as u8]), 10 + i as i64, i * 100);
+            let message = topics.publish(
+                "t",
+                Bytes::from(vec![i as u8]),
+                10 + i as i64,
+                i * 100,
+                1000,
+            );
             assert_eq!(message.seq, i + 1);
         }
         topics.configure(
@@ -236,6 +277,7 @@ mod tests {
                 max_age_ms: None,
             },
             500,
+            1000,
         );
         let read = topics.read("t", 1, 0);
         assert_eq!(
@@ -257,6 +299,7 @@ mod tests {
                 max_age_ms: Some(100),
             },
             500,
+            1000,
         );
         assert!(topics.read("t", 0, 0).messages.is_empty());
         assert_eq!(topics.read("t", 0, 0).first_seq, 6);

@@ -429,3 +429,66 @@ fn undecodable_entries_are_applied_as_errors() {
         Err(Error::AlreadyApplied { .. })
     ));
 }
+
+#[test]
+fn object_counts_are_bounded() {
+    let config = conclave_state::Config {
+        leases_max: 2,
+        groups_max: 1,
+        group_candidates_max: 1,
+        topics_max: 1,
+        topic_messages_max: 2,
+        consumers_max: 1,
+        ..conclave_state::Config::default()
+    };
+    let mut driver = Driver::with_config(config);
+    let (first, second) = (driver.grant(10_000), driver.grant(10_000));
+    let third = driver.apply(Request::LeaseGrant {
+        id: 0,
+        ttl_ms: 10_000,
+    });
+    assert!(matches!(
+        third.result,
+        Err(Error::LimitReached { limit: 2, .. })
+    ));
+    assert!(driver.register("g", "a", 1, first).result.is_ok());
+    assert!(matches!(
+        driver.register("g", "b", 1, second).result,
+        Err(Error::LimitReached { .. })
+    ));
+    assert!(matches!(
+        driver.register("h", "a", 1, second).result,
+        Err(Error::LimitReached { .. })
+    ));
+    for i in 0..3 {
+        driver.ok(Request::Publish {
+            topic: "t".into(),
+            data: Bytes::from(vec![i]),
+        });
+    }
+    let read = driver.machine.topic_read("t", 1, 0);
+    assert_eq!(
+        (read.first_seq, read.last_seq),
+        (2, 3),
+        "the newest two are kept"
+    );
+    let other = driver.apply(Request::Publish {
+        topic: "u".into(),
+        data: Bytes::new(),
+    });
+    assert!(matches!(other.result, Err(Error::LimitReached { .. })));
+    driver.ok(Request::Ack {
+        consumer: "c1".into(),
+        topic: "t".into(),
+        seq: 1,
+    });
+    let second_consumer = driver.apply(Request::Ack {
+        consumer: "c2".into(),
+        topic: "t".into(),
+        seq: 1,
+    });
+    assert!(matches!(
+        second_consumer.result,
+        Err(Error::LimitReached { .. })
+    ));
+}

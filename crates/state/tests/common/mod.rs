@@ -22,6 +22,10 @@ impl Driver {
             election_timeout_ms: ELECTION_TIMEOUT_MS,
             ..Config::default()
         };
+        Driver::with_config(config)
+    }
+
+    pub fn with_config(config: Config) -> Self {
         Driver {
             machine: StateMachine::new(config),
             index: 0,
