@@ -11,5 +11,7 @@ mod budget;
 mod crashes;
 #[path = "scenarios/elections.rs"]
 mod elections;
+#[path = "scenarios/features.rs"]
+mod features;
 #[path = "scenarios/replication.rs"]
 mod replication;
