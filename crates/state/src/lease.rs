@@ -87,11 +87,17 @@ pub struct Lease {
 }
 
 /// The replicated lease table.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LeaseTable {
     leases: BTreeMap<i64, Lease>,
     /// Next ID to try for grants that let the state machine choose. Invariant: > 0.
     next_id: i64,
+}
+
+impl Default for LeaseTable {
+    fn default() -> Self {
+        LeaseTable::new()
+    }
 }
 
 impl LeaseTable {

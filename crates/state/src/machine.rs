@@ -10,9 +10,9 @@
 //!     └─ ApplyOutput { revision, result, events }
 //! ```
 //!
-//! A command normally takes at most one revision. A priority-group seat grant takes a revision
-//! of its own, so every fence is unique even when one command (say a lease expiry) changes the
-//! seats of several groups.
+//! A KV request or Txn takes at most one revision. A revoked lease takes one (all its keys go
+//! together), and so does each priority-group seat grant, so every fence is unique even when one
+//! command (say a lease expiry) changes the seats of several groups.
 
 use std::collections::BTreeMap;
 
@@ -107,10 +107,7 @@ impl StateMachine {
             validation.is_ok(),
             "invalid state machine config: {validation:?}"
         );
-        let state = State {
-            leases: LeaseTable::new(),
-            ..State::default()
-        };
+        let state = State::default();
         StateMachine { config, state }
     }
 
