@@ -108,6 +108,10 @@ pub struct GroupRegister {
 }
 
 /// Everything the state machine can be asked to do through the log.
+///
+/// Encoded by variant position (postcard): entries already in logs and snapshots must keep
+/// decoding, so new variants go at the end and existing ones are never reordered or changed.
+/// `tests/encoding.rs` pins the encoding.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Request {
     /// etcd Range (a linearizable read through the log).

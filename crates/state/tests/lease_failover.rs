@@ -69,6 +69,12 @@ fn schedule() -> impl Strategy<Value = Schedule> {
 
 /// Runs the schedule; returns (expired at, last acknowledged keepalive, last promotion).
 fn run(schedule: &Schedule) -> (u64, u64, u64) {
+    run_with(schedule, true)
+}
+
+/// `record_renewals: false` is the negative control: the leader acknowledges keepalives
+/// without committing the "renewed" record first.
+fn run_with(schedule: &Schedule, record_renewals: bool) -> (u64, u64, u64) {
     let config = Config {
         election_timeout_ms: ELECTION_TIMEOUT_MS,
         lease_checkpoint_interval_ms: schedule.checkpoint_interval_ms,
@@ -125,11 +131,11 @@ fn run(schedule: &Schedule) -> (u64, u64, u64) {
         if now_ms >= next_keepalive_ms && now_ms < schedule.abandon_at_ms {
             next_keepalive_ms = now_ms + schedule.keepalive_every_ms;
             if let Ok(renewal) = leader.renew(log.machine.leases(), id, now_ms) {
-                // Answer only once the reset checkpoint (if any) has committed.
-                log.checkpoint(
-                    now_ms,
-                    renewal.checkpoint_before_reply.into_iter().collect(),
-                );
+                // Answer only once the renewal record (if any) has committed.
+                if record_renewals {
+                    let record = renewal.checkpoint_before_reply.into_iter().collect();
+                    log.checkpoint(now_ms, record);
+                }
                 last_ack_ms = now_ms;
             }
         }
@@ -166,4 +172,23 @@ fn a_stable_leader_expires_exactly_at_the_ttl() {
     };
     let (expired_ms, last_ack_ms, _) = run(&schedule);
     assert_eq!(expired_ms, last_ack_ms + TTL_MS);
+}
+
+/// Negative control: without the renewal record, a new leader expires the lease before the TTL
+/// its holder was promised, and the property above catches it.
+#[test]
+fn skipping_the_renewal_record_is_caught() {
+    let schedule = Schedule {
+        outages: vec![(2600, 1000)],
+        abandon_at_ms: 2600,
+        keepalive_every_ms: 500,
+        checkpoint_interval_ms: 1000,
+    };
+    let (expired_ms, last_ack_ms, _) = run(&schedule);
+    assert!(expired_ms >= last_ack_ms + TTL_MS);
+    let (expired_ms, last_ack_ms, _) = run_with(&schedule, false);
+    assert!(
+        expired_ms < last_ack_ms + TTL_MS,
+        "expired {expired_ms}, acked {last_ack_ms}"
+    );
 }
