@@ -18,7 +18,8 @@ use crate::machine::{State, StateMachine};
 
 /// Magic bytes at the start of every snapshot.
 pub const SNAPSHOT_MAGIC: &[u8; 8] = b"CNCLSTAT";
-/// The format version this build writes and reads.
+/// The format version this build writes and reads. The body is the postcard encoding of the
+/// state types, so any change to them (a field added, a variant moved) must bump this.
 pub const SNAPSHOT_FORMAT_VERSION: u32 = 1;
 /// Payload bytes per frame when writing.
 const FRAME_BYTES: usize = 64 * 1024;
