@@ -178,3 +178,26 @@ pub fn assert_no_violations(sim: &Simulation) {
 pub fn value(tag: &str, i: u64) -> Vec<u8> {
     format!("{tag}-{i}").into_bytes()
 }
+
+/// The seeds a scenario runs. `SIM_SEED=<n>` replays one seed; `SIM_SCENARIO_SEEDS=<k>` runs
+/// `k` seeds per scenario (for long nightly runs); otherwise `default` seeds, chosen so that
+/// the whole suite stays around half a minute on two cores.
+pub fn seeds(base: u64, default: u64) -> Vec<u64> {
+    if let Some(seed) = std::env::var("SIM_SEED").ok().and_then(|s| s.parse().ok()) {
+        return vec![seed];
+    }
+    let count = std::env::var("SIM_SCENARIO_SEEDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default);
+    (base..base + count).collect()
+}
+
+/// Runs `scenario` once per seed, naming the seed on stderr first so that a failure shows
+/// how to replay it.
+pub fn for_each_seed(name: &str, base: u64, default: u64, scenario: fn(u64)) {
+    for seed in seeds(base, default) {
+        eprintln!("{name}: seed {seed} (replay with SIM_SEED={seed})");
+        scenario(seed);
+    }
+}

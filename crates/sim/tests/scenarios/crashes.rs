@@ -95,8 +95,12 @@ fn persist_cycles(storage: StorageKind, seed: u64) {
 
 #[test]
 fn persist_crash_cycles() {
-    persist_cycles(StorageKind::Mem, 20);
-    persist_cycles(StorageKind::Wal, 21);
+    for_each_seed("persist_crash_cycles(Mem)", 20_000, 10, |seed| {
+        persist_cycles(StorageKind::Mem, seed)
+    });
+    for_each_seed("persist_crash_cycles(Wal)", 21_000, 10, |seed| {
+        persist_cycles(StorageKind::Wal, seed)
+    });
 }
 
 /// Figure 8 iterations: the lab asks for 1000.
@@ -114,9 +118,13 @@ fn figure8_pause(rng: &mut Prng) -> u64 {
 
 #[test]
 fn figure8() {
-    let mut sim = Simulation::scenario(30, SwarmParams::reliable(5), None);
+    for_each_seed("figure8", 30000, 20, figure8_seed);
+}
+
+fn figure8_seed(seed: u64) {
+    let mut sim = Simulation::scenario(seed, SwarmParams::reliable(5), None);
     let net = Net::all(&sim);
-    let mut rng = Prng::new(30);
+    let mut rng = Prng::new(seed);
     one(&mut sim, &net, &value("f8", rng.next_u64() % 10_000), 1);
     let mut leaders_crashed = 0;
     for _ in 0..FIGURE8_ITERATIONS {
@@ -155,9 +163,13 @@ fn figure8() {
 
 #[test]
 fn figure8_unreliable() {
-    let mut sim = Simulation::scenario(31, SwarmParams::reliable(5), None);
+    for_each_seed("figure8_unreliable", 31000, 20, figure8_unreliable_seed);
+}
+
+fn figure8_unreliable_seed(seed: u64) {
+    let mut sim = Simulation::scenario(seed, SwarmParams::reliable(5), None);
     let mut net = Net::all(&sim);
-    let mut rng = Prng::new(31);
+    let mut rng = Prng::new(seed);
     // The lab's unreliable network: 10% of messages lost.
     sim.set_network_faults(100, 0, 0, 1);
     one(&mut sim, &net, &value("f8u", rng.next_u64() % 10_000), 1);
@@ -210,11 +222,15 @@ struct Client {
 
 #[test]
 fn unreliable_churn() {
+    for_each_seed("unreliable_churn", 40000, 20, unreliable_churn_seed);
+}
+
+fn unreliable_churn_seed(seed: u64) {
     const CLIENTS: u64 = 3;
     const RUN_MS: u64 = 20_000;
-    let mut sim = Simulation::scenario(40, SwarmParams::reliable(5), None);
+    let mut sim = Simulation::scenario(seed, SwarmParams::reliable(5), None);
     let mut net = Net::all(&sim);
-    let mut rng = Prng::new(40);
+    let mut rng = Prng::new(seed);
     sim.set_network_faults(100, 20, 50, 500);
     let mut clients: Vec<Client> = (0..CLIENTS)
         .map(|id| Client {
@@ -291,12 +307,16 @@ fn unreliable_churn() {
 
 #[test]
 fn partial_fsync_wal() {
+    for_each_seed("partial_fsync_wal", 50000, 20, partial_fsync_wal_seed);
+}
+
+fn partial_fsync_wal_seed(seed: u64) {
     let mut params = SwarmParams::reliable(5);
     params.storage = StorageKind::Wal;
     // One Ready in 20 crashes the node part-way, a quarter of those between the WAL write
     // and its fsync, so the disk keeps a random, possibly torn, part of the write.
     params.crash_in_ready_per_mille = 50;
-    let mut sim = Simulation::scenario(50, params, None);
+    let mut sim = Simulation::scenario(seed, params, None);
     let net = Net::all(&sim);
     one(&mut sim, &net, b"wal-first", 5);
     // Crashes in a Ready are armed with the network faults; a 1% loss switches them on.
@@ -353,10 +373,14 @@ fn partial_fsync_wal() {
 
 #[test]
 fn clock_skew() {
+    for_each_seed("clock_skew", 60000, 30, clock_skew_seed);
+}
+
+fn clock_skew_seed(seed: u64) {
     let mut params = SwarmParams::reliable(5);
     // Node 1's clock runs twice as fast: its timeouts fire in half the time.
     params.tick_ms[0] = 5;
-    let mut sim = Simulation::scenario(60, params, None);
+    let mut sim = Simulation::scenario(seed, params, None);
     let mut net = Net::all(&sim);
     let mut leaders = Vec::new();
     for round in 0..6 {

@@ -8,7 +8,11 @@ use crate::common::*;
 
 #[test]
 fn initial_election() {
-    let mut sim = Simulation::scenario(1, SwarmParams::reliable(3), None);
+    for_each_seed("initial_election", 1000, 50, initial_election_seed);
+}
+
+fn initial_election_seed(seed: u64) {
+    let mut sim = Simulation::scenario(seed, SwarmParams::reliable(3), None);
     let mut elected_at = None;
     while sim.now_ms < 5_000 {
         sim.run_for(10);
@@ -52,7 +56,11 @@ fn initial_election() {
 
 #[test]
 fn reelection() {
-    let mut sim = Simulation::scenario(2, SwarmParams::reliable(3), None);
+    for_each_seed("reelection", 2000, 50, reelection_seed);
+}
+
+fn reelection_seed(seed: u64) {
+    let mut sim = Simulation::scenario(seed, SwarmParams::reliable(3), None);
     let mut net = Net::all(&sim);
     let leader1 = one_leader(&mut sim, &net.ids());
 
@@ -96,7 +104,11 @@ fn reelection() {
 
 #[test]
 fn no_quorum_no_leader() {
-    let mut sim = Simulation::scenario(3, SwarmParams::reliable(3), None);
+    for_each_seed("no_quorum_no_leader", 3000, 50, no_quorum_no_leader_seed);
+}
+
+fn no_quorum_no_leader_seed(seed: u64) {
+    let mut sim = Simulation::scenario(seed, SwarmParams::reliable(3), None);
     let mut net = Net::all(&sim);
     let leader = one_leader(&mut sim, &net.ids());
     let term = sim.node(leader).unwrap().term();
@@ -125,9 +137,18 @@ fn no_quorum_no_leader() {
 
 #[test]
 fn many_elections_seven_nodes() {
-    let mut sim = Simulation::scenario(4, SwarmParams::reliable(7), None);
+    for_each_seed(
+        "many_elections_seven_nodes",
+        4000,
+        30,
+        many_elections_seven_nodes_seed,
+    );
+}
+
+fn many_elections_seven_nodes_seed(seed: u64) {
+    let mut sim = Simulation::scenario(seed, SwarmParams::reliable(7), None);
     let mut net = Net::all(&sim);
-    let mut rng = Prng::new(0x6_5840);
+    let mut rng = Prng::new(seed ^ 0x6_5840);
     one_leader(&mut sim, &net.ids());
     let mut leaders = Vec::new();
     for _ in 0..10 {

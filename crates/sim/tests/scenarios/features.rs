@@ -39,9 +39,18 @@ fn commit_at(sim: &mut Simulation, leader: NodeId, data: Vec<u8>, among: &[NodeI
 
 #[test]
 fn snapshots_lagging_follower() {
+    for_each_seed(
+        "snapshots_lagging_follower",
+        70000,
+        50,
+        snapshots_lagging_follower_seed,
+    );
+}
+
+fn snapshots_lagging_follower_seed(seed: u64) {
     let mut params = SwarmParams::reliable(3);
     params.snapshot_every = 10;
-    let mut sim = Simulation::scenario(70, params, None);
+    let mut sim = Simulation::scenario(seed, params, None);
     let mut net = Net::all(&sim);
     let leader = one_leader(&mut sim, &net.ids());
     let lagging = leader % 3 + 1;
@@ -99,7 +108,11 @@ fn snapshots_lagging_follower() {
 
 #[test]
 fn leadership_transfer() {
-    let mut sim = Simulation::scenario(80, SwarmParams::reliable(3), None);
+    for_each_seed("leadership_transfer", 80000, 50, leadership_transfer_seed);
+}
+
+fn leadership_transfer_seed(seed: u64) {
+    let mut sim = Simulation::scenario(seed, SwarmParams::reliable(3), None);
     let mut net = Net::all(&sim);
     let leader = one_leader(&mut sim, &net.ids());
     one(&mut sim, &net, b"before-transfer", 3);
@@ -200,7 +213,16 @@ fn wait_conf(sim: &mut Simulation, among: &[NodeId], voters: &[NodeId], learners
 
 #[test]
 fn membership_add_promote_remove() {
-    let mut sim = Simulation::scenario(90, SwarmParams::reliable(3), None);
+    for_each_seed(
+        "membership_add_promote_remove",
+        90000,
+        50,
+        membership_add_promote_remove_seed,
+    );
+}
+
+fn membership_add_promote_remove_seed(seed: u64) {
+    let mut sim = Simulation::scenario(seed, SwarmParams::reliable(3), None);
     let mut net = Net::all(&sim);
     let leader = one_leader(&mut sim, &net.ids());
     one(&mut sim, &net, b"three", 3);
@@ -246,7 +268,7 @@ fn membership_add_promote_remove() {
     }
     println!(
         "membership_add_promote_remove: leader {leader} removed itself, {new_leader} leads \
-         voters {voters:?}; {} membership entries applied",
+         voters {voters:?}; {} membership entries applied across nodes",
         sim.stats.conf_changes_applied
     );
     assert_no_violations(&sim);
@@ -271,7 +293,16 @@ fn max_commit(sim: &Simulation) -> u64 {
 
 #[test]
 fn read_index_linearizable() {
-    let mut sim = Simulation::scenario(100, SwarmParams::reliable(3), None);
+    for_each_seed(
+        "read_index_linearizable",
+        100000,
+        50,
+        read_index_linearizable_seed,
+    );
+}
+
+fn read_index_linearizable_seed(seed: u64) {
+    let mut sim = Simulation::scenario(seed, SwarmParams::reliable(3), None);
     let mut net = Net::all(&sim);
     let leader = one_leader(&mut sim, &net.ids());
     one(&mut sim, &net, b"r-first", 3);
@@ -304,6 +335,7 @@ fn read_index_linearizable() {
     // since the others elect a leader and commit writes it cannot see.
     let stale = one_leader(&mut sim, &net.ids());
     net.disconnect(&mut sim, stale);
+    assert_eq!(sim.node(stale).unwrap().role(), Role::Leader);
     sim.read(stale, "stale-read".into())
         .expect("a leader accepts the read");
     let new_leader = one_leader(&mut sim, &net.ids());
@@ -331,12 +363,21 @@ fn read_index_linearizable() {
 
 #[test]
 fn uncommitted_limit_rejects() {
+    for_each_seed(
+        "uncommitted_limit_rejects",
+        110000,
+        50,
+        uncommitted_limit_rejects_seed,
+    );
+}
+
+fn uncommitted_limit_rejects_seed(seed: u64) {
     const LIMIT: u64 = 1_000;
     const SIZE: usize = 100;
     fn small_limit(config: &mut Config) {
         config.max_uncommitted_bytes = LIMIT;
     }
-    let mut sim = Simulation::scenario(110, SwarmParams::reliable(3), Some(small_limit));
+    let mut sim = Simulation::scenario(seed, SwarmParams::reliable(3), Some(small_limit));
     let mut net = Net::all(&sim);
     let leader = one_leader(&mut sim, &net.ids());
     one(&mut sim, &net, b"u-first", 3);

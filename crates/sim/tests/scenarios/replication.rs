@@ -7,7 +7,11 @@ use crate::common::*;
 
 #[test]
 fn fail_no_agree() {
-    let mut sim = Simulation::scenario(10, SwarmParams::reliable(5), None);
+    for_each_seed("fail_no_agree", 10000, 50, fail_no_agree_seed);
+}
+
+fn fail_no_agree_seed(seed: u64) {
+    let mut sim = Simulation::scenario(seed, SwarmParams::reliable(5), None);
     let mut net = Net::all(&sim);
     one(&mut sim, &net, b"10", 5);
 
@@ -47,7 +51,11 @@ fn fail_no_agree() {
 
 #[test]
 fn rejoin() {
-    let mut sim = Simulation::scenario(11, SwarmParams::reliable(3), None);
+    for_each_seed("rejoin", 11000, 50, rejoin_seed);
+}
+
+fn rejoin_seed(seed: u64) {
+    let mut sim = Simulation::scenario(seed, SwarmParams::reliable(3), None);
     let mut net = Net::all(&sim);
     one(&mut sim, &net, b"101", 3);
 
@@ -89,10 +97,19 @@ fn rejoin() {
 /// 6.5840's TestBackup: two long diverging suffixes must be repaired quickly.
 #[test]
 fn backup_over_50_conflicting_entries() {
+    for_each_seed(
+        "backup_over_50_conflicting_entries",
+        12000,
+        30,
+        backup_over_50_conflicting_entries_seed,
+    );
+}
+
+fn backup_over_50_conflicting_entries_seed(seed: u64) {
     const BATCH: u64 = 50;
-    let mut sim = Simulation::scenario(12, SwarmParams::reliable(5), None);
+    let mut sim = Simulation::scenario(seed, SwarmParams::reliable(5), None);
     let mut net = Net::all(&sim);
-    let mut rng = Prng::new(12);
+    let mut rng = Prng::new(seed);
     one(&mut sim, &net, b"first", 5);
 
     // The leader and one follower in a minority: 50 entries that never commit.
