@@ -27,6 +27,58 @@
 //! - [`snapshot`]: snapshot and restore.
 //!
 //! `docs/state.md` states the semantics of every command.
+//!
+//! # Example
+//!
+//! ```
+//! use conclave_state::{
+//!     Command, Compare, CompareResult, CompareTarget, Config, GroupRegister, PutRequest, Request,
+//!     RequestOp, Response, StateMachine, TxnRequest, group_leader_key,
+//! };
+//!
+//! let mut machine = StateMachine::new(Config::default());
+//! // The server applies committed entries in log order, with the leader's clock inside.
+//! let mut index = 0;
+//! let mut apply = |machine: &mut StateMachine, now_ms: u64, request: Request| {
+//!     index += 1;
+//!     machine.apply(index, &Command::new(now_ms, request))
+//! };
+//!
+//! // A lease, and a candidate in a priority election group holding it.
+//! let granted = apply(&mut machine, 0, Request::LeaseGrant { id: 0, ttl_ms: 10_000 });
+//! let Ok(Response::LeaseGranted { id: lease, .. }) = granted.result else { panic!() };
+//! let register = GroupRegister {
+//!     group: "workers".into(),
+//!     candidate: "agent-1".into(),
+//!     priority: 10,
+//!     lease_id: lease,
+//!     ..GroupRegister::default()
+//! };
+//! apply(&mut machine, 1, Request::GroupRegister(register));
+//! let fence = machine.group_leader("workers").map(|seat| seat.fence).expect("elected");
+//!
+//! // The leader writes only while it still leads: the Txn compares the seat's fence.
+//! let fenced_put = TxnRequest {
+//!     compare: vec![Compare::new(
+//!         group_leader_key("workers"),
+//!         CompareResult::Equal,
+//!         CompareTarget::Create(fence),
+//!     )],
+//!     success: vec![RequestOp::Put(PutRequest::new("/config/owner", "agent-1"))],
+//!     failure: vec![],
+//! };
+//! let output = apply(&mut machine, 2, Request::Txn(fenced_put));
+//! assert!(matches!(output.result, Ok(Response::Txn(ref txn)) if txn.succeeded));
+//!
+//! // Watchers that start in the past replay from the history.
+//! let events = machine.events_since(1, b"/config/", b"/config0").expect("not compacted");
+//! assert_eq!(events.len(), 1);
+//!
+//! // Snapshots are streamed through std::io and restore to the identical state.
+//! let bytes = machine.snapshot(Vec::new()).expect("in memory");
+//! let restored = StateMachine::restore(Config::default(), bytes.as_slice()).expect("valid");
+//! assert_eq!(restored.revision(), machine.revision());
+//! ```
 
 #![deny(missing_docs)]
 
