@@ -28,6 +28,11 @@ fn config(id: u64) -> Config {
 
 impl Net {
     fn new(size: u64) -> Net {
+        Net::with_config(size, config)
+    }
+
+    /// A fresh cluster of `size` founding members configured by `make`.
+    fn with_config(size: u64, make: fn(u64) -> Config) -> Net {
         let voters: Vec<u64> = (1..=size).collect();
         let stores = voters
             .iter()
@@ -38,7 +43,7 @@ impl Net {
                 )
             })
             .collect();
-        Net::with_stores(stores, config)
+        Net::with_stores(stores, make)
     }
 
     fn with_stores(stores: BTreeMap<u64, MemStorage>, make: fn(u64) -> Config) -> Net {
@@ -293,11 +298,7 @@ fn pipelined_appends_stop_at_the_inflight_window() {
         c.max_inflight_appends = 4;
         c
     }
-    let voters = ConfState::with_voters([1, 2, 3]);
-    let stores = (1..=3)
-        .map(|id| (id, MemStorage::new_with_conf_state(voters.clone())))
-        .collect();
-    let mut net = Net::with_stores(stores, small_window);
+    let mut net = Net::with_config(3, small_window);
     net.elect(1);
     net.cut.insert((2, 1));
     net.cut.insert((3, 1));
@@ -323,11 +324,7 @@ fn proposals_beyond_the_uncommitted_budget_are_refused() {
         c.max_uncommitted_bytes = 1000;
         c
     }
-    let voters = ConfState::with_voters([1, 2, 3]);
-    let stores = (1..=3)
-        .map(|id| (id, MemStorage::new_with_conf_state(voters.clone())))
-        .collect();
-    let mut net = Net::with_stores(stores, small_budget);
+    let mut net = Net::with_config(3, small_budget);
     net.elect(1);
     net.isolate(1);
     let chunk = Bytes::from(vec![0u8; 300]);
@@ -516,11 +513,7 @@ fn lagging_follower_receives_the_snapshot_in_chunks() {
         c.snapshot_chunk_bytes = 10;
         c
     }
-    let voters = ConfState::with_voters([1, 2, 3]);
-    let stores = (1..=3)
-        .map(|id| (id, MemStorage::new_with_conf_state(voters.clone())))
-        .collect();
-    let mut net = Net::with_stores(stores, small_chunks);
+    let mut net = Net::with_config(3, small_chunks);
     net.elect(1);
     net.isolate(3);
     for i in 0..20 {
@@ -551,20 +544,12 @@ fn lagging_follower_receives_the_snapshot_in_chunks() {
 /// requests, marked for fsync, so it is durable before anyone hears of the election.
 #[test]
 fn a_candidate_persists_its_vote_before_asking_for_votes() {
-    let mut net = Net::new(3);
     fn no_prevote(id: u64) -> Config {
         let mut c = config(id);
         c.pre_vote = false;
         c
     }
-    let voters = ConfState::with_voters([1, 2, 3]);
-    let stores = (1..=3)
-        .map(|id| (id, MemStorage::new_with_conf_state(voters.clone())))
-        .collect();
-    net = Net {
-        nodes: Net::with_stores(stores, no_prevote).nodes,
-        ..net
-    };
+    let mut net = Net::with_config(3, no_prevote);
     net.node(1).campaign();
     let ready = net.node(1).ready();
     let hard_state = ready.hard_state.expect("hard state changed");
