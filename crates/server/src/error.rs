@@ -70,6 +70,35 @@ pub enum Error {
     #[error("peer connection failed: {0}")]
     PeerIo(#[from] io::Error),
 
+    // ---- Operating errors of client requests (etcd's strings: clients match on them) ----
+    /// No leader is known, and none appeared before the request's deadline.
+    #[error("etcdserver: no leader")]
+    NoLeader,
+
+    /// This node is not the leader; the caller forwards to `leader` (or waits for one).
+    #[error("etcdserver: not leader (leader hint: {leader:?})")]
+    NotLeader { leader: Option<NodeId> },
+
+    /// The proposal or read was lost to a leader change; the caller may retry.
+    #[error("etcdserver: leader changed")]
+    LeaderChanged,
+
+    /// The request did not complete before its deadline.
+    #[error("etcdserver: request timed out")]
+    Timeout,
+
+    /// Too many proposals or reads are waiting on this node.
+    #[error("etcdserver: too many requests")]
+    TooManyRequests,
+
+    /// The Raft core refused a proposal (uncommitted limit, transfer in progress, ...).
+    #[error("etcdserver: {0}")]
+    Raft(conclave_raft::Error),
+
+    /// The node's driver has stopped (shutdown or a fatal error); nothing more is served.
+    #[error("etcdserver: server stopped")]
+    Stopped,
+
     // ---- Fatal errors ----
     /// A configuration value is out of range.
     #[error("invalid transport configuration: {reason}")]
@@ -78,6 +107,26 @@ pub enum Error {
     /// The peer address cannot be listened on (in use, not local, no permission).
     #[error("cannot listen for peers on {address}: {source}")]
     PeerListen { address: String, source: io::Error },
+
+    /// The client address cannot be listened on.
+    #[error("cannot listen for clients on {address}: {source}")]
+    ClientListen { address: String, source: io::Error },
+
+    /// The write-ahead log or a snapshot failed (I/O, corruption, directory locked).
+    #[error("storage: {0}")]
+    Storage(#[from] conclave_storage::Error),
+
+    /// The state machine could not be rebuilt from a snapshot.
+    #[error("state machine snapshot cannot be restored: {0}")]
+    StateRestore(String),
+
+    /// The Raft core cannot start over the stored state.
+    #[error("raft core cannot start: {0}")]
+    RaftStart(String),
+
+    /// The gRPC server failed.
+    #[error("client API server failed: {0}")]
+    ClientServe(String),
 }
 
 impl Error {
@@ -85,7 +134,20 @@ impl Error {
     /// the node's configuration or environment.
     pub fn is_fatal(&self) -> bool {
         match self {
-            Error::InvalidConfig { .. } | Error::PeerListen { .. } => true,
+            Error::InvalidConfig { .. }
+            | Error::PeerListen { .. }
+            | Error::ClientListen { .. }
+            | Error::Storage(_)
+            | Error::StateRestore(_)
+            | Error::RaftStart(_)
+            | Error::ClientServe(_) => true,
+            Error::NoLeader
+            | Error::NotLeader { .. }
+            | Error::LeaderChanged
+            | Error::Timeout
+            | Error::TooManyRequests
+            | Error::Raft(_)
+            | Error::Stopped => false,
             Error::UnknownPeer { .. }
             | Error::PeerQueueFull { .. }
             | Error::FrameTooLarge { .. }

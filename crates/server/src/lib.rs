@@ -1,10 +1,22 @@
-//! Conclave's server.
+//! Conclave's server: a Raft node that serves the etcd v3 gRPC API.
 //!
-//! So far this crate holds the peer transport ([`transport`]) and the crate's error type
-//! ([`Error`]). The runtime that drives the Raft core, persists, applies and answers, and the
-//! client APIs (etcd v3 and conclave.v1 over gRPC) are to come.
+//! # Layout
+//! - [`config`]: [`ServerConfig`], members and limits.
+//! - [`node`]: the Raft driver (one thread: WAL, transport, state machine, waiters) and the
+//!   [`node::NodeHandle`] the API talks to.
+//! - [`api`]: etcd's KV, Maintenance and Cluster services; forwarding to the leader.
+//! - [`server`]: [`server::run`], which wires listeners, transport, driver and services.
+//! - [`transport`]: the peer transport (framed TCP).
+//! - [`error`]: the crate's [`Error`].
+//!
+//! See `docs/server.md` for running a cluster.
 
+pub mod api;
+pub mod config;
 pub mod error;
+pub mod node;
+pub mod server;
 pub mod transport;
 
+pub use config::{Member, ServerConfig};
 pub use error::Error;

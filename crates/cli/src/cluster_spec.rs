@@ -1,0 +1,127 @@
+//! Parsing `--initial-cluster` and `--initial-cluster-clients`, and the CLI's error type.
+
+use conclave_server::Member;
+
+/// Everything that ends the `conclave` process with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    /// Bad flags: fix the command line.
+    #[error("{0}")]
+    Usage(String),
+    /// The server stopped with an error.
+    #[error("{0}")]
+    Server(#[from] conclave_server::Error),
+    /// A child process or the terminal failed (dev).
+    #[error("{0}")]
+    Io(String),
+}
+
+impl CliError {
+    /// Exit codes: 2 for usage errors, 1 for everything else.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            CliError::Usage(_) => 2,
+            CliError::Server(_) | CliError::Io(_) => 1,
+        }
+    }
+}
+
+fn pairs(spec: &str, flag: &str) -> Result<Vec<(String, String)>, CliError> {
+    spec.split(',')
+        .filter(|part| !part.trim().is_empty())
+        .map(|part| {
+            let (key, value) = part
+                .split_once('=')
+                .ok_or_else(|| CliError::Usage(format!("{flag}: {part:?} is not KEY=HOST:PORT")))?;
+            let value = value
+                .trim()
+                .trim_start_matches("http://")
+                .trim_end_matches('/')
+                .to_string();
+            if !value.contains(':') {
+                return Err(CliError::Usage(format!(
+                    "{flag}: address {value:?} of {key:?} has no port"
+                )));
+            }
+            Ok((key.trim().to_string(), value))
+        })
+        .collect()
+}
+
+/// The default client address of a member whose only known address is its peer address:
+/// the port below it (the `conclave dev` layout: client 2379, peer 2380).
+fn client_from_peer(peer: &str) -> Option<String> {
+    let (host, port) = peer.rsplit_once(':')?;
+    let port: u16 = port.parse().ok()?;
+    Some(format!("{host}:{}", port.checked_sub(1)?))
+}
+
+/// Builds the member list. Numeric keys are ids (named `node<id>`); other keys are names,
+/// numbered 1, 2, ... in list order, which every member computes alike from the same flag.
+pub fn parse_members(
+    spec: &str,
+    clients: Option<&str>,
+    self_id: Option<u64>,
+    self_name: &str,
+    self_client: &str,
+) -> Result<Vec<Member>, CliError> {
+    let entries = pairs(spec, "--initial-cluster")?;
+    if entries.is_empty() {
+        return Err(CliError::Usage("--initial-cluster lists no members".into()));
+    }
+    let client_pairs = match clients {
+        Some(clients) => pairs(clients, "--initial-cluster-clients")?,
+        None => Vec::new(),
+    };
+    let mut members = Vec::new();
+    for (position, (key, peer_addr)) in entries.into_iter().enumerate() {
+        let (id, name) = match key.parse::<u64>() {
+            Ok(id) => (id, format!("node{id}")),
+            Err(_) => (position as u64 + 1, key.clone()),
+        };
+        let is_self = self_id.map_or(name == self_name, |own| own == id);
+        let client_addr = match client_pairs.iter().find(|(k, _)| *k == key) {
+            Some((_, addr)) => addr.clone(),
+            None if is_self => self_client.to_string(),
+            None => client_from_peer(&peer_addr).ok_or_else(|| {
+                CliError::Usage(format!(
+                    "no client address for member {key:?}: give it in --initial-cluster-clients"
+                ))
+            })?,
+        };
+        members.push(Member {
+            id,
+            name,
+            peer_addr,
+            client_addr,
+        });
+    }
+    Ok(members)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn numeric_and_named_members() {
+        let members = parse_members(
+            "1=127.0.0.1:2380,2=127.0.0.1:2382",
+            Some("2=10.0.0.2:9000"),
+            Some(1),
+            "default",
+            "127.0.0.1:2379",
+        )
+        .expect("valid");
+        assert_eq!(members[0].id, 1);
+        assert_eq!(members[0].client_addr, "127.0.0.1:2379");
+        assert_eq!(members[1].client_addr, "10.0.0.2:9000");
+        let named =
+            parse_members("a=h:2380,b=http://h:2382", None, None, "b", "h:7").expect("valid");
+        assert_eq!((named[1].id, named[1].name.as_str()), (2, "b"));
+        assert_eq!(named[1].client_addr, "h:7");
+        assert_eq!(named[0].client_addr, "h:2379");
+        assert!(parse_members("a", None, None, "a", "h:1").is_err());
+        assert!(parse_members("a=nohost", None, None, "a", "h:1").is_err());
+    }
+}

@@ -1,0 +1,180 @@
+//! The `conclave` binary.
+//!
+//! - `conclave serve`: run one node of a cluster (etcd v3 API on `--listen-client`).
+//! - `conclave dev`: run a local development cluster and print how to connect.
+//!
+//! Errors end the process with one sentence on stderr and a non-zero exit code.
+
+mod cluster_spec;
+mod dev;
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+use conclave_server::ServerConfig;
+
+use cluster_spec::{CliError, parse_members};
+
+#[derive(Parser)]
+#[command(
+    name = "conclave",
+    version,
+    about = "Conclave: a Raft-replicated coordination service speaking the etcd v3 API"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run one node of a Conclave cluster.
+    Serve(ServeArgs),
+    /// Run a local development cluster (child `serve` processes for more than one node).
+    Dev(dev::DevArgs),
+}
+
+/// Flags of `conclave serve`; each also reads `CONCLAVE_<FLAG>` from the environment.
+#[derive(Args, Debug, Clone)]
+pub struct ServeArgs {
+    /// This member's name in --initial-cluster.
+    #[arg(long, env = "CONCLAVE_NAME", default_value = "default")]
+    pub name: String,
+    /// This member's numeric id (instead of --name).
+    #[arg(long, env = "CONCLAVE_ID")]
+    pub id: Option<u64>,
+    /// Where the write-ahead log and snapshots live.
+    #[arg(long, env = "CONCLAVE_DATA_DIR", default_value = "./conclave-data")]
+    pub data_dir: PathBuf,
+    /// gRPC address for clients (etcd's port, so etcdctl works without flags).
+    #[arg(long, env = "CONCLAVE_LISTEN_CLIENT", default_value = "127.0.0.1:2379")]
+    pub listen_client: String,
+    /// Address for Raft traffic from the other members.
+    #[arg(long, env = "CONCLAVE_LISTEN_PEER", default_value = "127.0.0.1:2380")]
+    pub listen_peer: String,
+    /// Founding members, `KEY=PEER_HOST:PORT,...`; KEY is a numeric id or a name (names get
+    /// ids 1, 2, ... in list order). Default: this node alone.
+    #[arg(long, env = "CONCLAVE_INITIAL_CLUSTER")]
+    pub initial_cluster: Option<String>,
+    /// Client addresses of the members, `KEY=HOST:PORT,...`, used to forward writes to the
+    /// leader and for `member list`. Default: this node's --listen-client, and for the others
+    /// their peer port minus one (the `conclave dev` layout).
+    #[arg(long, env = "CONCLAVE_INITIAL_CLUSTER_CLIENTS")]
+    pub initial_cluster_clients: Option<String>,
+    /// Take a snapshot and compact the log every this many applied entries.
+    #[arg(long, env = "CONCLAVE_SNAPSHOT_ENTRIES", default_value_t = 10_000)]
+    pub snapshot_entries: u64,
+    /// Length of one Raft tick.
+    #[arg(long, env = "CONCLAVE_TICK_MS", default_value_t = 10)]
+    pub tick_ms: u64,
+    /// Heartbeat interval (rounded to ticks).
+    #[arg(long, env = "CONCLAVE_HEARTBEAT_MS", default_value_t = 50)]
+    pub heartbeat_ms: u64,
+    /// Election timeout T; a follower campaigns after [T, 2T) without a leader.
+    #[arg(long, env = "CONCLAVE_ELECTION_TIMEOUT_MS", default_value_t = 150)]
+    pub election_timeout_ms: u64,
+    /// Longest a request waits for a leader or a commit when the client set no deadline.
+    #[arg(long, env = "CONCLAVE_REQUEST_TIMEOUT_MS", default_value_t = 5_000)]
+    pub request_timeout_ms: u64,
+}
+
+impl ServeArgs {
+    /// Turns the flags into a validated server configuration.
+    pub fn to_config(&self) -> Result<ServerConfig, CliError> {
+        if self.tick_ms == 0 {
+            return Err(CliError::Usage("--tick-ms must be at least 1".into()));
+        }
+        let spec = self
+            .initial_cluster
+            .clone()
+            .unwrap_or_else(|| format!("{}={}", self.name, self.listen_peer));
+        let members = parse_members(
+            &spec,
+            self.initial_cluster_clients.as_deref(),
+            self.id,
+            &self.name,
+            &self.listen_client,
+        )?;
+        let id = match self.id {
+            Some(id) => id,
+            None => members
+                .iter()
+                .find(|m| m.name == self.name)
+                .map(|m| m.id)
+                .ok_or_else(|| {
+                    CliError::Usage(format!(
+                        "--name {:?} is not a member of --initial-cluster {spec:?}",
+                        self.name
+                    ))
+                })?,
+        };
+        let mut config =
+            ServerConfig::single(&self.data_dir, &self.listen_client, &self.listen_peer);
+        config.id = id;
+        config.members = members;
+        config.tick_ms = self.tick_ms;
+        config.election_ticks = (self.election_timeout_ms / self.tick_ms).max(1);
+        config.heartbeat_ticks = (self.heartbeat_ms / self.tick_ms).max(1);
+        config.snapshot_entries = self.snapshot_entries;
+        config.request_timeout_ms = self.request_timeout_ms;
+        config
+            .validate()
+            .map_err(|e| CliError::Usage(e.to_string()))?;
+        Ok(config)
+    }
+}
+
+/// Resolves on SIGTERM or SIGINT (Ctrl-C).
+pub async fn termination_signal() {
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = terminate => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+}
+
+async fn serve(args: ServeArgs) -> Result<(), CliError> {
+    let config = args.to_config()?;
+    conclave_server::server::run(config, termination_signal()).await?;
+    Ok(())
+}
+
+fn main() {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("CONCLAVE_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .init();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("conclave: error: cannot start the async runtime: {error}");
+            std::process::exit(1);
+        }
+    };
+    let result = runtime.block_on(async {
+        match cli.command {
+            Command::Serve(args) => serve(args).await,
+            Command::Dev(args) => dev::run(args).await,
+        }
+    });
+    if let Err(error) = result {
+        eprintln!("conclave: error: {error}");
+        std::process::exit(error.exit_code());
+    }
+}

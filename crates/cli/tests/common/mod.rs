@@ -1,0 +1,239 @@
+//! A harness that runs real `conclave serve` processes on loopback ports.
+
+#![allow(dead_code)]
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use conclave_proto::etcdserverpb::kv_client::KvClient;
+use conclave_proto::etcdserverpb::maintenance_client::MaintenanceClient;
+use conclave_proto::etcdserverpb::{PutRequest, StatusRequest};
+use tonic::transport::Channel;
+
+/// How long a cluster may take to elect its first leader.
+pub const STARTUP_TIMEOUT: Duration = Duration::from_secs(15);
+
+static NEXT_DIR: AtomicU32 = AtomicU32::new(0);
+
+/// Ports for test nodes come from below Linux's ephemeral range (32768 and up), so a restarted
+/// node never finds its port taken by some client connection's source port.
+const TEST_PORT_FIRST: u32 = 20_000;
+const TEST_PORT_SPAN: u32 = 12_000;
+static NEXT_PORT: AtomicU32 = AtomicU32::new(0);
+
+/// A port nothing listens on right now, unique within this test process.
+fn free_port() -> u16 {
+    // Spread concurrent test processes apart by their pid.
+    let start = (std::process::id() * 97) % TEST_PORT_SPAN;
+    loop {
+        let offset = (start + NEXT_PORT.fetch_add(1, Ordering::SeqCst)) % TEST_PORT_SPAN;
+        let port = (TEST_PORT_FIRST + offset) as u16;
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+}
+
+pub struct Node {
+    pub id: u64,
+    pub client: String,
+    pub peer: String,
+    pub data_dir: PathBuf,
+    pub child: Option<Child>,
+}
+
+pub struct Cluster {
+    pub root: PathBuf,
+    pub nodes: Vec<Node>,
+    initial_cluster: String,
+}
+
+impl Cluster {
+    /// Starts `size` nodes and waits until one of them leads.
+    pub async fn start(size: u64) -> Cluster {
+        let root = std::env::temp_dir().join(format!(
+            "conclave-cli-test-{}-{}",
+            std::process::id(),
+            NEXT_DIR.fetch_add(1, Ordering::SeqCst)
+        ));
+        let _ = std::fs::remove_dir_all(&root);
+        std::fs::create_dir_all(&root).expect("create the test directory");
+        let nodes: Vec<Node> = (1..=size)
+            .map(|id| Node {
+                id,
+                client: format!("127.0.0.1:{}", free_port()),
+                peer: format!("127.0.0.1:{}", free_port()),
+                data_dir: root.join(format!("node{id}")),
+                child: None,
+            })
+            .collect();
+        let initial_cluster = nodes
+            .iter()
+            .map(|n| format!("{}={}", n.id, n.peer))
+            .collect::<Vec<_>>()
+            .join(",");
+        let mut cluster = Cluster {
+            root,
+            nodes,
+            initial_cluster,
+        };
+        for id in 1..=size {
+            cluster.spawn(id);
+        }
+        cluster.wait_for_leader(STARTUP_TIMEOUT).await;
+        cluster
+    }
+
+    fn node(&self, id: u64) -> &Node {
+        &self.nodes[(id - 1) as usize]
+    }
+
+    /// (Re)starts node `id`'s process over its data directory.
+    pub fn spawn(&mut self, id: u64) {
+        let clients = self
+            .nodes
+            .iter()
+            .map(|n| format!("{}={}", n.id, n.client))
+            .collect::<Vec<_>>()
+            .join(",");
+        let log_path = self.root.join(format!("node{id}.log"));
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log_path)
+            .expect("open the node log");
+        let log_err = log.try_clone().expect("clone the log handle");
+        let node = &self.nodes[(id - 1) as usize];
+        let child = Command::new(env!("CARGO_BIN_EXE_conclave"))
+            .arg("serve")
+            .args(["--id", &id.to_string()])
+            .arg("--data-dir")
+            .arg(&node.data_dir)
+            .args(["--listen-client", &node.client])
+            .args(["--listen-peer", &node.peer])
+            .args(["--initial-cluster", &self.initial_cluster])
+            .args(["--initial-cluster-clients", &clients])
+            .args(["--snapshot-entries", "50"])
+            .env("CONCLAVE_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::from(log))
+            .stderr(Stdio::from(log_err))
+            .spawn()
+            .expect("start conclave serve");
+        self.nodes[(id - 1) as usize].child = Some(child);
+    }
+
+    /// SIGKILL: no goodbye, no leadership transfer.
+    pub fn kill(&mut self, id: u64) {
+        if let Some(mut child) = self.nodes[(id - 1) as usize].child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// SIGTERM and wait for the process to exit; returns its exit status success.
+    pub fn terminate(&mut self, id: u64) -> bool {
+        let Some(mut child) = self.nodes[(id - 1) as usize].child.take() else {
+            return false;
+        };
+        let _ = Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status();
+        child.wait().map(|s| s.success()).unwrap_or(false)
+    }
+
+    pub fn endpoint(&self, id: u64) -> String {
+        format!("http://{}", self.node(id).client)
+    }
+
+    pub fn endpoints(&self) -> String {
+        self.nodes
+            .iter()
+            .map(|n| n.client.clone())
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    pub fn live_ids(&self) -> Vec<u64> {
+        self.nodes
+            .iter()
+            .filter(|n| n.child.is_some())
+            .map(|n| n.id)
+            .collect()
+    }
+
+    pub async fn kv(&self, id: u64) -> KvClient<Channel> {
+        let channel = Channel::from_shared(self.endpoint(id))
+            .expect("valid endpoint")
+            .connect_lazy();
+        KvClient::new(channel)
+    }
+
+    pub async fn maintenance(&self, id: u64) -> MaintenanceClient<Channel> {
+        let channel = Channel::from_shared(self.endpoint(id))
+            .expect("valid endpoint")
+            .connect_lazy();
+        MaintenanceClient::new(channel)
+    }
+
+    /// The leader as a live node reports it of itself, waiting up to `timeout`.
+    pub async fn wait_for_leader(&self, timeout: Duration) -> u64 {
+        let start = Instant::now();
+        while start.elapsed() < timeout {
+            for id in self.live_ids() {
+                let mut client = self.maintenance(id).await;
+                if let Ok(status) = client.status(StatusRequest {}).await {
+                    let status = status.into_inner();
+                    let member = status.header.map(|h| h.member_id).unwrap_or(0);
+                    if status.leader == member && member != 0 {
+                        return member;
+                    }
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        panic!(
+            "no leader within {timeout:?}; logs in {}",
+            self.root.display()
+        );
+    }
+
+    /// Puts through node `id`, retrying on errors until `timeout`; returns when acknowledged.
+    pub async fn put_until_acked(&self, id: u64, key: &str, value: &str, timeout: Duration) {
+        let start = Instant::now();
+        let mut client = self.kv(id).await;
+        loop {
+            let mut request = tonic::Request::new(PutRequest {
+                key: key.to_string().into(),
+                value: value.to_string().into(),
+                ..Default::default()
+            });
+            request.set_timeout(Duration::from_secs(1));
+            match client.put(request).await {
+                Ok(_) => return,
+                Err(status) if start.elapsed() < timeout => {
+                    let _ = status;
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                Err(status) => panic!("put {key} not acknowledged within {timeout:?}: {status}"),
+            }
+        }
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for node in &mut self.nodes {
+            if let Some(mut child) = node.child.take() {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+        }
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.root);
+        }
+    }
+}

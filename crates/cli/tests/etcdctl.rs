@@ -1,0 +1,81 @@
+//! etcdctl 3.4 (Debian's `etcd-client`) against a 3-node Conclave cluster. This test fails,
+//! rather than skips, when etcdctl is missing: `.ci/run` installs it.
+
+mod common;
+
+use std::process::Command;
+
+use common::Cluster;
+
+const ETCDCTL: &str = "/usr/bin/etcdctl";
+
+fn etcdctl(endpoints: &str, args: &[&str]) -> String {
+    assert!(
+        std::path::Path::new(ETCDCTL).exists(),
+        "{ETCDCTL} is missing: install it with `apt-get update && apt-get install -y etcd-client` (.ci/run does)"
+    );
+    let output = Command::new(ETCDCTL)
+        .env("ETCDCTL_API", "3")
+        .arg(format!("--endpoints={endpoints}"))
+        .args(["--command-timeout=5s"])
+        .args(args)
+        .output()
+        .expect("run etcdctl");
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(
+        output.status.success(),
+        "etcdctl {args:?} failed: {}{}",
+        stdout,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    stdout
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn etcdctl_put_get_prefix_del_status_and_member_list() {
+    let cluster = Cluster::start(3).await;
+    let first = cluster.nodes[0].client.clone();
+    let last = cluster.nodes[2].client.clone();
+    let all = cluster.endpoints();
+
+    assert_eq!(etcdctl(&first, &["put", "/app/a", "1"]).trim(), "OK");
+    assert_eq!(etcdctl(&last, &["put", "/app/b", "2"]).trim(), "OK");
+    assert_eq!(etcdctl(&all, &["put", "/other", "3"]).trim(), "OK");
+    assert_eq!(etcdctl(&last, &["get", "/app/a"]), "/app/a\n1\n");
+    assert_eq!(
+        etcdctl(&first, &["get", "--prefix", "/app/"]),
+        "/app/a\n1\n/app/b\n2\n"
+    );
+    assert_eq!(
+        etcdctl(
+            &first,
+            &["get", "--prefix", "/app/", "--consistency=s", "--keys-only"]
+        ),
+        "/app/a\n\n/app/b\n\n"
+    );
+    assert_eq!(etcdctl(&last, &["del", "--prefix", "/app/"]).trim(), "2");
+    assert_eq!(etcdctl(&first, &["get", "--prefix", "/app/"]), "");
+
+    let status = etcdctl(&all, &["endpoint", "status"]);
+    let lines: Vec<&str> = status.lines().collect();
+    assert_eq!(lines.len(), 3, "{status}");
+    let leaders = lines
+        .iter()
+        .filter(|l| l.contains(", true, false,"))
+        .count();
+    assert_eq!(
+        leaders, 1,
+        "exactly one member reports itself leader:\n{status}"
+    );
+    assert!(lines.iter().all(|l| l.contains("3.4.0")), "{status}");
+
+    let members = etcdctl(&first, &["member", "list"]);
+    assert_eq!(members.lines().count(), 3, "{members}");
+    for node in &cluster.nodes {
+        let line = format!(
+            "{:x}, started, node{}, http://{}, http://{}, false",
+            node.id, node.id, node.peer, node.client
+        );
+        assert!(members.contains(&line), "missing {line:?} in\n{members}");
+    }
+}

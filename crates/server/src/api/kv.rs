@@ -1,0 +1,195 @@
+//! etcd's KV service: Range, Put, DeleteRange, Txn, Compact.
+
+use std::sync::Arc;
+
+use conclave_proto::etcdserverpb::{self as pb, kv_client::KvClient, kv_server::Kv};
+use conclave_state::{Request, Response};
+use prost::Message;
+use tonic::{Status, async_trait};
+
+use super::convert;
+use super::{Api, CallContext, state_status};
+use crate::node::Applied;
+
+/// The KV service over the shared [`Api`].
+pub struct KvService {
+    pub api: Arc<Api>,
+}
+
+impl KvService {
+    fn context<T>(&self, request: &tonic::Request<T>) -> CallContext {
+        CallContext::new(request, self.api.config.request_timeout_ms)
+    }
+
+    /// etcd refuses requests above `--max-request-bytes` before doing anything with them.
+    fn check_size(&self, message: &impl Message) -> Result<(), Status> {
+        if message.encoded_len() > self.api.config.request_bytes_max {
+            return Err(state_status(&conclave_state::Error::RequestTooLarge));
+        }
+        Ok(())
+    }
+}
+
+/// The response the state machine gave, or its error as etcd's status.
+fn answer(applied: &Applied) -> Result<&Response, Status> {
+    applied.output.result.as_ref().map_err(state_status)
+}
+
+fn unexpected(response: &Response) -> Status {
+    Status::internal(format!("unexpected state machine answer {response:?}"))
+}
+
+#[async_trait]
+impl Kv for KvService {
+    async fn range(
+        &self,
+        request: tonic::Request<pb::RangeRequest>,
+    ) -> Result<tonic::Response<pb::RangeResponse>, Status> {
+        let ctx = self.context(&request);
+        let message = request.into_inner();
+        self.check_size(&message)?;
+        if !message.serializable {
+            self.api.linearizable_barrier(&ctx).await?;
+        }
+        let range = convert::range_from_pb(message)?;
+        let (result, revision) = self
+            .api
+            .node
+            .read_state(|state| (state.range(&range), state.revision()));
+        let response = result.map_err(|e| state_status(&e))?;
+        Ok(tonic::Response::new(convert::range_to_pb(
+            response,
+            self.api.header(revision),
+        )))
+    }
+
+    async fn put(
+        &self,
+        request: tonic::Request<pb::PutRequest>,
+    ) -> Result<tonic::Response<pb::PutResponse>, Status> {
+        let ctx = self.context(&request);
+        let message = request.into_inner();
+        self.check_size(&message)?;
+        let api = &self.api;
+        let command = Request::Put(convert::put_from_pb(message.clone()));
+        let response = api
+            .write(
+                &ctx,
+                command,
+                |applied| match answer(&applied)? {
+                    Response::Put(put) => Ok(convert::put_to_pb(
+                        put.clone(),
+                        api.header(applied.output.revision),
+                    )),
+                    other => Err(unexpected(other)),
+                },
+                |channel, timeout| {
+                    let message = message.clone();
+                    Box::pin(async move {
+                        let request = Api::forwarded_request(message, timeout);
+                        Ok(KvClient::new(channel).put(request).await?.into_inner())
+                    })
+                },
+            )
+            .await?;
+        Ok(tonic::Response::new(response))
+    }
+
+    async fn delete_range(
+        &self,
+        request: tonic::Request<pb::DeleteRangeRequest>,
+    ) -> Result<tonic::Response<pb::DeleteRangeResponse>, Status> {
+        let ctx = self.context(&request);
+        let message = request.into_inner();
+        self.check_size(&message)?;
+        let api = &self.api;
+        let command = Request::DeleteRange(convert::delete_from_pb(message.clone()));
+        let response = api
+            .write(
+                &ctx,
+                command,
+                |applied| match answer(&applied)? {
+                    Response::DeleteRange(deleted) => Ok(convert::delete_to_pb(
+                        deleted.clone(),
+                        api.header(applied.output.revision),
+                    )),
+                    other => Err(unexpected(other)),
+                },
+                |channel, timeout| {
+                    let message = message.clone();
+                    Box::pin(async move {
+                        let request = Api::forwarded_request(message, timeout);
+                        Ok(KvClient::new(channel)
+                            .delete_range(request)
+                            .await?
+                            .into_inner())
+                    })
+                },
+            )
+            .await?;
+        Ok(tonic::Response::new(response))
+    }
+
+    async fn txn(
+        &self,
+        request: tonic::Request<pb::TxnRequest>,
+    ) -> Result<tonic::Response<pb::TxnResponse>, Status> {
+        let ctx = self.context(&request);
+        let message = request.into_inner();
+        self.check_size(&message)?;
+        let api = &self.api;
+        let command = Request::Txn(convert::txn_from_pb(message.clone())?);
+        let response = api
+            .write(
+                &ctx,
+                command,
+                |applied| match answer(&applied)? {
+                    Response::Txn(txn) => Ok(convert::txn_to_pb(
+                        txn.clone(),
+                        api.header(applied.output.revision),
+                    )),
+                    other => Err(unexpected(other)),
+                },
+                |channel, timeout| {
+                    let message = message.clone();
+                    Box::pin(async move {
+                        let request = Api::forwarded_request(message, timeout);
+                        Ok(KvClient::new(channel).txn(request).await?.into_inner())
+                    })
+                },
+            )
+            .await?;
+        Ok(tonic::Response::new(response))
+    }
+
+    async fn compact(
+        &self,
+        request: tonic::Request<pb::CompactionRequest>,
+    ) -> Result<tonic::Response<pb::CompactionResponse>, Status> {
+        let ctx = self.context(&request);
+        let message = request.into_inner();
+        let api = &self.api;
+        let command = Request::Compact {
+            revision: message.revision,
+        };
+        let response = api
+            .write(
+                &ctx,
+                command,
+                |applied| match answer(&applied)? {
+                    Response::Compacted => Ok(pb::CompactionResponse {
+                        header: Some(api.header(applied.output.revision)),
+                    }),
+                    other => Err(unexpected(other)),
+                },
+                |channel, timeout| {
+                    Box::pin(async move {
+                        let request = Api::forwarded_request(message, timeout);
+                        Ok(KvClient::new(channel).compact(request).await?.into_inner())
+                    })
+                },
+            )
+            .await?;
+        Ok(tonic::Response::new(response))
+    }
+}

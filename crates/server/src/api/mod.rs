@@ -1,0 +1,351 @@
+//! The client API: etcd v3 gRPC services over the node runtime.
+//!
+//! ```text
+//!  gRPC request ─► CallContext (deadline from grpc-timeout, forwarded?) ─► Api
+//!    write:  leader? ── yes ─► NodeHandle::propose ─► wait for apply ─► response
+//!                    └─ no ──► forward over gRPC to the leader's client address
+//!                    └─ none ─► wait for a leader until the deadline, then "no leader"
+//!    linearizable read: NodeHandle::read_index (the core asks the leader) ─► read state
+//!    serializable read: read the local state at once
+//! ```
+
+pub mod cluster;
+pub mod convert;
+pub mod kv;
+pub mod maintenance;
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use conclave_proto::etcdserverpb::ResponseHeader;
+use conclave_raft::NodeId;
+use tokio::time::Instant;
+use tonic::transport::{Channel, Endpoint};
+use tonic::{Code, Status};
+
+use crate::config::ServerConfig;
+use crate::error::Error;
+use crate::node::{Applied, NodeHandle};
+
+/// Metadata key marking a request a follower forwarded, so the receiver never forwards again.
+pub const FORWARDED_HEADER: &str = "conclave-forwarded";
+/// Answers are sent this long before the client's own deadline, so the client sees our error
+/// ("no leader") rather than its own "deadline exceeded".
+const DEADLINE_MARGIN_MS: u64 = 50;
+/// While no leader is known, re-check at least this often (the status watch usually wakes
+/// the request much sooner).
+const LEADER_POLL_MS: u64 = 20;
+
+/// What every handler knows about its call.
+#[derive(Debug, Clone, Copy)]
+pub struct CallContext {
+    pub deadline: Instant,
+    /// The request came from a follower; do not forward it again.
+    pub forwarded: bool,
+}
+
+impl CallContext {
+    pub fn new<T>(request: &tonic::Request<T>, default_timeout_ms: u64) -> Self {
+        let metadata = request.metadata();
+        let mut timeout = Duration::from_millis(default_timeout_ms);
+        if let Some(client) = metadata
+            .get("grpc-timeout")
+            .and_then(|v| v.to_str().ok())
+            .and_then(parse_grpc_timeout)
+        {
+            let margin = Duration::from_millis(DEADLINE_MARGIN_MS);
+            timeout = timeout.min(client.saturating_sub(margin).max(margin));
+        }
+        CallContext {
+            deadline: Instant::now() + timeout,
+            forwarded: metadata.get(FORWARDED_HEADER).is_some(),
+        }
+    }
+
+    pub fn remaining(&self) -> Duration {
+        self.deadline.saturating_duration_since(Instant::now())
+    }
+}
+
+/// Parses gRPC's `grpc-timeout` header: up to 8 digits and a unit (H, M, S, m, u, n).
+fn parse_grpc_timeout(value: &str) -> Option<Duration> {
+    let (digits, unit) = value.split_at(value.len().checked_sub(1)?);
+    let amount: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(amount.saturating_mul(3600)),
+        "M" => Duration::from_secs(amount.saturating_mul(60)),
+        "S" => Duration::from_secs(amount),
+        "m" => Duration::from_millis(amount),
+        "u" => Duration::from_micros(amount),
+        "n" => Duration::from_nanos(amount),
+        _ => return None,
+    })
+}
+
+/// A boxed forwarding call: given a channel to the leader, send the request there.
+pub type ForwardFuture<R> = Pin<Box<dyn Future<Output = Result<R, Status>> + Send>>;
+
+/// Shared by every service.
+pub struct Api {
+    pub node: NodeHandle,
+    pub config: ServerConfig,
+    pub cluster_id: u64,
+    /// Lazily connected channels to other members' client addresses.
+    channels: Mutex<HashMap<NodeId, Channel>>,
+}
+
+/// Where a request goes.
+enum Route {
+    Local,
+    Forward(NodeId),
+}
+
+impl Api {
+    pub fn new(node: NodeHandle, config: ServerConfig) -> Arc<Api> {
+        Arc::new(Api {
+            cluster_id: config.cluster_id(),
+            node,
+            config,
+            channels: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// etcd's response header: who answered, at which revision and term.
+    pub fn header(&self, revision: i64) -> ResponseHeader {
+        ResponseHeader {
+            cluster_id: self.cluster_id,
+            member_id: self.config.id,
+            revision,
+            raft_term: self.node.status.borrow().term,
+        }
+    }
+
+    /// The header of a read: the current revision.
+    pub fn read_header(&self) -> ResponseHeader {
+        let revision = self.node.read_state(|s| s.revision());
+        self.header(revision)
+    }
+
+    fn channel(&self, id: NodeId) -> Result<Channel, Status> {
+        let mut channels = self
+            .channels
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some(channel) = channels.get(&id) {
+            return Ok(channel.clone());
+        }
+        let member = self
+            .config
+            .member(id)
+            .ok_or_else(|| Status::unavailable(Error::NoLeader.to_string()))?;
+        let endpoint = Endpoint::from_shared(format!("http://{}", member.client_addr))
+            .map_err(|e| Status::internal(format!("bad client address of member {id}: {e}")))?
+            .connect_timeout(Duration::from_millis(self.config.request_timeout_ms));
+        let channel = endpoint.connect_lazy();
+        channels.insert(id, channel.clone());
+        Ok(channel)
+    }
+
+    /// Waits until a leader is known (or the deadline), then says where the request goes.
+    async fn route(&self, ctx: &CallContext) -> Result<Route, Status> {
+        let mut status = self.node.status.clone();
+        loop {
+            let current = status.borrow_and_update().clone();
+            if current.stopped.is_some() {
+                return Err(to_status(Error::Stopped));
+            }
+            match current.leader {
+                Some(leader) if leader == self.config.id => return Ok(Route::Local),
+                Some(leader) if !ctx.forwarded => return Ok(Route::Forward(leader)),
+                // A forwarded request that reached a non-leader: wait for leadership to settle.
+                _ => {}
+            }
+            let remaining = ctx.remaining();
+            if remaining.is_zero() {
+                return Err(to_status(Error::NoLeader));
+            }
+            let wait = remaining.min(Duration::from_millis(LEADER_POLL_MS));
+            let _ = tokio::time::timeout(wait, status.changed()).await;
+        }
+    }
+
+    /// Replicates `request` through the leader and returns what applying it produced here,
+    /// or forwards the call to the leader with `forward` and returns its answer.
+    pub async fn write<R>(
+        &self,
+        ctx: &CallContext,
+        request: conclave_state::Request,
+        local: impl Fn(Applied) -> Result<R, Status>,
+        forward: impl Fn(Channel, Duration) -> ForwardFuture<R>,
+    ) -> Result<R, Status> {
+        loop {
+            let outcome = match self.route(ctx).await? {
+                Route::Local => {
+                    let proposal = self.node.propose(request.clone());
+                    match tokio::time::timeout(ctx.remaining(), proposal).await {
+                        Err(_) => return Err(to_status(Error::Timeout)),
+                        Ok(Ok(applied)) => return local(applied),
+                        Ok(Err(error)) => Err(to_status(error)),
+                    }
+                }
+                Route::Forward(leader) => {
+                    let channel = self.channel(leader)?;
+                    match tokio::time::timeout(ctx.remaining(), forward(channel, ctx.remaining()))
+                        .await
+                    {
+                        Err(_) => return Err(to_status(Error::Timeout)),
+                        Ok(result) => result,
+                    }
+                }
+            };
+            match outcome {
+                Ok(response) => return Ok(response),
+                Err(status) if is_retriable(&status) && !ctx.remaining().is_zero() => {
+                    // The leader moved or died under us; look again shortly.
+                    tokio::time::sleep(ctx.remaining().min(Duration::from_millis(LEADER_POLL_MS)))
+                        .await;
+                }
+                Err(status) => return Err(status),
+            }
+        }
+    }
+
+    /// Waits until this node's state is at least as new as the leader's commit index when the
+    /// call arrived (etcd's linearizable read), retrying across leader changes.
+    pub async fn linearizable_barrier(&self, ctx: &CallContext) -> Result<(), Status> {
+        loop {
+            // Without a leader the read cannot be confirmed; wait for one (or the deadline).
+            let mut status = self.node.status.clone();
+            while status.borrow_and_update().leader.is_none() {
+                let remaining = ctx.remaining();
+                if remaining.is_zero() {
+                    return Err(to_status(Error::NoLeader));
+                }
+                let wait = remaining.min(Duration::from_millis(LEADER_POLL_MS));
+                let _ = tokio::time::timeout(wait, status.changed()).await;
+            }
+            let result = tokio::time::timeout(ctx.remaining(), self.node.read_index()).await;
+            match result {
+                Err(_) => return Err(to_status(Error::Timeout)),
+                Ok(Ok(())) => return Ok(()),
+                Ok(Err(Error::NoLeader | Error::NotLeader { .. } | Error::LeaderChanged))
+                    if !ctx.remaining().is_zero() =>
+                {
+                    tokio::time::sleep(ctx.remaining().min(Duration::from_millis(LEADER_POLL_MS)))
+                        .await;
+                }
+                Ok(Err(error)) => return Err(to_status(error)),
+            }
+        }
+    }
+
+    /// Copies the call's remaining deadline and the forwarded mark onto a request for the
+    /// leader.
+    pub fn forwarded_request<T>(message: T, timeout: Duration) -> tonic::Request<T> {
+        let mut request = tonic::Request::new(message);
+        request.set_timeout(timeout);
+        request.metadata_mut().insert(
+            FORWARDED_HEADER,
+            tonic::metadata::MetadataValue::from_static("1"),
+        );
+        request
+    }
+}
+
+/// Whether a failed attempt may be retried (on another leader) within the deadline.
+fn is_retriable(status: &Status) -> bool {
+    let message = status.message();
+    status.code() == Code::Unavailable
+        && (message == Error::LeaderChanged.to_string()
+            || message == Error::NoLeader.to_string()
+            || message.starts_with("etcdserver: not leader")
+            // Transport failures reaching a leader that just died.
+            || !message.starts_with("etcdserver:"))
+}
+
+/// The gRPC status etcd returns for each runtime error.
+pub fn to_status(error: Error) -> Status {
+    let message = error.to_string();
+    match error {
+        Error::NoLeader
+        | Error::NotLeader { .. }
+        | Error::LeaderChanged
+        | Error::Timeout
+        | Error::Stopped => Status::unavailable(message),
+        Error::TooManyRequests => Status::resource_exhausted(message),
+        Error::Raft(conclave_raft::Error::ProposalTooLarge { .. }) => {
+            Status::invalid_argument(state_message(&conclave_state::Error::RequestTooLarge))
+        }
+        Error::Raft(_) => Status::unavailable(message),
+        _ => Status::internal(message),
+    }
+}
+
+fn state_message(error: &conclave_state::Error) -> String {
+    error.to_string()
+}
+
+/// The gRPC status etcd returns for each state-machine error, with etcd's exact strings.
+pub fn state_status(error: &conclave_state::Error) -> Status {
+    use conclave_state::Error as E;
+    let message = error.to_string();
+    match error {
+        E::Compacted { .. } | E::FutureRevision { .. } | E::LeaseTtlTooLarge => {
+            Status::out_of_range(message)
+        }
+        E::LeaseNotFound => Status::not_found(message),
+        E::LeaseExists => Status::failed_precondition(message),
+        E::ElectionNotLeader => Status::failed_precondition(message),
+        E::ElectionNoLeader => Status::not_found(message),
+        E::NotGroupLeader { .. } => Status::failed_precondition(message),
+        E::CandidateIdTaken { .. } => Status::already_exists(message),
+        E::CandidateNotFound { .. } | E::SessionNotFound { .. } => Status::not_found(message),
+        E::Decode(_)
+        | E::SnapshotCorrupt(_)
+        | E::SnapshotVersion { .. }
+        | E::SnapshotIo(_)
+        | E::AlreadyApplied { .. } => Status::internal(message),
+        _ => Status::invalid_argument(message),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grpc_timeout_units() {
+        assert_eq!(parse_grpc_timeout("5S"), Some(Duration::from_secs(5)));
+        assert_eq!(
+            parse_grpc_timeout("4999971u"),
+            Some(Duration::from_micros(4_999_971))
+        );
+        assert_eq!(parse_grpc_timeout("10m"), Some(Duration::from_millis(10)));
+        assert_eq!(parse_grpc_timeout("x"), None);
+        assert_eq!(parse_grpc_timeout(""), None);
+    }
+
+    #[test]
+    fn etcd_error_strings_and_codes() {
+        let status = to_status(Error::NoLeader);
+        assert_eq!(status.code(), Code::Unavailable);
+        assert_eq!(status.message(), "etcdserver: no leader");
+        let status = state_status(&conclave_state::Error::Compacted {
+            compact_revision: 3,
+        });
+        assert_eq!(status.code(), Code::OutOfRange);
+        assert_eq!(
+            status.message(),
+            "etcdserver: mvcc: required revision has been compacted"
+        );
+        let status = state_status(&conclave_state::Error::EmptyKey);
+        assert_eq!(status.code(), Code::InvalidArgument);
+        assert!(is_retriable(&to_status(Error::LeaderChanged)));
+        assert!(!is_retriable(&state_status(
+            &conclave_state::Error::EmptyKey
+        )));
+    }
+}

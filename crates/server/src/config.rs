@@ -1,0 +1,215 @@
+//! A node's configuration: who the members are, where to listen, how fast to tick, and every
+//! limit the runtime enforces. [`ServerConfig::validate`] checks it before anything starts, so
+//! a bad value stops the node with one sentence rather than a panic later.
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+
+use conclave_raft::NodeId;
+
+use crate::error::Error;
+
+/// etcd's default `--max-request-bytes`: larger requests fail with "request is too large".
+pub const REQUEST_BYTES_MAX: usize = 1536 * 1024;
+/// gRPC framing and protobuf overhead allowed on top of [`REQUEST_BYTES_MAX`] before tonic
+/// refuses to decode a message at all (so oversized requests get etcd's error, not a codec one).
+pub const GRPC_DECODE_SLACK_BYTES: usize = 512 * 1024;
+/// etcd's limit on what one gRPC response may carry (math.MaxInt32 in etcd; we are stricter).
+pub const GRPC_RESPONSE_BYTES_MAX: usize = 256 * 1024 * 1024;
+
+/// One member of the cluster as every node sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Member {
+    pub id: NodeId,
+    pub name: String,
+    /// `host:port` other members dial for Raft traffic.
+    pub peer_addr: String,
+    /// `host:port` of the member's gRPC API, where a follower forwards writes.
+    pub client_addr: String,
+}
+
+/// Everything a node needs to run. Times are in milliseconds, sizes in bytes.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// This node's id; must be one of `members`.
+    pub id: NodeId,
+    pub data_dir: PathBuf,
+    /// Where the gRPC API listens (etcd's client port).
+    pub listen_client: String,
+    /// Where peers connect for Raft messages.
+    pub listen_peer: String,
+    /// The founding members (used to bootstrap a fresh data directory and to route).
+    pub members: Vec<Member>,
+    /// Length of one Raft tick.
+    pub tick_ms: u64,
+    /// Election timeout in ticks (randomized in [T, 2T) by the core).
+    pub election_ticks: u64,
+    /// Heartbeat interval in ticks.
+    pub heartbeat_ticks: u64,
+    /// Take a snapshot (and compact the log) every this many applied entries.
+    pub snapshot_entries: u64,
+    /// Longest a request waits (for a leader, a commit, a read) when the client set no
+    /// shorter gRPC deadline.
+    pub request_timeout_ms: u64,
+    /// Proposals waiting for their commit on this node; more fail with "too many requests".
+    pub proposals_inflight_max: usize,
+    /// Linearizable reads waiting for their read index on this node.
+    pub reads_inflight_max: usize,
+    /// Client requests queued for the Raft driver before callers wait.
+    pub driver_queue_requests_max: usize,
+    /// Peer messages queued for the Raft driver before the transport slows down.
+    pub driver_queue_messages_max: usize,
+    /// Largest client request (etcd's `--max-request-bytes`).
+    pub request_bytes_max: usize,
+    /// How long a leader shutting down waits for its successor before it just stops.
+    pub shutdown_transfer_timeout_ms: u64,
+}
+
+impl ServerConfig {
+    /// A single-node configuration with Conclave's defaults.
+    pub fn single(data_dir: impl Into<PathBuf>, listen_client: &str, listen_peer: &str) -> Self {
+        ServerConfig {
+            id: 1,
+            data_dir: data_dir.into(),
+            listen_client: listen_client.to_string(),
+            listen_peer: listen_peer.to_string(),
+            members: vec![Member {
+                id: 1,
+                name: "default".to_string(),
+                peer_addr: listen_peer.to_string(),
+                client_addr: listen_client.to_string(),
+            }],
+            tick_ms: 10,
+            election_ticks: 15,
+            heartbeat_ticks: 5,
+            snapshot_entries: 10_000,
+            request_timeout_ms: 5_000,
+            proposals_inflight_max: 10_000,
+            reads_inflight_max: 10_000,
+            driver_queue_requests_max: 4096,
+            driver_queue_messages_max: 4096,
+            request_bytes_max: REQUEST_BYTES_MAX,
+            shutdown_transfer_timeout_ms: 1_000,
+        }
+    }
+
+    /// The election timeout T in milliseconds (a follower campaigns after [T, 2T) of silence).
+    pub fn election_timeout_ms(&self) -> u64 {
+        self.tick_ms * self.election_ticks
+    }
+
+    /// The member entry of this node.
+    pub fn this_member(&self) -> Option<&Member> {
+        self.member(self.id)
+    }
+
+    pub fn member(&self, id: NodeId) -> Option<&Member> {
+        self.members.iter().find(|m| m.id == id)
+    }
+
+    /// A cluster id every founding member derives alike: FNV-1a over the sorted
+    /// `id=peer_addr` list. It keeps two clusters' peers from talking to each other.
+    pub fn cluster_id(&self) -> u64 {
+        let mut members: Vec<_> = self
+            .members
+            .iter()
+            .map(|m| format!("{}={}", m.id, m.peer_addr))
+            .collect();
+        members.sort();
+        let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+        for byte in members.join(",").bytes() {
+            hash ^= byte as u64;
+            hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        hash.max(1)
+    }
+
+    /// Checks every value, naming the first one that is wrong.
+    pub fn validate(&self) -> Result<(), Error> {
+        let invalid = |reason: String| Err(Error::InvalidConfig { reason });
+        if self.members.is_empty() {
+            return invalid("the initial cluster lists no members".into());
+        }
+        let mut ids = BTreeSet::new();
+        let mut names = BTreeSet::new();
+        for member in &self.members {
+            if member.id == 0 {
+                return invalid(format!(
+                    "member {:?} has id 0, which is reserved",
+                    member.name
+                ));
+            }
+            if !ids.insert(member.id) {
+                return invalid(format!("member id {} appears twice", member.id));
+            }
+            if !names.insert(member.name.as_str()) {
+                return invalid(format!("member name {:?} appears twice", member.name));
+            }
+        }
+        if self.this_member().is_none() {
+            return invalid(format!(
+                "this node (id {}) is not in the initial cluster",
+                self.id
+            ));
+        }
+        if self.tick_ms == 0 {
+            return invalid("tick_ms must be at least 1".into());
+        }
+        if self.heartbeat_ticks == 0 || self.election_ticks <= self.heartbeat_ticks {
+            return invalid(format!(
+                "the election timeout ({} ticks) must exceed the heartbeat interval ({} ticks)",
+                self.election_ticks, self.heartbeat_ticks
+            ));
+        }
+        if self.snapshot_entries == 0 {
+            return invalid("snapshot_entries must be at least 1".into());
+        }
+        if self.request_timeout_ms == 0 {
+            return invalid("request_timeout_ms must be at least 1".into());
+        }
+        if self.proposals_inflight_max == 0
+            || self.reads_inflight_max == 0
+            || self.driver_queue_requests_max == 0
+            || self.driver_queue_messages_max == 0
+        {
+            return invalid("in-flight and queue limits must be at least 1".into());
+        }
+        if self.request_bytes_max == 0 {
+            return invalid("request_bytes_max must be at least 1".into());
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_validate_and_cluster_id_ignores_member_order() {
+        let mut config = ServerConfig::single("/tmp/x", "127.0.0.1:2379", "127.0.0.1:2380");
+        assert!(config.validate().is_ok());
+        let second = Member {
+            id: 2,
+            name: "b".into(),
+            peer_addr: "127.0.0.1:2382".into(),
+            client_addr: "127.0.0.1:2381".into(),
+        };
+        config.members.push(second.clone());
+        let id = config.cluster_id();
+        config.members.rotate_left(1);
+        assert_eq!(config.cluster_id(), id);
+        config.members.push(second);
+        assert!(config.validate().is_err());
+    }
+
+    #[test]
+    fn unknown_self_and_bad_timing_are_refused() {
+        let mut config = ServerConfig::single("/tmp/x", "127.0.0.1:2379", "127.0.0.1:2380");
+        config.id = 7;
+        assert!(config.validate().is_err());
+        config.id = 1;
+        config.election_ticks = config.heartbeat_ticks;
+        assert!(config.validate().is_err());
+    }
+}

@@ -1,0 +1,722 @@
+//! The node runtime: the one task that drives the Raft core.
+//!
+//! ```text
+//!  ticker (tick_ms) ─────────┐
+//!  peers ─ serve_peers ─ mpsc ┼─► Driver ─ RawNode::ready ─┬─ 1. WAL append + hard state, fsync
+//!  API ─ NodeRequest ─ mpsc ──┘   (one OS thread,          ├─ 2. PeerTransport::send
+//!                                  group commit: drains     ├─ 3. StateMachine::apply ─► waiters
+//!                                  every queue, then one    ├─ 4. read states ─► read waiters
+//!                                  Ready, one fsync)        └─ 5. advance; maybe snapshot
+//!  NodeStatus (watch) ◄── role, leader, term, commit, applied
+//! ```
+//!
+//! The driver runs on its own OS thread with a current-thread runtime, so an fsync blocks
+//! only Raft, never the gRPC server. A proposal's waiter is keyed by (index, term): if the entry
+//! applied at that index carries another term, a new leader overwrote it and the waiter gets
+//! [`Error::LeaderChanged`] instead of hanging.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use conclave_raft::{
+    ConfState, Config as RaftConfig, EntryKind, NodeId, RawNode, Ready, Role, Snapshot, Storage,
+};
+use conclave_state::{ApplyOutput, Command, Event, Request, StateMachine};
+use conclave_storage::{OsDisk, StorageOptions, WalStorage};
+use tokio::sync::{broadcast, mpsc, oneshot, watch};
+
+use crate::config::ServerConfig;
+use crate::error::Error;
+use crate::transport::{InboundMessage, PeerTransport};
+
+/// Requests and messages the driver takes from its queues before it handles a Ready, so one
+/// fsync covers a whole batch (group commit) without starving the ticker.
+const DRAIN_BATCH_MAX: usize = 1024;
+/// Events a watcher hub may lag behind the apply path before it is told it lost some.
+pub const APPLIED_EVENTS_BUFFER_MAX: usize = 65_536;
+
+/// What a committed proposal produced.
+#[derive(Debug, Clone)]
+pub struct Applied {
+    /// The state machine's answer.
+    pub output: ApplyOutput,
+    /// The Raft term the entry was committed in.
+    pub term: u64,
+}
+
+/// What the API asks of the driver.
+pub enum NodeRequest {
+    /// Replicate `request`; the reply comes once it is applied (or lost).
+    Propose {
+        request: Request,
+        reply: oneshot::Sender<Result<Applied, Error>>,
+    },
+    /// Answer once the state machine has applied up to a quorum-confirmed commit index.
+    ReadIndex { reply: ReadWaiter },
+    /// Hand leadership to `target` (Maintenance.MoveLeader, shutdown).
+    TransferLeader {
+        target: NodeId,
+        reply: oneshot::Sender<Result<(), Error>>,
+    },
+}
+
+/// The driver's public view of the node, published on every change.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NodeStatus {
+    pub id: NodeId,
+    pub role: Option<Role>,
+    pub leader: Option<NodeId>,
+    pub term: u64,
+    pub commit_index: u64,
+    pub applied_index: u64,
+    pub last_index: u64,
+    pub conf_state: ConfState,
+    /// Set once the driver stopped; the reason, empty for a clean shutdown.
+    pub stopped: Option<String>,
+}
+
+/// A batch of state-machine events with the revision after it, for watchers.
+#[derive(Debug, Clone)]
+pub struct AppliedEvents {
+    pub revision: i64,
+    pub events: Arc<Vec<Event>>,
+}
+
+/// The handle the API layer holds: queue into the driver, watch its status, read the state.
+#[derive(Clone)]
+pub struct NodeHandle {
+    pub requests: mpsc::Sender<NodeRequest>,
+    pub status: watch::Receiver<NodeStatus>,
+    /// The applied state. The driver holds the write lock only while applying a batch.
+    pub state: Arc<RwLock<StateMachine>>,
+    pub events: broadcast::Sender<AppliedEvents>,
+}
+
+impl NodeHandle {
+    pub fn status(&self) -> NodeStatus {
+        self.status.borrow().clone()
+    }
+
+    /// Runs `read` against the applied state. A poisoned lock (a panic while applying) is
+    /// still read: the panic already stopped the driver, and status reads should still work.
+    pub fn read_state<T>(&self, read: impl FnOnce(&StateMachine) -> T) -> T {
+        let guard = self
+            .state
+            .read()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        read(&guard)
+    }
+
+    async fn ask<T>(
+        &self,
+        make: impl FnOnce(oneshot::Sender<Result<T, Error>>) -> NodeRequest,
+    ) -> Result<T, Error> {
+        let (reply, answer) = oneshot::channel();
+        self.requests
+            .send(make(reply))
+            .await
+            .map_err(|_| Error::Stopped)?;
+        // A dropped sender means the driver stopped (or dropped the waiter on shutdown).
+        answer.await.map_err(|_| Error::Stopped)?
+    }
+
+    pub async fn propose(&self, request: Request) -> Result<Applied, Error> {
+        self.ask(|reply| NodeRequest::Propose { request, reply })
+            .await
+    }
+
+    pub async fn read_index(&self) -> Result<(), Error> {
+        self.ask(|reply| NodeRequest::ReadIndex { reply }).await
+    }
+
+    pub async fn transfer_leader(&self, target: NodeId) -> Result<(), Error> {
+        self.ask(|reply| NodeRequest::TransferLeader { target, reply })
+            .await
+    }
+}
+
+/// The state machine configuration every replica must share (limits decide which commands
+/// fail, so they are part of the replicated behaviour).
+pub fn state_config(config: &ServerConfig) -> conclave_state::Config {
+    conclave_state::Config {
+        election_timeout_ms: config.election_timeout_ms(),
+        request_bytes_max: config.request_bytes_max,
+        key_bytes_max: config.request_bytes_max,
+        value_bytes_max: config.request_bytes_max,
+        ..conclave_state::Config::default()
+    }
+}
+
+/// Opens the data directory (bootstrapping a fresh one with the founding members) and rebuilds
+/// the state machine from the newest snapshot. The log after it is replayed by the core.
+pub fn open_storage(config: &ServerConfig) -> Result<(WalStorage, StateMachine), Error> {
+    let mut store = WalStorage::open(
+        Arc::new(OsDisk),
+        &config.data_dir,
+        StorageOptions::default(),
+    )?;
+    if store.is_fresh() {
+        let voters = config.members.iter().map(|m| m.id);
+        store.bootstrap(ConfState::with_voters(voters))?;
+    }
+    let snapshot = store
+        .snapshot()
+        .map_err(|e| Error::StateRestore(e.to_string()))?;
+    let state = restore_state(config, &snapshot)?;
+    Ok((store, state))
+}
+
+fn restore_state(config: &ServerConfig, snapshot: &Snapshot) -> Result<StateMachine, Error> {
+    if snapshot.data.is_empty() {
+        // The bootstrap snapshot carries membership only.
+        return Ok(StateMachine::new(state_config(config)));
+    }
+    StateMachine::restore(state_config(config), &snapshot.data[..])
+        .map_err(|e| Error::StateRestore(e.to_string()))
+}
+
+/// Who waits for a linearizable read to become safe.
+type ReadWaiter = oneshot::Sender<Result<(), Error>>;
+
+struct ProposalWaiter {
+    term: u64,
+    reply: oneshot::Sender<Result<Applied, Error>>,
+}
+
+/// The Raft driver. Owned by one thread; see the module documentation.
+pub struct Driver {
+    config: ServerConfig,
+    raw: RawNode<WalStorage>,
+    transport: PeerTransport,
+    state: Arc<RwLock<StateMachine>>,
+    status: watch::Sender<NodeStatus>,
+    events: broadcast::Sender<AppliedEvents>,
+    /// Invariant: keys are indexes this node proposed as leader and has not applied yet.
+    proposals: BTreeMap<u64, ProposalWaiter>,
+    /// Reads asked for in this loop turn; they share one ReadIndex round.
+    reads_unsent: Vec<ReadWaiter>,
+    /// Reads whose round is under way, by context.
+    reads_sent: HashMap<u64, Vec<ReadWaiter>>,
+    /// Reads confirmed at an index the state machine has not reached yet.
+    reads_confirmed: Vec<(u64, Vec<ReadWaiter>)>,
+    next_read_context: u64,
+    snapshot_index: u64,
+}
+
+/// Starts the driver thread. Returns the handle for the API and a join handle whose result is
+/// the driver's exit: `Ok` after a clean shutdown, the fatal error otherwise.
+pub fn spawn(
+    config: ServerConfig,
+    transport: PeerTransport,
+    inbound: mpsc::Receiver<InboundMessage>,
+    shutdown: oneshot::Receiver<()>,
+) -> Result<(NodeHandle, std::thread::JoinHandle<Result<(), Error>>), Error> {
+    config.validate()?;
+    let (store, state) = open_storage(&config)?;
+    let mut raft_config = RaftConfig::new(config.id);
+    raft_config.election_ticks = config.election_ticks;
+    raft_config.heartbeat_ticks = config.heartbeat_ticks;
+    raft_config.max_uncommitted_bytes = (config.request_bytes_max as u64) * 64;
+    raft_config.seed = election_seed(config.id);
+    raft_config
+        .validate()
+        .map_err(|reason| Error::InvalidConfig { reason })?;
+    let snapshot_index = store
+        .first_index()
+        .map_err(|e| Error::RaftStart(e.to_string()))?
+        - 1;
+    let raw = RawNode::new(raft_config, store).map_err(Error::RaftStart)?;
+    let state = Arc::new(RwLock::new(state));
+    let (status_sender, status_receiver) = watch::channel(NodeStatus::default());
+    let (events, _) = broadcast::channel(APPLIED_EVENTS_BUFFER_MAX);
+    let (request_sender, requests) = mpsc::channel(config.driver_queue_requests_max);
+    let mut driver = Driver {
+        config,
+        raw,
+        transport,
+        state: state.clone(),
+        status: status_sender,
+        events: events.clone(),
+        proposals: BTreeMap::new(),
+        reads_unsent: Vec::new(),
+        reads_sent: HashMap::new(),
+        reads_confirmed: Vec::new(),
+        next_read_context: 1,
+        snapshot_index,
+    };
+    driver.publish_status();
+    let thread = std::thread::Builder::new()
+        .name("conclave-raft".into())
+        .spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_time()
+                .build()
+                .map_err(|e| Error::RaftStart(format!("driver runtime: {e}")))?;
+            let result = runtime.block_on(driver.run(requests, inbound, shutdown));
+            let reason = match &result {
+                Ok(()) => String::new(),
+                Err(e) => e.to_string(),
+            };
+            driver.status.send_modify(|s| s.stopped = Some(reason));
+            result
+        })
+        .map_err(|e| Error::RaftStart(format!("driver thread: {e}")))?;
+    let handle = NodeHandle {
+        requests: request_sender,
+        status: status_receiver,
+        state,
+        events,
+    };
+    Ok((handle, thread))
+}
+
+/// A seed for the core's election timeouts, different in every process: members started in
+/// the same millisecond with seeds derived from the clock drew identical timeouts and split
+/// every vote. `RandomState` is keyed from the OS's randomness.
+fn election_seed(id: NodeId) -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u64(id);
+    hasher.write_u64(now_ms());
+    hasher.write_u32(std::process::id());
+    hasher.finish()
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+impl Driver {
+    async fn run(
+        &mut self,
+        mut requests: mpsc::Receiver<NodeRequest>,
+        mut inbound: mpsc::Receiver<InboundMessage>,
+        mut shutdown: oneshot::Receiver<()>,
+    ) -> Result<(), Error> {
+        let mut ticker = tokio::time::interval(Duration::from_millis(self.config.tick_ms));
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // A one-member cluster need not wait out an election timeout.
+        if self.raw.conf_state().voters.len() == 1 && self.raw.conf_state().is_voter(self.raw.id())
+        {
+            self.raw.campaign();
+        }
+        let mut stopping_since: Option<Instant> = None;
+        loop {
+            tokio::select! {
+                _ = &mut shutdown, if stopping_since.is_none() => {
+                    stopping_since = Some(Instant::now());
+                    if !self.begin_handoff() {
+                        break;
+                    }
+                }
+                _ = ticker.tick() => {
+                    self.raw.tick();
+                    self.drop_abandoned_waiters();
+                }
+                message = inbound.recv() => {
+                    if let Some((_, message)) = message {
+                        self.step(message);
+                    }
+                }
+                request = requests.recv() => match request {
+                    Some(request) => self.handle_request(request),
+                    // Every handle is gone: nobody can be served any more.
+                    None => break,
+                },
+            }
+            for _ in 0..DRAIN_BATCH_MAX {
+                match inbound.try_recv() {
+                    Ok((_, message)) => self.step(message),
+                    Err(_) => break,
+                }
+            }
+            for _ in 0..DRAIN_BATCH_MAX {
+                match requests.try_recv() {
+                    Ok(request) => self.handle_request(request),
+                    Err(_) => break,
+                }
+            }
+            self.flush_reads();
+            while self.raw.has_ready() {
+                self.handle_ready()?;
+            }
+            self.maybe_snapshot()?;
+            self.publish_status();
+            if let Some(since) = stopping_since {
+                let waited = since.elapsed()
+                    >= Duration::from_millis(self.config.shutdown_transfer_timeout_ms);
+                if self.raw.role() != Role::Leader || waited {
+                    break;
+                }
+            }
+        }
+        self.fail_all_waiters(|| Error::Stopped);
+        if self.raw.store().needs_sync() {
+            self.raw.store_mut().sync()?;
+        }
+        Ok(())
+    }
+
+    /// On shutdown a leader hands over to its most up-to-date voter, so a rolling restart
+    /// loses no request. Returns false when there is nobody to hand over to.
+    fn begin_handoff(&mut self) -> bool {
+        if self.raw.role() != Role::Leader {
+            return false;
+        }
+        let me = self.raw.id();
+        let best = self
+            .raw
+            .conf_state()
+            .voters
+            .iter()
+            .copied()
+            .filter(|&id| id != me)
+            .filter_map(|id| self.raw.peer_progress(id).map(|(matched, _)| (matched, id)))
+            .max();
+        match best {
+            Some((_, target)) => {
+                tracing::info!(target, "shutting down: transferring leadership");
+                self.raw.transfer_leader(target).is_ok()
+            }
+            None => false,
+        }
+    }
+
+    fn step(&mut self, message: conclave_raft::Message) {
+        if let Err(error) = self.raw.step(message) {
+            tracing::debug!(%error, "peer message refused");
+        }
+    }
+
+    fn handle_request(&mut self, request: NodeRequest) {
+        match request {
+            NodeRequest::Propose { request, reply } => self.propose(request, reply),
+            NodeRequest::ReadIndex { reply } => {
+                let pending: usize = self.reads_unsent.len()
+                    + self.reads_sent.values().map(Vec::len).sum::<usize>()
+                    + self
+                        .reads_confirmed
+                        .iter()
+                        .map(|(_, r)| r.len())
+                        .sum::<usize>();
+                if pending >= self.config.reads_inflight_max {
+                    let _ = reply.send(Err(Error::TooManyRequests));
+                } else {
+                    self.reads_unsent.push(reply);
+                }
+            }
+            NodeRequest::TransferLeader { target, reply } => {
+                let result = self.raw.transfer_leader(target).map_err(raft_error);
+                let _ = reply.send(result);
+            }
+        }
+    }
+
+    fn propose(&mut self, request: Request, reply: oneshot::Sender<Result<Applied, Error>>) {
+        if self.raw.role() != Role::Leader {
+            let _ = reply.send(Err(Error::NotLeader {
+                leader: self.raw.leader(),
+            }));
+            return;
+        }
+        if self.proposals.len() >= self.config.proposals_inflight_max {
+            let _ = reply.send(Err(Error::TooManyRequests));
+            return;
+        }
+        // The leader's clock is the state machine's only notion of time (leases, sessions).
+        let command = Command::new(now_ms(), request);
+        match self.raw.propose(Bytes::from(command.encode())) {
+            Ok(index) => {
+                let term = self.raw.term();
+                self.proposals.insert(index, ProposalWaiter { term, reply });
+            }
+            Err(error) => {
+                let _ = reply.send(Err(raft_error(error)));
+            }
+        }
+    }
+
+    /// Starts one ReadIndex round for every read asked for since the last one.
+    fn flush_reads(&mut self) {
+        if self.reads_unsent.is_empty() {
+            return;
+        }
+        let context = self.next_read_context;
+        self.next_read_context += 1;
+        let readers = std::mem::take(&mut self.reads_unsent);
+        match self
+            .raw
+            .read_index(Bytes::copy_from_slice(&context.to_be_bytes()))
+        {
+            Ok(()) => {
+                self.reads_sent.insert(context, readers);
+            }
+            Err(error) => {
+                let error = raft_error(error);
+                for reader in readers {
+                    let _ = reader.send(Err(clone_error(&error)));
+                }
+            }
+        }
+    }
+
+    /// Handles one Ready in the order its documentation prescribes.
+    fn handle_ready(&mut self) -> Result<(), Error> {
+        let ready: Ready = self.raw.ready();
+        if let Some(soft) = ready.soft_state {
+            tracing::info!(role = ?soft.role, leader = ?soft.leader, term = soft.term, "raft role");
+            // Read rounds do not survive a leader change; let their callers retry at once.
+            for (_, readers) in self.reads_sent.drain() {
+                for reader in readers {
+                    let _ = reader.send(Err(Error::LeaderChanged));
+                }
+            }
+        }
+        // 1. Persist: snapshot, entries, hard state; fsync when asked.
+        let store = self.raw.store_mut();
+        if let Some(snapshot) = &ready.snapshot {
+            store.apply_snapshot(snapshot.clone())?;
+        }
+        if !ready.entries.is_empty() {
+            store.append(&ready.entries)?;
+        }
+        if let Some(hard_state) = ready.hard_state {
+            store.set_hard_state(hard_state)?;
+        }
+        if ready.must_sync {
+            store.sync()?;
+        }
+        // 2. Send: everything a message depends on is durable now.
+        for message in &ready.messages {
+            if let Err(error) = self.transport.send(message.clone()) {
+                tracing::debug!(%error, "peer message not sent");
+            }
+        }
+        // 3. Apply: a snapshot from the leader replaces the state, then committed entries.
+        if let Some(snapshot) = &ready.snapshot {
+            let restored = restore_state(&self.config, snapshot)?;
+            *self.write_state() = restored;
+            self.snapshot_index = snapshot.meta.index;
+            // Proposals at or below the snapshot can no longer be matched to their entry.
+            let lost: Vec<u64> = self
+                .proposals
+                .range(..=snapshot.meta.index)
+                .map(|(&i, _)| i)
+                .collect();
+            for index in lost {
+                if let Some(waiter) = self.proposals.remove(&index) {
+                    let _ = waiter.reply.send(Err(Error::LeaderChanged));
+                }
+            }
+        }
+        self.apply_entries(&ready)?;
+        // 4. Reads whose index is now applied.
+        for read_state in &ready.read_states {
+            let Ok(context) = <[u8; 8]>::try_from(&read_state.context[..]) else {
+                continue;
+            };
+            if let Some(readers) = self.reads_sent.remove(&u64::from_be_bytes(context)) {
+                self.reads_confirmed.push((read_state.index, readers));
+            }
+        }
+        // 5. Advance.
+        self.raw.advance(ready);
+        self.release_reads();
+        Ok(())
+    }
+
+    fn write_state(&self) -> std::sync::RwLockWriteGuard<'_, StateMachine> {
+        self.state
+            .write()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn apply_entries(&mut self, ready: &Ready) -> Result<(), Error> {
+        if ready.committed_entries.is_empty() {
+            return Ok(());
+        }
+        let mut events = Vec::new();
+        let mut revision = 0;
+        let mut answers = Vec::new();
+        {
+            let mut state = self
+                .state
+                .write()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            for entry in &ready.committed_entries {
+                let waiter = self.proposals.remove(&entry.index);
+                if entry.kind != EntryKind::Normal || entry.data.is_empty() {
+                    // Membership changes are the core's; an empty entry is a leader's no-op.
+                    if let Some(waiter) = waiter {
+                        answers.push((waiter, Err(Error::LeaderChanged)));
+                    }
+                    continue;
+                }
+                let output = match Command::decode(&entry.data) {
+                    Ok(command) => state.apply(entry.index, &command),
+                    Err(error) => {
+                        // Every replica decodes the same bytes the same way, so skipping keeps
+                        // them identical; it can only be a bug in the proposing node.
+                        tracing::error!(index = entry.index, %error, "undecodable entry skipped");
+                        continue;
+                    }
+                };
+                revision = output.revision;
+                events.extend(output.events.iter().cloned());
+                if let Some(waiter) = waiter {
+                    let answer = if waiter.term == entry.term {
+                        Ok(Applied {
+                            output,
+                            term: entry.term,
+                        })
+                    } else {
+                        Err(Error::LeaderChanged)
+                    };
+                    answers.push((waiter, answer));
+                }
+            }
+        }
+        if !events.is_empty() {
+            // No receiver is fine: nobody watches.
+            let _ = self.events.send(AppliedEvents {
+                revision,
+                events: Arc::new(events),
+            });
+        }
+        for (waiter, answer) in answers {
+            let _ = waiter.reply.send(answer);
+        }
+        // Anything still waiting below the last applied index was overwritten.
+        let applied = ready.committed_entries.last().map_or(0, |e| e.index);
+        let stale: Vec<u64> = self.proposals.range(..=applied).map(|(&i, _)| i).collect();
+        for index in stale {
+            if let Some(waiter) = self.proposals.remove(&index) {
+                let _ = waiter.reply.send(Err(Error::LeaderChanged));
+            }
+        }
+        Ok(())
+    }
+
+    fn release_reads(&mut self) {
+        let applied = self.raw.applied_index();
+        let (ready, waiting): (Vec<_>, Vec<_>) = std::mem::take(&mut self.reads_confirmed)
+            .into_iter()
+            .partition(|(index, _)| *index <= applied);
+        self.reads_confirmed = waiting;
+        for (_, readers) in ready {
+            for reader in readers {
+                let _ = reader.send(Ok(()));
+            }
+        }
+    }
+
+    /// Forgets waiters whose caller gave up (deadline passed, connection closed), so a read
+    /// round whose answer was lost cannot pin memory.
+    fn drop_abandoned_waiters(&mut self) {
+        self.reads_sent.retain(|_, readers| {
+            readers.retain(|r| !r.is_closed());
+            !readers.is_empty()
+        });
+    }
+
+    fn fail_all_waiters(&mut self, error: impl Fn() -> Error) {
+        for (_, waiter) in std::mem::take(&mut self.proposals) {
+            let _ = waiter.reply.send(Err(error()));
+        }
+        let mut readers: Vec<_> = std::mem::take(&mut self.reads_unsent);
+        readers.extend(self.reads_sent.drain().flat_map(|(_, r)| r));
+        readers.extend(
+            std::mem::take(&mut self.reads_confirmed)
+                .into_iter()
+                .flat_map(|(_, r)| r),
+        );
+        for reader in readers {
+            let _ = reader.send(Err(error()));
+        }
+    }
+
+    /// Every `snapshot_entries` applied entries, snapshot the state machine and let the
+    /// storage drop the log below it.
+    fn maybe_snapshot(&mut self) -> Result<(), Error> {
+        let applied = self.raw.applied_index();
+        if applied < self.snapshot_index + self.config.snapshot_entries {
+            return Ok(());
+        }
+        let data = self
+            .state
+            .read()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .snapshot_to_vec();
+        let conf_state = self.raw.conf_state().clone();
+        self.raw
+            .store_mut()
+            .create_snapshot(applied, conf_state, Bytes::from(data))?;
+        tracing::info!(index = applied, "snapshot taken, log compacted");
+        self.snapshot_index = applied;
+        Ok(())
+    }
+
+    fn publish_status(&mut self) {
+        let status = NodeStatus {
+            id: self.raw.id(),
+            role: Some(self.raw.role()),
+            leader: self.raw.leader(),
+            term: self.raw.term(),
+            commit_index: self.raw.commit_index(),
+            applied_index: self.raw.applied_index(),
+            last_index: self.raw.last_index(),
+            conf_state: self.raw.conf_state().clone(),
+            stopped: None,
+        };
+        self.status.send_if_modified(|current| {
+            if *current == status {
+                false
+            } else {
+                *current = status;
+                true
+            }
+        });
+    }
+}
+
+fn raft_error(error: conclave_raft::Error) -> Error {
+    match error {
+        conclave_raft::Error::NotLeader { leader } => Error::NotLeader { leader },
+        conclave_raft::Error::NoLeader => Error::NoLeader,
+        other => Error::Raft(other),
+    }
+}
+
+/// The operating errors a batch of readers may share (the error type holds `io::Error`, so it
+/// is not `Clone`).
+fn clone_error(error: &Error) -> Error {
+    match error {
+        Error::NoLeader => Error::NoLeader,
+        Error::NotLeader { leader } => Error::NotLeader { leader: *leader },
+        Error::LeaderChanged => Error::LeaderChanged,
+        Error::TooManyRequests => Error::TooManyRequests,
+        Error::Raft(e) => Error::Raft(e.clone()),
+        _ => Error::Stopped,
+    }
+}
+
+/// The size of everything under `dir`, for Maintenance.Status's `dbSize`.
+pub fn dir_size_bytes(dir: &Path) -> u64 {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .map(|entry| match entry.metadata() {
+            Ok(meta) if meta.is_dir() => dir_size_bytes(&entry.path()),
+            Ok(meta) => meta.len(),
+            Err(_) => 0,
+        })
+        .sum()
+}

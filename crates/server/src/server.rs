@@ -1,0 +1,117 @@
+//! Wires a node together: listeners, peer transport, the Raft driver and the gRPC services,
+//! and takes it apart again on shutdown.
+//!
+//! ```text
+//!  run(config, shutdown)
+//!    bind client + peer listeners (fail fast, one sentence)
+//!    PeerTransport (dial peers) + serve_peers (accept) ──► driver thread (node::spawn)
+//!    tonic: KV, Maintenance, Cluster ──► Api ──► NodeHandle
+//!  shutdown: driver hands leadership over and stops ─► gRPC stops ─► peer listener stops
+//! ```
+
+use std::future::Future;
+use std::time::Duration;
+
+use conclave_proto::etcdserverpb::cluster_server::ClusterServer;
+use conclave_proto::etcdserverpb::kv_server::KvServer;
+use conclave_proto::etcdserverpb::maintenance_server::MaintenanceServer;
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, oneshot};
+
+use crate::api::Api;
+use crate::api::cluster::ClusterService;
+use crate::api::kv::KvService;
+use crate::api::maintenance::MaintenanceService;
+use crate::config::{GRPC_DECODE_SLACK_BYTES, GRPC_RESPONSE_BYTES_MAX, ServerConfig};
+use crate::error::Error;
+use crate::node;
+use crate::transport::{PeerTransport, TransportConfig, bind_peer_listener, serve_peers};
+
+/// A client connection that sends nothing for this long gets an HTTP/2 ping.
+const CLIENT_KEEPALIVE_INTERVAL_MS: u64 = 30_000;
+
+/// Runs one node until `shutdown` resolves (then shuts down gracefully) or a fatal error
+/// stops it. Returns that error, if any.
+pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> Result<(), Error> {
+    config.validate()?;
+    let client_listener = TcpListener::bind(&config.listen_client)
+        .await
+        .map_err(|source| Error::ClientListen {
+            address: config.listen_client.clone(),
+            source,
+        })?;
+    let peer_listener = bind_peer_listener(&config.listen_peer).await?;
+
+    let transport_config = TransportConfig::new(config.cluster_id(), config.id);
+    let mut transport = PeerTransport::new(transport_config.clone())?;
+    for member in config.members.iter().filter(|m| m.id != config.id) {
+        transport.add_peer(member.id, member.peer_addr.clone())?;
+    }
+    let (inbound_sender, inbound) = mpsc::channel(config.driver_queue_messages_max);
+    let (stop_peers, peers_stopped) = oneshot::channel::<()>();
+    let peers = tokio::spawn(serve_peers(
+        peer_listener,
+        transport_config,
+        inbound_sender,
+        async move {
+            let _ = peers_stopped.await;
+        },
+    ));
+
+    let (stop_driver, driver_stopped) = oneshot::channel();
+    let (handle, driver) = node::spawn(config.clone(), transport, inbound, driver_stopped)?;
+    let mut driver = tokio::task::spawn_blocking(move || {
+        driver
+            .join()
+            .unwrap_or_else(|_| Err(Error::RaftStart("the Raft driver panicked".into())))
+    });
+
+    let api = Api::new(handle, config.clone());
+    let decode_max = config.request_bytes_max + GRPC_DECODE_SLACK_BYTES;
+    let kv = KvServer::new(KvService { api: api.clone() })
+        .max_decoding_message_size(decode_max)
+        .max_encoding_message_size(GRPC_RESPONSE_BYTES_MAX);
+    let maintenance = MaintenanceServer::new(MaintenanceService { api: api.clone() })
+        .max_decoding_message_size(decode_max)
+        .max_encoding_message_size(GRPC_RESPONSE_BYTES_MAX);
+    let cluster = ClusterServer::new(ClusterService { api: api.clone() });
+    let (stop_grpc, grpc_stopped) = oneshot::channel::<()>();
+    let grpc = tokio::spawn(
+        tonic::transport::Server::builder()
+            .http2_keepalive_interval(Some(Duration::from_millis(CLIENT_KEEPALIVE_INTERVAL_MS)))
+            .add_service(kv)
+            .add_service(maintenance)
+            .add_service(cluster)
+            .serve_with_incoming_shutdown(
+                tokio_stream::wrappers::TcpListenerStream::new(client_listener),
+                async move {
+                    let _ = grpc_stopped.await;
+                },
+            ),
+    );
+    tracing::info!(
+        id = config.id,
+        client = %config.listen_client,
+        peer = %config.listen_peer,
+        "conclave node started"
+    );
+
+    tokio::pin!(shutdown);
+    let driver_result = tokio::select! {
+        _ = &mut shutdown => {
+            let _ = stop_driver.send(());
+            (&mut driver).await
+        }
+        result = &mut driver => result,
+    };
+    let _ = stop_grpc.send(());
+    let _ = stop_peers.send(());
+    if let Ok(Err(error)) = grpc.await {
+        tracing::warn!(%error, "gRPC server ended with an error");
+    }
+    let _ = peers.await;
+    match driver_result {
+        Ok(result) => result,
+        Err(join_error) => Err(Error::RaftStart(format!("driver task: {join_error}"))),
+    }
+}
