@@ -209,8 +209,12 @@ impl Checker {
 
     /// A read began on `node`: remember what was committed then.
     pub fn read_started(&mut self, node: NodeId, context: &[u8]) {
-        self.reads
-            .insert((node, context.to_vec()), self.max_committed);
+        self.read_started_at(node, context, self.max_committed);
+    }
+
+    /// A read began on `node` when `committed` was the highest index known committed.
+    pub fn read_started_at(&mut self, node: NodeId, context: &[u8], committed: Index) {
+        self.reads.insert((node, context.to_vec()), committed);
     }
 
     /// A read was answered at `index`: it must not miss anything committed before it began.

@@ -6,7 +6,8 @@ use std::fmt::Write as _;
 
 use bytes::Bytes;
 use conclave_raft::{
-    ConfChangeStep, ConfState, Config, EntryKind, Message, MessageBody, NodeId, Prng, Role, Storage,
+    ConfChangeStep, ConfState, Config, EntryKind, Message, MessageBody, NodeId, Prng, RawNode,
+    Role, Storage,
 };
 
 use crate::checker::{Checker, LogView, Violation};
@@ -977,27 +978,35 @@ impl Simulation {
 
     /// Proposes `data` at `node` and handles the resulting Ready.
     pub fn propose(&mut self, node: NodeId, data: Bytes) -> Result<u64, conclave_raft::Error> {
+        self.on_node(node, |raw| raw.propose(data))
+    }
+
+    /// Calls `request` on the core of `node` (an error if it is down), then handles the Ready.
+    fn on_node<T>(
+        &mut self,
+        node: NodeId,
+        request: impl FnOnce(&mut RawNode<NodeStorage>) -> Result<T, conclave_raft::Error>,
+    ) -> Result<T, conclave_raft::Error> {
         let raw = self
             .nodes
             .get_mut(&node)
             .and_then(|n| n.raw.as_mut())
             .ok_or(conclave_raft::Error::NoLeader)?;
-        let result = raw.propose(data);
+        let result = request(raw);
         self.process(node);
         result
     }
 
     /// Starts a linearizable read at `node`.
     pub fn read(&mut self, node: NodeId, context: Bytes) -> Result<(), conclave_raft::Error> {
-        let raw = self
-            .nodes
-            .get_mut(&node)
-            .and_then(|n| n.raw.as_mut())
-            .ok_or(conclave_raft::Error::NoLeader)?;
-        raw.read_index(context.clone())?;
-        self.checker.read_started(node, &context);
-        self.process(node);
-        Ok(())
+        // The read begins before the core sees it: record what was committed by then.
+        let committed_before = self.checker.max_committed;
+        let result = self.on_node(node, |raw| raw.read_index(context.clone()));
+        if result.is_ok() {
+            self.checker
+                .read_started_at(node, &context, committed_before);
+        }
+        result
     }
 
     /// A run with no nemesis and no clients, for named scenarios that drive it by hand.
@@ -1057,14 +1066,7 @@ impl Simulation {
         leader: NodeId,
         target: NodeId,
     ) -> Result<(), conclave_raft::Error> {
-        let raw = self
-            .nodes
-            .get_mut(&leader)
-            .and_then(|n| n.raw.as_mut())
-            .ok_or(conclave_raft::Error::NoLeader)?;
-        let result = raw.transfer_leader(target);
-        self.process(leader);
-        result
+        self.on_node(leader, |raw| raw.transfer_leader(target))
     }
 
     /// Proposes a membership change at `leader`.
@@ -1073,14 +1075,7 @@ impl Simulation {
         leader: NodeId,
         steps: Vec<ConfChangeStep>,
     ) -> Result<u64, conclave_raft::Error> {
-        let raw = self
-            .nodes
-            .get_mut(&leader)
-            .and_then(|n| n.raw.as_mut())
-            .ok_or(conclave_raft::Error::NoLeader)?;
-        let result = raw.propose_conf_change(steps);
-        self.process(leader);
-        result
+        self.on_node(leader, |raw| raw.propose_conf_change(steps))
     }
 
     /// The term of the entry every node that applied `index` agreed on, if anyone applied it.
