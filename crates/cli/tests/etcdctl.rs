@@ -79,3 +79,43 @@ async fn etcdctl_put_get_prefix_del_status_and_member_list() {
         assert!(members.contains(&line), "missing {line:?} in\n{members}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn etcdctl_watch_replays_history_and_streams_live_events_from_a_follower() {
+    let cluster = Cluster::start(3).await;
+    let leader = cluster
+        .wait_for_leader(std::time::Duration::from_secs(5))
+        .await;
+    let follower = cluster
+        .nodes
+        .iter()
+        .find(|n| n.id != leader)
+        .expect("a follower")
+        .client
+        .clone();
+    let writer = cluster.nodes[(leader - 1) as usize].client.clone();
+    assert_eq!(etcdctl(&writer, &["put", "/w/a", "1"]).trim(), "OK");
+
+    assert!(
+        std::path::Path::new(ETCDCTL).exists(),
+        "{ETCDCTL} is missing"
+    );
+    // The watch starts at revision 1 (history) and keeps streaming until `timeout` stops it.
+    let watcher = Command::new("timeout")
+        .args(["3", ETCDCTL])
+        .env("ETCDCTL_API", "3")
+        .arg(format!("--endpoints={follower}"))
+        .args(["watch", "--prefix", "/w/", "--rev=1"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("start etcdctl watch");
+    tokio::time::sleep(std::time::Duration::from_millis(1000)).await;
+    assert_eq!(etcdctl(&writer, &["put", "/w/b", "2"]).trim(), "OK");
+    assert_eq!(etcdctl(&writer, &["del", "/w/a"]).trim(), "1");
+    let output = watcher.wait_with_output().expect("etcdctl watch ends");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert_eq!(
+        stdout, "PUT\n/w/a\n1\nPUT\n/w/b\n2\nDELETE\n/w/a\n\n",
+        "watch output"
+    );
+}

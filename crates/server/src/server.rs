@@ -5,7 +5,7 @@
 //!  run(config, shutdown)
 //!    bind client + peer listeners (fail fast, one sentence)
 //!    PeerTransport (dial peers) + serve_peers (accept) ──► driver thread (node::spawn)
-//!    tonic: KV, Maintenance, Cluster ──► Api ──► NodeHandle
+//!    tonic: KV, Watch, Maintenance, Cluster ──► Api ──► NodeHandle
 //!  shutdown: driver hands leadership over and stops ─► gRPC stops ─► peer listener stops
 //! ```
 
@@ -15,6 +15,7 @@ use std::time::Duration;
 use conclave_proto::etcdserverpb::cluster_server::ClusterServer;
 use conclave_proto::etcdserverpb::kv_server::KvServer;
 use conclave_proto::etcdserverpb::maintenance_server::MaintenanceServer;
+use conclave_proto::etcdserverpb::watch_server::WatchServer;
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot};
 
@@ -22,6 +23,7 @@ use crate::api::Api;
 use crate::api::cluster::ClusterService;
 use crate::api::kv::KvService;
 use crate::api::maintenance::MaintenanceService;
+use crate::api::watch::WatchService;
 use crate::config::{GRPC_DECODE_SLACK_BYTES, GRPC_RESPONSE_BYTES_MAX, ServerConfig};
 use crate::error::Error;
 use crate::node;
@@ -75,6 +77,9 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> Re
         .max_decoding_message_size(decode_max)
         .max_encoding_message_size(GRPC_RESPONSE_BYTES_MAX);
     let cluster = ClusterServer::new(ClusterService { api: api.clone() });
+    let watch = WatchServer::new(WatchService { api: api.clone() })
+        .max_decoding_message_size(decode_max)
+        .max_encoding_message_size(GRPC_RESPONSE_BYTES_MAX);
     let (stop_grpc, grpc_stopped) = oneshot::channel::<()>();
     let grpc = tokio::spawn(
         tonic::transport::Server::builder()
@@ -82,6 +87,7 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> Re
             .add_service(kv)
             .add_service(maintenance)
             .add_service(cluster)
+            .add_service(watch)
             .serve_with_incoming_shutdown(
                 tokio_stream::wrappers::TcpListenerStream::new(client_listener),
                 async move {

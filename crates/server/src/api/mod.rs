@@ -13,6 +13,7 @@ pub mod cluster;
 pub mod convert;
 pub mod kv;
 pub mod maintenance;
+pub mod watch;
 
 use std::collections::HashMap;
 use std::future::Future;

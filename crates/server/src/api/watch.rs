@@ -1,0 +1,257 @@
+//! etcd's Watch service: one bidirectional stream carries many watches.
+//!
+//! ```text
+//!  driver apply ─► broadcast<AppliedEvents> (bounded) ─► one task per watch ─► filter by range
+//!      ─► stream's response queue (bounded) ─► gRPC
+//! ```
+//!
+//! Backpressure: a client that does not read fills its stream's response queue, its watch
+//! tasks stop reading the broadcast, and once they fall more than the broadcast's capacity
+//! behind they are cancelled (memory stays bounded; the client re-watches from its last
+//! revision). Each watch subscribes before it reads history, under the state's read lock, so
+//! no revision falls between the replay and the live events.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use conclave_proto::etcdserverpb::{self as pb, watch_request::RequestUnion, watch_server::Watch};
+use conclave_state::{Event, WatchEvent};
+use tokio::sync::{broadcast, mpsc};
+use tokio::task::JoinHandle;
+use tokio_stream::StreamExt;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Status, Streaming, async_trait};
+
+use super::Api;
+use super::convert::event_to_pb;
+
+/// Responses queued for one stream before its watch tasks wait for the client.
+pub const WATCH_STREAM_RESPONSES_MAX: usize = 256;
+/// Watches one stream may hold at once.
+pub const WATCHES_PER_STREAM_MAX: usize = 1024;
+/// Why a watch that fell too far behind was cancelled.
+pub const SLOW_WATCHER_REASON: &str = "etcdserver: watcher fell too far behind the apply path and was cancelled; watch again from the last received revision";
+
+pub struct WatchService {
+    pub api: Arc<Api>,
+}
+
+/// What one watch selects.
+#[derive(Clone)]
+struct Filter {
+    key: Bytes,
+    range_end: Bytes,
+    no_put: bool,
+    no_delete: bool,
+    prev_kv: bool,
+}
+
+impl Filter {
+    fn matches(&self, event: &WatchEvent) -> bool {
+        let key = &event.kv.key[..];
+        let in_range = if self.range_end.is_empty() {
+            key == &self.key[..]
+        } else if &self.range_end[..] == b"\0" {
+            key >= &self.key[..]
+        } else {
+            key >= &self.key[..] && key < &self.range_end[..]
+        };
+        let filtered = match event.kind {
+            conclave_state::EventKind::Put => self.no_put,
+            conclave_state::EventKind::Delete => self.no_delete,
+        };
+        in_range && !filtered
+    }
+}
+
+type Responses = mpsc::Sender<Result<pb::WatchResponse, Status>>;
+
+#[async_trait]
+impl Watch for WatchService {
+    type WatchStream = ReceiverStream<Result<pb::WatchResponse, Status>>;
+
+    async fn watch(
+        &self,
+        request: tonic::Request<Streaming<pb::WatchRequest>>,
+    ) -> Result<tonic::Response<Self::WatchStream>, Status> {
+        let mut incoming = request.into_inner();
+        let (responses, output) = mpsc::channel(WATCH_STREAM_RESPONSES_MAX);
+        let api = self.api.clone();
+        tokio::spawn(async move {
+            let mut watches: HashMap<i64, JoinHandle<()>> = HashMap::new();
+            let mut next_id: i64 = 0;
+            while let Some(Ok(message)) = incoming.next().await {
+                watches.retain(|_, task| !task.is_finished());
+                match message.request_union {
+                    Some(RequestUnion::CreateRequest(create)) => {
+                        let id = if create.watch_id != 0 {
+                            create.watch_id
+                        } else {
+                            while watches.contains_key(&next_id) {
+                                next_id += 1;
+                            }
+                            next_id
+                        };
+                        if watches.contains_key(&id) || watches.len() >= WATCHES_PER_STREAM_MAX {
+                            // etcd answers a refused create with created and canceled both set.
+                            let refused = pb::WatchResponse {
+                                header: Some(api.read_header()),
+                                watch_id: id,
+                                created: true,
+                                canceled: true,
+                                cancel_reason: "etcdserver: too many watches or duplicate watch id"
+                                    .into(),
+                                ..Default::default()
+                            };
+                            if responses.send(Ok(refused)).await.is_err() {
+                                break;
+                            }
+                            continue;
+                        }
+                        let task = start_watch(&api, id, create, responses.clone());
+                        watches.insert(id, task);
+                    }
+                    Some(RequestUnion::CancelRequest(cancel)) => {
+                        if let Some(task) = watches.remove(&cancel.watch_id) {
+                            task.abort();
+                            let canceled = pb::WatchResponse {
+                                header: Some(api.read_header()),
+                                watch_id: cancel.watch_id,
+                                canceled: true,
+                                ..Default::default()
+                            };
+                            if responses.send(Ok(canceled)).await.is_err() {
+                                break;
+                            }
+                        }
+                    }
+                    Some(RequestUnion::ProgressRequest(_)) => {
+                        let progress = pb::WatchResponse {
+                            header: Some(api.read_header()),
+                            watch_id: -1,
+                            ..Default::default()
+                        };
+                        if responses.send(Ok(progress)).await.is_err() {
+                            break;
+                        }
+                    }
+                    None => {}
+                }
+            }
+            for (_, task) in watches {
+                task.abort();
+            }
+        });
+        Ok(tonic::Response::new(ReceiverStream::new(output)))
+    }
+}
+
+fn start_watch(
+    api: &Arc<Api>,
+    id: i64,
+    create: pb::WatchCreateRequest,
+    responses: Responses,
+) -> JoinHandle<()> {
+    use pb::watch_create_request::FilterType;
+    let filter = Filter {
+        key: create.key,
+        range_end: create.range_end,
+        no_put: create.filters.contains(&(FilterType::Noput as i32)),
+        no_delete: create.filters.contains(&(FilterType::Nodelete as i32)),
+        prev_kv: create.prev_kv,
+    };
+    // Subscribe and read history in one consistent view (see the module documentation).
+    let (mut live, history, revision) = api.node.read_state(|state| {
+        let live = api.node.events.subscribe();
+        let history = state.events_since(create.start_revision, &filter.key, &filter.range_end);
+        (live, history, state.revision())
+    });
+    let api = api.clone();
+    tokio::spawn(async move {
+        let header = api.header(revision);
+        let created = pb::WatchResponse {
+            header: Some(header),
+            watch_id: id,
+            created: true,
+            ..Default::default()
+        };
+        if responses.send(Ok(created)).await.is_err() {
+            return;
+        }
+        let history = match history {
+            Ok(history) => history,
+            Err(conclave_state::Error::Compacted { compact_revision }) => {
+                let compacted = pb::WatchResponse {
+                    header: Some(header),
+                    watch_id: id,
+                    canceled: true,
+                    compact_revision,
+                    cancel_reason: "etcdserver: mvcc: required revision has been compacted".into(),
+                    ..Default::default()
+                };
+                let _ = responses.send(Ok(compacted)).await;
+                return;
+            }
+            Err(error) => {
+                let _ = responses.send(Err(super::state_status(&error))).await;
+                return;
+            }
+        };
+        let replay: Vec<_> = history
+            .into_iter()
+            .filter(|e| filter.matches(e))
+            .map(|e| event_to_pb(e, filter.prev_kv))
+            .collect();
+        if !replay.is_empty() {
+            let response = pb::WatchResponse {
+                header: Some(header),
+                watch_id: id,
+                events: replay,
+                ..Default::default()
+            };
+            if responses.send(Ok(response)).await.is_err() {
+                return;
+            }
+        }
+        loop {
+            let batch = match live.recv().await {
+                Ok(batch) => batch,
+                Err(broadcast::error::RecvError::Lagged(_)) => {
+                    let canceled = pb::WatchResponse {
+                        header: Some(api.read_header()),
+                        watch_id: id,
+                        canceled: true,
+                        cancel_reason: SLOW_WATCHER_REASON.into(),
+                        ..Default::default()
+                    };
+                    let _ = responses.send(Ok(canceled)).await;
+                    return;
+                }
+                Err(broadcast::error::RecvError::Closed) => return,
+            };
+            let events: Vec<_> = batch
+                .events
+                .iter()
+                .filter_map(|event| match event {
+                    Event::Kv(e) if e.kv.mod_revision > revision && filter.matches(e) => {
+                        Some(event_to_pb(e.clone(), filter.prev_kv))
+                    }
+                    _ => None,
+                })
+                .collect();
+            if events.is_empty() {
+                continue;
+            }
+            let response = pb::WatchResponse {
+                header: Some(api.header(batch.revision)),
+                watch_id: id,
+                events,
+                ..Default::default()
+            };
+            if responses.send(Ok(response)).await.is_err() {
+                return;
+            }
+        }
+    })
+}
