@@ -5,8 +5,8 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use conclave_raft::{
-    ConfState, Config, Entry, EntryKind, HardState, Index, MemStorage, Message, RawNode, ReadState,
-    Ready, Role, Snapshot, SoftState, Storage, StorageError, Term,
+    ConfState, Config, Entry, EntryKind, HardState, Index, MemStorage, Message, MessageBody,
+    RawNode, ReadState, Ready, Role, Snapshot, SoftState, Storage, StorageError, Term,
 };
 use conclave_storage::{SimDisk, SimDiskOptions, StorageOptions, WalStorage};
 
@@ -344,6 +344,18 @@ impl SimNode {
         }
         let ready: Ready = raw.ready();
         out.soft_state = ready.soft_state;
+        // The Ready contract lets a leader send its appends while its own write is in flight;
+        // do so, so that a crash before the write completes puts that relaxation to the test.
+        let leader_appends: Vec<Message> = if raw.role() == Role::Leader {
+            let appends = ready
+                .messages
+                .iter()
+                .filter(|m| matches!(m.body, MessageBody::Append { .. }));
+            appends.cloned().collect()
+        } else {
+            Vec::new()
+        };
+        out.messages.clone_from(&leader_appends);
         if crash_at == Some(CrashPoint::BeforePersist) {
             self.crash();
             out.crashed = true;
@@ -381,7 +393,15 @@ impl SimNode {
             out.crashed = true;
             return out;
         }
-        out.messages = ready.messages.clone();
+        let already_sent = leader_appends.len();
+        out.messages.extend(
+            ready
+                .messages
+                .iter()
+                .filter(|m| !leader_appends.contains(m))
+                .cloned(),
+        );
+        debug_assert_eq!(out.messages.len(), ready.messages.len().max(already_sent));
         if crash_at == Some(CrashPoint::AfterSend) {
             self.crash();
             out.crashed = true;
