@@ -1,0 +1,484 @@
+//! Connection management: endpoint selection (preferring the Raft leader), retries with capped
+//! backoff, and per-request deadlines.
+
+use std::future::Future;
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use conclave_proto::etcdserverpb::cluster_client::ClusterClient;
+use conclave_proto::etcdserverpb::maintenance_client::MaintenanceClient;
+use conclave_proto::etcdserverpb::{MemberListRequest, StatusRequest};
+use tokio::time::Instant;
+use tonic::transport::{Channel, Endpoint};
+
+use crate::error::{Error, ErrorContext, Result};
+use crate::lease::LeaseSafety;
+
+/// Exponential backoff with a cap and jitter, used between retries of one request and between
+/// reconnects of streams.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Backoff {
+    /// Delay before the first retry.
+    pub initial: Duration,
+    /// No delay exceeds this.
+    pub max: Duration,
+}
+
+impl Default for Backoff {
+    fn default() -> Self {
+        Backoff {
+            initial: Duration::from_millis(25),
+            max: Duration::from_millis(1_000),
+        }
+    }
+}
+
+impl Backoff {
+    /// The delay before retry number `attempt` (0 = first retry): `initial * 2^attempt`, capped
+    /// at `max`, then scaled into `[1/2, 1]` of that by `jitter` in `[0, 1]`, so clients that
+    /// failed together do not retry in lockstep yet never wait less than half the nominal delay.
+    pub fn delay_with_jitter(&self, attempt: u32, jitter: f64) -> Duration {
+        let nominal = self
+            .initial
+            .checked_mul(1u32.checked_shl(attempt.min(31)).unwrap_or(u32::MAX))
+            .unwrap_or(self.max)
+            .min(self.max);
+        let jitter = if jitter.is_finite() {
+            jitter.clamp(0.0, 1.0)
+        } else {
+            0.0
+        };
+        nominal.mul_f64(0.5 + 0.5 * jitter)
+    }
+
+    /// [`Backoff::delay_with_jitter`] with jitter taken from the clock's sub-second digits
+    /// (good enough to spread retries; no randomness crate needed).
+    pub fn delay(&self, attempt: u32) -> Duration {
+        let nanos = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.subsec_nanos())
+            .unwrap_or(0);
+        // Scramble the low bits so consecutive calls do not produce correlated jitter.
+        let mixed =
+            (u64::from(nanos) ^ (u64::from(attempt) << 32)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        self.delay_with_jitter(attempt, (mixed >> 11) as f64 / (1u64 << 53) as f64)
+    }
+}
+
+/// How a client connects and how long it waits.
+#[derive(Debug, Clone)]
+pub struct ClientOptions {
+    /// Total time one request may take, retries included (sent to the server as
+    /// `grpc-timeout`, so the server answers before the client gives up).
+    pub request_timeout: Duration,
+    /// How long establishing a connection to one endpoint may take.
+    pub connect_timeout: Duration,
+    /// Delays between retries of idempotent requests and between stream reconnects.
+    pub backoff: Backoff,
+    /// How conservatively a lease holder judges its own lease (see [`LeaseSafety`]).
+    pub lease_safety: LeaseSafety,
+}
+
+impl Default for ClientOptions {
+    fn default() -> Self {
+        ClientOptions {
+            request_timeout: Duration::from_secs(5),
+            connect_timeout: Duration::from_secs(2),
+            backoff: Backoff::default(),
+            lease_safety: LeaseSafety::default(),
+        }
+    }
+}
+
+/// Whether a request may be sent again after an ambiguous failure (one where the server may
+/// have applied it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Retry {
+    /// Reads, and writes whose repetition changes nothing (fenced or keyed by the caller's own
+    /// identity): retried on any transient error until the deadline.
+    Idempotent,
+    /// Writes whose repetition could apply twice (put, delete, txn, publish, lease grant):
+    /// retried only when nothing was sent (no endpoint could be reached).
+    AtMostOnce,
+}
+
+/// Generation of a connection that failed and must be replaced before its next use.
+const FORGOTTEN: u64 = u64::MAX;
+
+/// The connection currently in use.
+#[derive(Clone)]
+pub(crate) struct Active {
+    pub channel: Channel,
+    pub endpoint: String,
+    /// Increases at every reconnect, so concurrent failures of one connection reconnect once.
+    pub generation: u64,
+}
+
+pub(crate) struct Inner {
+    /// Configured endpoints first, then client URLs learned from MemberList.
+    endpoints: RwLock<Vec<String>>,
+    configured: Vec<String>,
+    pub options: ClientOptions,
+    active: RwLock<Option<Active>>,
+    /// Serialises reconnects.
+    reconnecting: tokio::sync::Mutex<u64>,
+}
+
+/// Adds `http://` when the endpoint has no scheme (`127.0.0.1:2379` as etcdctl accepts).
+pub(crate) fn normalize_endpoint(endpoint: &str) -> String {
+    let trimmed = endpoint.trim().trim_end_matches('/');
+    if trimmed.contains("://") {
+        trimmed.to_string()
+    } else {
+        format!("http://{trimmed}")
+    }
+}
+
+/// A request carrying its deadline as `grpc-timeout`.
+pub(crate) fn request<T>(message: T, timeout: Duration) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(message);
+    request.set_timeout(timeout);
+    request
+}
+
+impl Inner {
+    pub(crate) fn new(endpoints: &[String], options: ClientOptions) -> Result<Inner> {
+        let configured: Vec<String> = endpoints
+            .iter()
+            .filter(|e| !e.trim().is_empty())
+            .map(|e| normalize_endpoint(e))
+            .collect();
+        if configured.is_empty() {
+            return Err(Error::InvalidArgument("no endpoints given".into()));
+        }
+        for endpoint in &configured {
+            Endpoint::from_shared(endpoint.clone()).map_err(|e| {
+                Error::InvalidArgument(format!("endpoint {endpoint:?} is not a valid URL: {e}"))
+            })?;
+        }
+        Ok(Inner {
+            endpoints: RwLock::new(configured.clone()),
+            configured,
+            options,
+            active: RwLock::new(None),
+            reconnecting: tokio::sync::Mutex::new(0),
+        })
+    }
+
+    pub(crate) fn configured_endpoints(&self) -> &[String] {
+        &self.configured
+    }
+
+    fn current(&self) -> Option<Active> {
+        self.active
+            .read()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .clone()
+    }
+
+    /// The connection to use, connecting if there is none.
+    pub(crate) async fn active(&self) -> Result<Active> {
+        match self.current() {
+            Some(active) if active.generation != FORGOTTEN => Ok(active),
+            Some(_) => self.reconnect(Some(FORGOTTEN)).await,
+            None => self.reconnect(None).await,
+        }
+    }
+
+    /// Replaces the connection of generation `failed` (or establishes the first one). If
+    /// another task already replaced it, returns that one instead of reconnecting again.
+    pub(crate) async fn reconnect(&self, failed: Option<u64>) -> Result<Active> {
+        let mut generation = self.reconnecting.lock().await;
+        if let Some(current) = self.current()
+            && Some(current.generation) != failed
+        {
+            return Ok(current);
+        }
+        let failed_endpoint = self.current().map(|a| a.endpoint);
+        let endpoints = self
+            .endpoints
+            .read()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .clone();
+        // Start after the endpoint that failed, so a dead member is tried last.
+        let start = failed_endpoint
+            .and_then(|failed| endpoints.iter().position(|e| *e == failed))
+            .map_or(0, |i| i + 1);
+        let mut reasons = Vec::new();
+        for i in 0..endpoints.len() {
+            let endpoint = &endpoints[(start + i) % endpoints.len()];
+            match self.probe(endpoint).await {
+                Ok((channel, chosen)) => {
+                    *generation += 1;
+                    let active = Active {
+                        channel,
+                        endpoint: chosen,
+                        generation: *generation,
+                    };
+                    *self
+                        .active
+                        .write()
+                        .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(active.clone());
+                    tracing::debug!(endpoint = %active.endpoint, "conclave client connected");
+                    return Ok(active);
+                }
+                Err(reason) => reasons.push(format!("{endpoint}: {reason}")),
+            }
+        }
+        *self
+            .active
+            .write()
+            .unwrap_or_else(|poisoned| poisoned.into_inner()) = None;
+        Err(Error::ConnectionFailed {
+            endpoints,
+            reason: reasons.join("; "),
+        })
+    }
+
+    async fn connect_channel(&self, endpoint: &str) -> std::result::Result<Channel, String> {
+        let timeout = self.options.connect_timeout;
+        let builder = Endpoint::from_shared(endpoint.to_string())
+            .map_err(|e| e.to_string())?
+            .connect_timeout(timeout)
+            .tcp_nodelay(true)
+            .http2_keep_alive_interval(Duration::from_secs(10))
+            .keep_alive_timeout(Duration::from_secs(5))
+            .keep_alive_while_idle(true);
+        match tokio::time::timeout(timeout, builder.connect()).await {
+            Ok(Ok(channel)) => Ok(channel),
+            Ok(Err(e)) => Err(source_chain(&e)),
+            Err(_) => Err(format!("no connection within {} ms", timeout.as_millis())),
+        }
+    }
+
+    /// Connects to `endpoint` and asks for its status; when it knows a leader other than
+    /// itself, tries to connect to the leader instead (writes then skip a forwarding hop).
+    /// Learns the members' client URLs for later reconnects.
+    async fn probe(&self, endpoint: &str) -> std::result::Result<(Channel, String), String> {
+        let channel = self.connect_channel(endpoint).await?;
+        let timeout = self.options.connect_timeout;
+        let status = MaintenanceClient::new(channel.clone())
+            .status(request(StatusRequest {}, timeout))
+            .await
+            .map_err(|s| Error::status(&s).to_string())?
+            .into_inner();
+        let member_id = status.header.map_or(0, |h| h.member_id);
+        let members = ClusterClient::new(channel.clone())
+            .member_list(request(
+                MemberListRequest {
+                    linearizable: false,
+                },
+                timeout,
+            ))
+            .await
+            .map(|r| r.into_inner().members)
+            .unwrap_or_default();
+        {
+            let mut known = self
+                .endpoints
+                .write()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            for url in members.iter().flat_map(|m| m.client_ur_ls.iter()) {
+                let url = normalize_endpoint(url);
+                if !known.contains(&url) {
+                    known.push(url);
+                }
+            }
+        }
+        if status.leader != 0 && status.leader != member_id {
+            let leader_urls = members
+                .iter()
+                .find(|m| m.id == status.leader)
+                .map(|m| m.client_ur_ls.clone())
+                .unwrap_or_default();
+            for url in leader_urls {
+                let url = normalize_endpoint(&url);
+                if let Ok(leader_channel) = self.connect_channel(&url).await {
+                    return Ok((leader_channel, url));
+                }
+            }
+        }
+        Ok((channel, endpoint.to_string()))
+    }
+
+    /// Runs `call` until it succeeds, fails for good, or `timeout` passes; see [`Retry`].
+    pub(crate) async fn call<T, F, Fut>(
+        &self,
+        retry: Retry,
+        context: ErrorContext,
+        timeout: Duration,
+        mut call: F,
+    ) -> Result<T>
+    where
+        F: FnMut(Channel, Duration) -> Fut,
+        Fut: Future<Output = std::result::Result<T, tonic::Status>>,
+    {
+        self.call_active(retry, context, timeout, |active, remaining| {
+            call(active.channel.clone(), remaining)
+        })
+        .await
+    }
+
+    /// [`Inner::call`], handing the whole connection (with its generation) to `call`.
+    pub(crate) async fn call_active<T, F, Fut>(
+        &self,
+        retry: Retry,
+        context: ErrorContext,
+        timeout: Duration,
+        mut call: F,
+    ) -> Result<T>
+    where
+        F: FnMut(&Active, Duration) -> Fut,
+        Fut: Future<Output = std::result::Result<T, tonic::Status>>,
+    {
+        let deadline = Instant::now() + timeout;
+        let mut attempt = 0u32;
+        loop {
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            if remaining.is_zero() {
+                return Err(Error::Timeout(format!(
+                    "no answer within {} ms",
+                    timeout.as_millis()
+                )));
+            }
+            let error = match tokio::time::timeout(remaining, self.active()).await {
+                Err(_) => {
+                    return Err(Error::Timeout(format!(
+                        "no endpoint reachable within {} ms",
+                        timeout.as_millis()
+                    )));
+                }
+                // Nothing was sent, so any request may try again.
+                Ok(Err(error)) => error,
+                Ok(Ok(active)) => {
+                    let remaining = deadline.saturating_duration_since(Instant::now());
+                    match tokio::time::timeout(remaining, call(&active, remaining)).await {
+                        Ok(Ok(answer)) => return Ok(answer),
+                        Err(_) => {
+                            return Err(Error::Timeout(format!(
+                                "no answer from {} within {} ms",
+                                active.endpoint,
+                                timeout.as_millis()
+                            )));
+                        }
+                        Ok(Err(status)) => {
+                            let error = Error::from_status(&status, context);
+                            if !error.is_transient() {
+                                return Err(error);
+                            }
+                            // The member may be dead or partitioned: try another next time.
+                            self.forget(active.generation);
+                            if retry == Retry::AtMostOnce {
+                                return Err(error);
+                            }
+                            error
+                        }
+                    }
+                }
+            };
+            if !error.is_transient() {
+                return Err(error);
+            }
+            let pause = self.options.backoff.delay(attempt);
+            if Instant::now() + pause >= deadline {
+                return Err(error);
+            }
+            tracing::debug!(%error, attempt, "conclave client retrying");
+            tokio::time::sleep(pause).await;
+            attempt = attempt.saturating_add(1);
+        }
+    }
+
+    /// Drops the connection of `generation` so the next call picks an endpoint afresh.
+    pub(crate) fn forget(&self, generation: u64) {
+        let mut active = self
+            .active
+            .write()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if active.as_ref().is_some_and(|a| a.generation == generation) {
+            // Keep the endpoint name so the next reconnect starts after it.
+            if let Some(a) = active.as_mut() {
+                a.generation = FORGOTTEN;
+            }
+        }
+    }
+}
+
+/// A transport error with its causes ("transport error: tcp connect error: Connection
+/// refused"), since tonic's top-level message alone says little.
+fn source_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
+/// The handle shared by every API object.
+pub(crate) type Shared = Arc<Inner>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_and_caps() {
+        let backoff = Backoff {
+            initial: Duration::from_millis(10),
+            max: Duration::from_millis(100),
+        };
+        let full: Vec<u128> = (0..6)
+            .map(|a| backoff.delay_with_jitter(a, 1.0).as_millis())
+            .collect();
+        assert_eq!(full, [10, 20, 40, 80, 100, 100]);
+        assert_eq!(backoff.delay_with_jitter(0, 0.0), Duration::from_millis(5));
+        assert_eq!(
+            backoff.delay_with_jitter(40, 0.0),
+            Duration::from_millis(50)
+        );
+        assert_eq!(
+            backoff.delay_with_jitter(u32::MAX, 1.0),
+            Duration::from_millis(100)
+        );
+        // Out-of-range jitter is clamped rather than trusted.
+        assert_eq!(backoff.delay_with_jitter(1, 7.0), Duration::from_millis(20));
+        assert_eq!(
+            backoff.delay_with_jitter(1, f64::NAN),
+            Duration::from_millis(10)
+        );
+        for attempt in 0..50 {
+            let d = backoff.delay(attempt);
+            assert!(d <= backoff.max && d >= backoff.initial / 2, "{d:?}");
+        }
+    }
+
+    #[test]
+    fn endpoints_get_a_scheme() {
+        assert_eq!(
+            normalize_endpoint("127.0.0.1:2379"),
+            "http://127.0.0.1:2379"
+        );
+        assert_eq!(normalize_endpoint(" http://a:1/ "), "http://a:1");
+        assert!(Inner::new(&[], ClientOptions::default()).is_err());
+        assert!(Inner::new(&["  ".into()], ClientOptions::default()).is_err());
+    }
+
+    #[tokio::test]
+    async fn unreachable_endpoints_fail_with_connection_failed() {
+        let options = ClientOptions {
+            connect_timeout: Duration::from_millis(200),
+            ..ClientOptions::default()
+        };
+        // Port 1 on loopback refuses connections.
+        let inner = Inner::new(&["127.0.0.1:1".into()], options).expect("valid endpoint");
+        let error = inner
+            .active()
+            .await
+            .err()
+            .expect("nothing listens on port 1");
+        assert_eq!(error.code(), "connection_failed", "{error}");
+    }
+}
