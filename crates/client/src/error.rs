@@ -118,7 +118,8 @@ impl Error {
                 requested_revision: context.revision,
                 compact_revision: 0,
             },
-            Code::OutOfRange if lower.contains("lease ttl") => Error::TooLarge(message),
+            // "too large lease TTL", and tonic's own "decoded message length too large".
+            Code::OutOfRange if lower.contains("too large") => Error::TooLarge(message),
             Code::NotFound | Code::InvalidArgument | Code::FailedPrecondition
                 if lower.contains("lease not found") =>
             {

@@ -269,7 +269,12 @@ async fn watch_task(
                     }
                     for event in answer.events {
                         let event = WatchEvent::from(event);
-                        last_seen = last_seen.max(event.revision());
+                        // A re-created watch must start after what we delivered; drop any
+                        // overlap a server sends anyway rather than repeat it.
+                        if last_seen > 0 && event.revision() <= last_seen {
+                            continue;
+                        }
+                        last_seen = event.revision();
                         if out.send(Ok(event)).await.is_err() {
                             return;
                         }
