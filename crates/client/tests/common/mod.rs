@@ -52,9 +52,26 @@ pub fn server_binary() -> PathBuf {
 }
 
 /// A port nothing listens on right now (the OS picks it; a tiny race is acceptable in tests).
+/// Ports for test nodes come from below Linux's ephemeral range (32768 and up) and are handed
+/// out once per test process: an ephemeral port freed by a killed node could otherwise be
+/// taken by a node of another test running in parallel, and the restarted node's clients
+/// would talk to a stranger's cluster.
+const TEST_PORT_FIRST: u32 = 20_000;
+const TEST_PORT_SPAN: u32 = 12_000;
+static NEXT_PORT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+/// A port nothing listens on right now, unique within this test process.
 pub fn free_port() -> u16 {
-    let listener = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
-    listener.local_addr().expect("local address").port()
+    use std::sync::atomic::Ordering;
+    // Spread concurrent test processes apart by their pid.
+    let start = (std::process::id().wrapping_mul(193)) % TEST_PORT_SPAN;
+    loop {
+        let offset = (start + NEXT_PORT.fetch_add(1, Ordering::SeqCst)) % TEST_PORT_SPAN;
+        let port = (TEST_PORT_FIRST + offset) as u16;
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
 }
 
 /// One `conclave serve` process.

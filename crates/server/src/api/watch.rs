@@ -167,6 +167,7 @@ fn start_watch(
         let history = state.events_since(create.start_revision, &filter.key, &filter.range_end);
         (live, history, state.revision())
     });
+    let start_revision = create.start_revision;
     let api = api.clone();
     tokio::spawn(async move {
         let header = api.header(revision);
@@ -234,7 +235,13 @@ fn start_watch(
                 .events
                 .iter()
                 .filter_map(|event| match event {
-                    Event::Kv(e) if e.kv.mod_revision > revision && filter.matches(e) => {
+                    // A watch from a future revision (or created while a restarted member
+                    // is still replaying its log) must not see anything before its start.
+                    Event::Kv(e)
+                        if e.kv.mod_revision > revision
+                            && e.kv.mod_revision >= start_revision
+                            && filter.matches(e) =>
+                    {
                         Some(event_to_pb(e.clone(), filter.prev_kv))
                     }
                     _ => None,
