@@ -5,6 +5,8 @@
 //! It measures, on the disk holding DIR (default: the system temp dir), in one run:
 //! - the raw `fdatasync` rate (small write + fdatasync, repeated) and raw sequential write
 //!   bandwidth (large writes, one fdatasync at the end);
+//! - the raw write-and-fdatasync bandwidth of exactly one batch's bytes, the physical limit
+//!   for each batch size, so the WAL's own overhead is visible;
 //! - WAL appends per second and MB/s with a sync per entry (batch 1) and group commit at
 //!   batches of 8, 64 and 512 entries, for 256-byte entries and for 64 KiB entries;
 //! - the time to open (recover) a log of 1,000,000 entries of 256 bytes.
@@ -100,6 +102,46 @@ fn raw_sequential_mb_per_s(dir: &Path, total_bytes: u64) -> std::io::Result<f64>
     let rate = mb_per_s(total_bytes, start.elapsed());
     fs::remove_file(path)?;
     Ok(rate)
+}
+
+/// Writes of `bytes_per_sync` at growing offsets, each followed by fdatasync, for a while: the
+/// disk's own limit for exactly the write-and-sync pattern a WAL batch makes, with none of
+/// the WAL's framing, checksums or bookkeeping.
+fn raw_batched_mb_per_s(dir: &Path, bytes_per_sync: usize) -> std::io::Result<f64> {
+    let path = dir.join("raw-batched");
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&path)?;
+    // Preallocated like a WAL segment, so each fdatasync flushes data, not a growing size.
+    preallocate(&file, RAW_BATCHED_PREALLOCATE_BYTES)?;
+    let chunk = vec![7u8; bytes_per_sync];
+    let start = Instant::now();
+    let mut offset = 0u64;
+    while start.elapsed() < MEASURE_TIME {
+        file.write_all_at(&chunk, offset)?;
+        file.sync_data()?;
+        offset += chunk.len() as u64;
+    }
+    let rate = mb_per_s(offset, start.elapsed());
+    fs::remove_file(path)?;
+    Ok(rate)
+}
+
+/// What the raw batched run preallocates; more than 1.5 s of writes at a fast disk's speed.
+const RAW_BATCHED_PREALLOCATE_BYTES: i64 = 2 << 30;
+
+fn preallocate(file: &std::fs::File, len_bytes: i64) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: the descriptor is open for writing for the duration of the call.
+    let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len_bytes) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::from_raw_os_error(rc))
+    }
 }
 
 fn entry(index: u64, data: &Bytes) -> Entry {
@@ -202,10 +244,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         for batch in [1u64, 8, 64, 512] {
             // The disk's speed drifts, so each row is compared with a raw run right before it.
             let adjacent_sequential = raw_sequential_mb_per_s(&dir, sequential_bytes / 2)?;
+            let same_pattern = raw_batched_mb_per_s(&dir, entry_bytes * batch as usize)?;
             rows.push((
                 entry_bytes,
                 batch,
                 adjacent_sequential,
+                same_pattern,
                 wal_appends(&dir, entry_bytes, batch)?,
             ));
         }
@@ -221,17 +265,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "raw sequential write: {sequential_before:>8.1} MB/s before, {sequential_after:>8.1} after \
          (1 MiB writes, one fdatasync)"
     );
-    for (entry_bytes, batch, adjacent_sequential, result) in rows {
+    for (entry_bytes, batch, adjacent_sequential, same_pattern, result) in rows {
         if batch == 1 {
             tables.push_str(&format!(
                 "\nWAL appends, {entry_bytes}-byte entries, one fdatasync per batch \
                  (batch 1 = fsync per entry):\n\
-                 | batch | appends/s | payload MB/s | syncs/s | syncs / raw rate | MB/s / raw bandwidth | raw MB/s just before | MB/s / that |\n\
-                 |------:|----------:|-------------:|--------:|-----------------:|---------------------:|---------------------:|------------:|\n"
+                 | batch | appends/s | payload MB/s | syncs/s | syncs / raw rate | MB/s / raw bandwidth | raw MB/s just before | MB/s / that | raw write+sync of one batch, MB/s | MB/s / that |\n\
+                 |------:|----------:|-------------:|--------:|-----------------:|---------------------:|---------------------:|------------:|----------------------------------:|------------:|\n"
             ));
         }
         tables.push_str(&format!(
-            "| {batch:>5} | {:>9.0} | {:>12.1} | {:>7.0} | {:>15.0}% | {:>19.0}% | {:>20.1} | {:>10.0}% |\n",
+            "| {batch:>5} | {:>9.0} | {:>12.1} | {:>7.0} | {:>15.0}% | {:>19.0}% | {:>20.1} | {:>10.0}% | {:>33.1} | {:>10.0}% |\n",
             result.appends_per_s,
             result.payload_mb_per_s,
             result.syncs_per_s,
@@ -239,6 +283,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             100.0 * result.payload_mb_per_s / sequential,
             adjacent_sequential,
             100.0 * result.payload_mb_per_s / adjacent_sequential,
+            same_pattern,
+            100.0 * result.payload_mb_per_s / same_pattern,
         ));
     }
     print!("{tables}");
