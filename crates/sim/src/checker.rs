@@ -267,3 +267,146 @@ impl<'a> LogView<'a> {
         self.store.term(index).ok()
     }
 }
+
+/// Each checker, fed a fabricated history that breaks its invariant, must report it; and
+/// the matching lawful history must pass. These prove the checkers can fail at all.
+#[cfg(test)]
+mod tests {
+    use bytes::Bytes;
+    use conclave_raft::{ConfState, EntryKind, MemStorage};
+
+    use super::*;
+
+    fn entry(index: Index, term: Term, data: &'static str) -> Entry {
+        Entry {
+            index,
+            term,
+            kind: EntryKind::Normal,
+            data: Bytes::from_static(data.as_bytes()),
+        }
+    }
+
+    fn caught(checker: &Checker, invariant: &str) -> bool {
+        checker.violations.iter().any(|v| v.invariant == invariant)
+    }
+
+    #[test]
+    fn two_leaders_in_one_term_break_election_safety() {
+        let mut c = Checker::default();
+        c.observe_role(1, Role::Leader, 5);
+        c.observe_role(1, Role::Leader, 5);
+        c.observe_role(2, Role::Leader, 6);
+        assert!(c.violations.is_empty());
+        c.observe_role(3, Role::Leader, 5);
+        assert!(caught(&c, "ElectionSafety"));
+    }
+
+    #[test]
+    fn different_entries_at_one_index_and_term_break_log_matching() {
+        let mut c = Checker::default();
+        c.observe_persisted(1, &[entry(4, 2, "a"), entry(5, 2, "b")], Some(1));
+        c.observe_persisted(2, &[entry(4, 2, "a"), entry(5, 2, "b")], Some(1));
+        assert!(c.violations.is_empty());
+        c.observe_persisted(3, &[entry(5, 2, "c")], Some(2));
+        assert!(caught(&c, "LogMatching"));
+        let mut c = Checker::default();
+        c.observe_persisted(1, &[entry(4, 2, "a")], Some(1));
+        c.observe_persisted(2, &[entry(4, 2, "a")], Some(2));
+        assert!(
+            caught(&c, "LogMatching"),
+            "same entry after a different prefix"
+        );
+    }
+
+    #[test]
+    fn divergent_or_out_of_order_applies_break_state_machine_safety() {
+        let mut c = Checker::default();
+        let (a, b) = (entry(1, 1, "a"), entry(1, 1, "b"));
+        c.observe_applied(1, 1, &a, chain_hash(0, &a));
+        c.observe_applied(2, 1, &a, chain_hash(0, &a));
+        assert!(c.violations.is_empty());
+        c.observe_applied(3, 1, &b, chain_hash(0, &b));
+        assert!(caught(&c, "StateMachineSafety"));
+        let mut c = Checker::default();
+        let gap = entry(3, 1, "x");
+        c.observe_applied(1, 1, &gap, chain_hash(0, &gap));
+        assert!(caught(&c, "StateMachineSafety(order)"));
+    }
+
+    #[test]
+    fn a_leader_missing_a_committed_entry_breaks_leader_completeness() {
+        let mut c = Checker::default();
+        let committed = entry(2, 1, "x");
+        // Node 1 starts from the bootstrap snapshot at index 1.
+        c.reset_state(1, AppState { applied: 1, hash: 0 });
+        c.observe_applied(1, 1, &committed, chain_hash(0, &committed));
+        let mut holds = MemStorage::new_with_conf_state(ConfState::with_voters([1, 2, 3]));
+        holds.append(&[committed.clone()]);
+        c.check_leader_completeness(2, 2, &LogView::new(&holds));
+        assert!(c.violations.is_empty());
+        let mut lacks = MemStorage::new_with_conf_state(ConfState::with_voters([1, 2, 3]));
+        lacks.append(&[entry(2, 2, "y")]);
+        // A stale leader of the same term that committed it is exempt; a later one is not.
+        c.check_leader_completeness(3, 1, &LogView::new(&lacks));
+        assert!(c.violations.is_empty());
+        c.check_leader_completeness(3, 2, &LogView::new(&lacks));
+        assert!(caught(&c, "LeaderCompleteness"));
+    }
+
+    #[test]
+    fn forgotten_votes_and_terms_break_durability() {
+        let mut c = Checker::default();
+        c.observe_vote(1, 3, 2);
+        c.observe_vote(1, 3, 2);
+        assert!(c.violations.is_empty());
+        c.observe_vote(1, 3, 4);
+        assert!(caught(&c, "Durability(vote)"));
+
+        let mut c = Checker::default();
+        c.observe_vote(1, 3, 2);
+        c.observe_role(1, Role::Follower, 3);
+        c.check_restart(
+            1,
+            HardState {
+                term: 3,
+                vote: Some(2),
+                commit: 0,
+            },
+        );
+        assert!(c.violations.is_empty());
+        c.check_restart(
+            1,
+            HardState {
+                term: 3,
+                vote: None,
+                commit: 0,
+            },
+        );
+        assert!(caught(&c, "Durability(vote)"));
+        c.check_restart(
+            1,
+            HardState {
+                term: 2,
+                vote: None,
+                commit: 0,
+            },
+        );
+        assert!(caught(&c, "Durability(term)"));
+        let mut c = Checker::default();
+        c.observe_role(1, Role::Follower, 4);
+        c.observe_role(1, Role::Follower, 3);
+        assert!(caught(&c, "Durability(term)"));
+    }
+
+    #[test]
+    fn a_read_below_an_earlier_commit_breaks_read_safety() {
+        let mut c = Checker::default();
+        c.observe_commit(10);
+        c.read_started(1, b"ok");
+        c.read_served(1, b"ok", 10);
+        assert!(c.violations.is_empty());
+        c.read_started(1, b"stale");
+        c.read_served(1, b"stale", 9);
+        assert!(caught(&c, "ReadSafety"));
+    }
+}
