@@ -341,7 +341,7 @@ mod tests {
         c.reset_state(1, AppState { applied: 1, hash: 0 });
         c.observe_applied(1, 1, &committed, chain_hash(0, &committed));
         let mut holds = MemStorage::new_with_conf_state(ConfState::with_voters([1, 2, 3]));
-        holds.append(&[committed.clone()]);
+        holds.append(std::slice::from_ref(&committed));
         c.check_leader_completeness(2, 2, &LogView::new(&holds));
         assert!(c.violations.is_empty());
         let mut lacks = MemStorage::new_with_conf_state(ConfState::with_voters([1, 2, 3]));
