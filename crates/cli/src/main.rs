@@ -2,10 +2,13 @@
 //!
 //! - `conclave serve`: run one node of a cluster (etcd v3 API on `--listen-client`).
 //! - `conclave dev`: run a local development cluster and print how to connect.
+//! - everything else: client commands (KV, leases, elections, locks, topics, cluster), see
+//!   `cmd` and docs/cli.md.
 //!
 //! Errors end the process with one sentence on stderr and a non-zero exit code.
 
 mod cluster_spec;
+mod cmd;
 mod dev;
 
 use std::io::IsTerminal;
@@ -20,9 +23,12 @@ use cluster_spec::{CliError, parse_members};
 #[command(
     name = "conclave",
     version,
-    about = "Conclave: a Raft-replicated coordination service speaking the etcd v3 API"
+    about = "Conclave: a Raft-replicated coordination service speaking the etcd v3 API",
+    after_help = cmd::EXIT_CODES_HELP
 )]
 struct Cli {
+    #[command(flatten)]
+    global: cmd::GlobalArgs,
     #[command(subcommand)]
     command: Command,
 }
@@ -33,6 +39,8 @@ enum Command {
     Serve(ServeArgs),
     /// Run a local development cluster (child `serve` processes for more than one node).
     Dev(dev::DevArgs),
+    #[command(flatten)]
+    Client(cmd::ClientCommand),
 }
 
 /// Flags of `conclave serve`; each also reads `CONCLAVE_<FLAG>` from the environment.
@@ -147,12 +155,54 @@ async fn serve(args: ServeArgs) -> Result<(), CliError> {
     Ok(())
 }
 
+/// Parses the command line; a bad one ends the process with exit code 2, and with `--json`
+/// as an `invalid_argument` document on stdout.
+fn parse_cli() -> Cli {
+    match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(error) => {
+            use clap::error::ErrorKind;
+            let informational = matches!(
+                error.kind(),
+                ErrorKind::DisplayHelp
+                    | ErrorKind::DisplayVersion
+                    | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+            );
+            if !informational && std::env::args().any(|a| a == "--json") {
+                let rendered = error
+                    .kind()
+                    .as_str()
+                    .map(str::to_string)
+                    .unwrap_or_default();
+                let first = error.to_string();
+                let sentence = first
+                    .lines()
+                    .next()
+                    .unwrap_or(&rendered)
+                    .trim_start_matches("error: ")
+                    .to_string();
+                cmd::output::emit(
+                    &cmd::output::error_document("invalid_argument", &sentence).to_string(),
+                );
+                std::process::exit(cmd::exit_code("invalid_argument"));
+            }
+            error.exit()
+        }
+    }
+}
+
 fn main() {
-    let cli = Cli::parse();
+    let cli = parse_cli();
+    // Client commands are quiet unless asked: their output is the answer, not the logs.
+    let default_log = if matches!(cli.command, Command::Client(_)) {
+        "error"
+    } else {
+        "info"
+    };
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("CONCLAVE_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_log)),
         )
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
@@ -171,6 +221,11 @@ fn main() {
         match cli.command {
             Command::Serve(args) => serve(args).await,
             Command::Dev(args) => dev::run(args).await,
+            Command::Client(command) => {
+                let code = cmd::run(cli.global, command).await;
+                // Leave at once: background tasks (keepalives, streams) end with the process.
+                std::process::exit(code);
+            }
         }
     });
     if let Err(error) = result {

@@ -1,0 +1,330 @@
+//! `member list`, `status`, `transfer-leader`, `snapshot save`.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Subcommand};
+use conclave_client::{Error, ErrorContext};
+use conclave_proto::etcdserverpb::maintenance_client::MaintenanceClient;
+use conclave_proto::etcdserverpb::{
+    Member, MoveLeaderRequest, SnapshotRequest, StatusRequest, StatusResponse,
+};
+use serde_json::{Value, json};
+use tokio::io::AsyncWriteExt;
+use tonic::transport::{Channel, Endpoint};
+
+use super::{CmdResult, Ctx, Failure};
+
+/// Largest snapshot `snapshot save` accepts before giving up (the state machine is in memory,
+/// so anything near this is a runaway stream).
+pub const SNAPSHOT_BYTES_MAX: u64 = 8 * 1024 * 1024 * 1024;
+
+#[derive(Subcommand, Debug)]
+pub enum MemberCommand {
+    /// Every member with its URLs.
+    List,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum SnapshotCommand {
+    /// Save the leader's state machine snapshot to FILE.
+    Save { file: PathBuf },
+}
+
+#[derive(Args, Debug)]
+pub struct TransferArgs {
+    /// The member to hand leadership to: its name or hex id.
+    pub name: String,
+}
+
+fn id_hex(id: u64) -> String {
+    format!("{id:x}")
+}
+
+fn member_json(m: &Member) -> Value {
+    json!({
+        "id": id_hex(m.id),
+        "name": m.name,
+        "peer_urls": m.peer_ur_ls,
+        "client_urls": m.client_ur_ls,
+        "learner": m.is_learner,
+    })
+}
+
+fn status_failure(status: &tonic::Status) -> Failure {
+    Error::from_status(status, ErrorContext::default()).into()
+}
+
+fn channel(url: &str, timeout: Duration) -> CmdResult<Channel> {
+    let url = if url.contains("://") {
+        url.to_string()
+    } else {
+        format!("http://{url}")
+    };
+    Ok(Endpoint::from_shared(url.clone())
+        .map_err(|e| Failure::invalid(format!("bad client URL {url}: {e}")))?
+        .connect_timeout(timeout)
+        .timeout(timeout)
+        .connect_lazy())
+}
+
+/// One member's own status, asked of that member (the client library would follow the
+/// leader).
+async fn probe(url: &str, timeout: Duration) -> Result<StatusResponse, String> {
+    let channel = channel(url, timeout).map_err(|f| f.message)?;
+    let mut maintenance = MaintenanceClient::new(channel);
+    let call = maintenance.status(StatusRequest {});
+    match tokio::time::timeout(timeout, call).await {
+        Ok(Ok(answer)) => Ok(answer.into_inner()),
+        Ok(Err(status)) => Err(status.message().to_string()),
+        Err(_) => Err(format!("no answer within {timeout:?}")),
+    }
+}
+
+pub async fn member(ctx: &Ctx, command: MemberCommand) -> CmdResult {
+    match command {
+        MemberCommand::List => {
+            let client = ctx.connect().await?;
+            let members = client.member_list().await?;
+            ctx.out.ok(
+                json!({"members": members.iter().map(member_json).collect::<Vec<_>>()}),
+                || {
+                    let rows: Vec<Vec<String>> = members
+                        .iter()
+                        .map(|m| {
+                            vec![
+                                id_hex(m.id),
+                                m.name.clone(),
+                                m.peer_ur_ls.join(","),
+                                m.client_ur_ls.join(","),
+                                if m.is_learner { "learner" } else { "voter" }.to_string(),
+                            ]
+                        })
+                        .collect();
+                    ctx.out
+                        .table(&["ID", "NAME", "PEER URLS", "CLIENT URLS", "ROLE"], &rows)
+                },
+            );
+            Ok(0)
+        }
+    }
+}
+
+/// Every member with its own status answer (or why it gave none).
+async fn probe_all(ctx: &Ctx) -> CmdResult<Vec<(Member, Result<StatusResponse, String>)>> {
+    let client = ctx.connect().await?;
+    let members = client.member_list().await?;
+    let probes = members.into_iter().map(|member| {
+        let timeout = ctx.timeout;
+        tokio::spawn(async move {
+            let answer = match member.client_ur_ls.first() {
+                Some(url) => probe(url, timeout).await,
+                None => Err("no client URL".to_string()),
+            };
+            (member, answer)
+        })
+    });
+    let mut out = Vec::new();
+    for probe in probes.collect::<Vec<_>>() {
+        out.push(
+            probe
+                .await
+                .map_err(|e| Failure::io(format!("status probe failed: {e}")))?,
+        );
+    }
+    Ok(out)
+}
+
+pub async fn status(ctx: &Ctx) -> CmdResult {
+    let answers = probe_all(ctx).await?;
+    // The leader as the members report it: the highest term's claim wins.
+    let leader = answers
+        .iter()
+        .filter_map(|(_, a)| a.as_ref().ok())
+        .max_by_key(|s| s.raft_term)
+        .map(|s| s.leader)
+        .unwrap_or(0);
+    let term = answers
+        .iter()
+        .filter_map(|(_, a)| a.as_ref().ok())
+        .map(|s| s.raft_term)
+        .max()
+        .unwrap_or(0);
+    let members: Vec<Value> = answers
+        .iter()
+        .map(|(m, answer)| {
+            let mut value = member_json(m);
+            value["is_leader"] = json!(m.id == leader && leader != 0);
+            match answer {
+                Ok(s) => {
+                    value["healthy"] = json!(s.errors.is_empty());
+                    value["raft_term"] = json!(s.raft_term);
+                    value["raft_index"] = json!(s.raft_index);
+                    value["applied_index"] = json!(s.raft_applied_index);
+                    value["db_size"] = json!(s.db_size);
+                    value["version"] = json!(s.version);
+                    value["errors"] = json!(s.errors);
+                }
+                Err(error) => {
+                    value["healthy"] = json!(false);
+                    value["errors"] = json!([error]);
+                }
+            }
+            value
+        })
+        .collect();
+    let healthy = answers.iter().filter(|(_, a)| a.is_ok()).count();
+    ctx.out.ok(
+        json!({
+            "leader": if leader == 0 { Value::Null } else { json!(id_hex(leader)) },
+            "raft_term": term,
+            "healthy_members": healthy,
+            "members": members,
+        }),
+        || {
+            let rows: Vec<Vec<String>> = answers
+                .iter()
+                .map(|(m, answer)| {
+                    let url = m.client_ur_ls.first().cloned().unwrap_or_default();
+                    let leads = m.id == leader && leader != 0;
+                    match answer {
+                        Ok(s) => vec![
+                            id_hex(m.id),
+                            m.name.clone(),
+                            url,
+                            if leads {
+                                ctx.out.green("leader")
+                            } else {
+                                "follower".into()
+                            },
+                            s.raft_term.to_string(),
+                            s.raft_index.to_string(),
+                            s.raft_applied_index.to_string(),
+                            s.db_size.to_string(),
+                            if s.errors.is_empty() {
+                                ctx.out.green("healthy")
+                            } else {
+                                ctx.out.red(&s.errors.join("; "))
+                            },
+                        ],
+                        Err(error) => vec![
+                            id_hex(m.id),
+                            m.name.clone(),
+                            url,
+                            "-".into(),
+                            "-".into(),
+                            "-".into(),
+                            "-".into(),
+                            "-".into(),
+                            ctx.out.red(&format!("unreachable: {error}")),
+                        ],
+                    }
+                })
+                .collect();
+            ctx.out.table(
+                &[
+                    "ID",
+                    "NAME",
+                    "ENDPOINT",
+                    "ROLE",
+                    "TERM",
+                    "RAFT INDEX",
+                    "APPLIED",
+                    "DB SIZE",
+                    "HEALTH",
+                ],
+                &rows,
+            )
+        },
+    );
+    Ok(0)
+}
+
+pub async fn transfer_leader(ctx: &Ctx, args: TransferArgs) -> CmdResult {
+    let answers = probe_all(ctx).await?;
+    let target = answers
+        .iter()
+        .map(|(m, _)| m)
+        .find(|m| m.name == args.name || id_hex(m.id) == args.name.trim_start_matches("0x"))
+        .ok_or_else(|| {
+            Failure::new(
+                "not_found",
+                format!("no member is named or has the id {:?}", args.name),
+            )
+        })?
+        .clone();
+    let leader = answers
+        .iter()
+        .filter_map(|(m, a)| a.as_ref().ok().map(|s| (m, s)))
+        .find(|(m, s)| s.leader == m.id)
+        .map(|(m, _)| m.clone())
+        .ok_or_else(|| Failure::new("no_leader", "no member reports itself leader"))?;
+    if leader.id != target.id {
+        let url = leader
+            .client_ur_ls
+            .first()
+            .ok_or_else(|| Failure::new("unavailable", "the leader has no client URL"))?;
+        // MoveLeader must go to the current leader, which answers once the target leads.
+        MaintenanceClient::new(channel(url, ctx.timeout)?)
+            .move_leader(MoveLeaderRequest {
+                target_id: target.id,
+            })
+            .await
+            .map_err(|s| status_failure(&s))?;
+    }
+    ctx.out.ok(
+        json!({"leader": id_hex(target.id), "name": target.name, "previous_leader": id_hex(leader.id)}),
+        || {
+            format!(
+                "leadership moved from {} to {} ({})",
+                id_hex(leader.id),
+                id_hex(target.id),
+                target.name
+            )
+        },
+    );
+    Ok(0)
+}
+
+pub async fn snapshot(ctx: &Ctx, command: SnapshotCommand) -> CmdResult {
+    let SnapshotCommand::Save { file } = command;
+    let client = ctx.connect().await?;
+    let url = client.current_endpoint().await?;
+    // A snapshot may take longer than one request; allow ten deadlines for the stream.
+    let mut stream = MaintenanceClient::new(channel(&url, ctx.timeout * 10)?)
+        .snapshot(SnapshotRequest {})
+        .await
+        .map_err(|s| status_failure(&s))?
+        .into_inner();
+    // Write to a temporary name and rename, so FILE is never a partial snapshot.
+    let partial = file.with_extension("part");
+    let mut out = tokio::fs::File::create(&partial)
+        .await
+        .map_err(|e| Failure::io(format!("cannot create {}: {e}", partial.display())))?;
+    let mut total: u64 = 0;
+    while let Some(chunk) = stream.message().await.map_err(|s| status_failure(&s))? {
+        total += chunk.blob.len() as u64;
+        if total > SNAPSHOT_BYTES_MAX {
+            let _ = tokio::fs::remove_file(&partial).await;
+            return Err(Failure::new(
+                "too_large",
+                format!("the snapshot is over {SNAPSHOT_BYTES_MAX} bytes"),
+            ));
+        }
+        out.write_all(&chunk.blob)
+            .await
+            .map_err(|e| Failure::io(format!("cannot write {}: {e}", partial.display())))?;
+    }
+    out.sync_all()
+        .await
+        .map_err(|e| Failure::io(format!("cannot sync {}: {e}", partial.display())))?;
+    tokio::fs::rename(&partial, &file)
+        .await
+        .map_err(|e| Failure::io(format!("cannot rename to {}: {e}", file.display())))?;
+    let path = file.display().to_string();
+    ctx.out.ok(
+        json!({"file": path, "bytes": total, "endpoint": url}),
+        || format!("snapshot saved to {path} ({total} bytes)"),
+    );
+    Ok(0)
+}

@@ -1,0 +1,378 @@
+//! The client commands of the `conclave` binary: KV, leases, elections, locks, topics and
+//! cluster administration, all through `conclave-client`.
+//!
+//! Every command ends in one of two ways: success (exit 0, or the exit status of a child
+//! command it supervised) or a [`Failure`] carrying a stable code and its exit code.
+
+mod child;
+mod cluster;
+mod elect;
+mod kv;
+mod lease;
+mod lock;
+pub mod output;
+mod topic;
+mod txn;
+
+use std::time::Duration;
+
+use clap::{Args, Subcommand};
+use conclave_client::{Client, ClientOptions, LeaseId};
+
+pub use output::Output;
+
+/// Default client endpoint: a local `conclave serve` or `conclave dev` (etcd's port).
+pub const DEFAULT_ENDPOINTS: &str = "127.0.0.1:2379";
+/// Default deadline of one request, retries included.
+pub const DEFAULT_TIMEOUT: &str = "5s";
+/// Longest connection attempt to one endpoint; shorter when `--timeout` is shorter.
+const CONNECT_TIMEOUT_MAX: Duration = Duration::from_secs(2);
+
+/// Help text listing the stable error codes and their exit codes.
+pub const EXIT_CODES_HELP: &str = "\
+Exit codes (with --json, `code` in the error document):
+  0   success (or, with `-- CMD`, CMD's own exit status when it ended by itself)
+  1   io_error           a local failure (file, terminal, starting CMD)
+  2   invalid_argument   bad input: flags, TTL, key, revision, unknown command
+  3   not_found          key, group, candidate, lease list entry or member missing
+  4   already_exists     lease id or candidate id taken
+  5   compacted          the requested revision was compacted
+  6   too_large          request, value or TTL over a limit
+  7   lease_expired      the lease is gone (expired, revoked, unknown)
+  8   leadership_lost    no longer leader or lock holder (stale fence)
+  9   timeout            the deadline (--timeout, lock --timeout) passed
+  10  no_leader          the cluster has no Raft leader
+  11  unavailable        a member failed mid-request, or the call is not served
+  12  connection_failed  no endpoint could be reached
+  130 interrupted        Ctrl-C / SIGTERM (after resigning or unlocking)";
+
+/// Flags every client command takes (global: they may appear before or after the command).
+#[derive(Args, Debug, Clone)]
+pub struct GlobalArgs {
+    /// Comma-separated client endpoints, `host:port` or URLs.
+    #[arg(long, global = true, env = "CONCLAVE_ENDPOINTS", default_value = DEFAULT_ENDPOINTS)]
+    pub endpoints: String,
+    /// Print exactly one JSON document on stdout (one per line for streaming commands).
+    #[arg(long, global = true)]
+    pub json: bool,
+    /// Deadline of each request, retries included (e.g. 500ms, 5s, 1m; default 5s). For
+    /// `lock` and `elect campaign` also how long to wait for the lock or the seat.
+    #[arg(long, global = true, value_name = "DURATION")]
+    pub timeout: Option<String>,
+}
+
+/// The client commands.
+#[derive(Subcommand, Debug)]
+pub enum ClientCommand {
+    /// Write KEY=VALUE.
+    Put(kv::PutArgs),
+    /// Read a key, a prefix or a range.
+    Get(kv::GetArgs),
+    /// Delete a key or a prefix.
+    Del(kv::DelArgs),
+    /// Run a transaction read from stdin (etcdctl's format: compares, blank line, success
+    /// operations, blank line, failure operations).
+    Txn(txn::TxnArgs),
+    /// Stream changes of a key or prefix.
+    Watch(kv::WatchArgs),
+    /// Leases: grant, revoke, keepalive, ttl, list.
+    #[command(subcommand)]
+    Lease(lease::LeaseCommand),
+    /// Priority election groups: campaign, leader, candidates, observe, resign.
+    #[command(subcommand)]
+    Elect(elect::ElectCommand),
+    /// Hold a fenced lock (while CMD runs, or until Ctrl-C).
+    Lock(lock::LockArgs),
+    /// Publish DATA to TOPIC.
+    Publish(topic::PublishArgs),
+    /// Stream a topic's messages.
+    Subscribe(topic::SubscribeArgs),
+    /// A consumer's unacknowledged messages on one or more topics.
+    Inbox(topic::InboxArgs),
+    /// Acknowledge a consumer's messages of TOPIC up to SEQ.
+    Ack(topic::AckArgs),
+    /// Cluster membership.
+    #[command(subcommand)]
+    Member(cluster::MemberCommand),
+    /// One table for the whole cluster: members, leader, term, indexes, db size, health.
+    Status,
+    /// Hand Raft leadership to member NAME (a name or a hex id).
+    TransferLeader(cluster::TransferArgs),
+    /// Snapshots of the state machine.
+    #[command(subcommand)]
+    Snapshot(cluster::SnapshotCommand),
+}
+
+/// Why a command failed: a stable code, one sentence, and the exit code for its class.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Failure {
+    pub code: &'static str,
+    pub message: String,
+}
+
+impl Failure {
+    pub fn new(code: &'static str, message: impl Into<String>) -> Failure {
+        Failure {
+            code,
+            message: message.into(),
+        }
+    }
+
+    pub fn invalid(message: impl Into<String>) -> Failure {
+        Failure::new("invalid_argument", message)
+    }
+
+    pub fn io(message: impl Into<String>) -> Failure {
+        Failure::new("io_error", message)
+    }
+
+    /// The documented exit code of this failure's class (see [`EXIT_CODES_HELP`]).
+    pub fn exit_code(&self) -> i32 {
+        exit_code(self.code)
+    }
+}
+
+/// Exit code of a stable error code.
+pub fn exit_code(code: &str) -> i32 {
+    match code {
+        "io_error" => 1,
+        "invalid_argument" => 2,
+        "not_found" => 3,
+        "already_exists" => 4,
+        "compacted" => 5,
+        "too_large" => 6,
+        "lease_expired" => 7,
+        "leadership_lost" => 8,
+        "timeout" => 9,
+        "no_leader" => 10,
+        "unavailable" => 11,
+        "connection_failed" => 12,
+        "interrupted" => 130,
+        _ => 1,
+    }
+}
+
+impl From<conclave_client::Error> for Failure {
+    fn from(error: conclave_client::Error) -> Failure {
+        Failure::new(error.code(), error.to_string())
+    }
+}
+
+pub type CmdResult<T = i32> = Result<T, Failure>;
+
+/// Parses `500ms`, `10s`, `2m`, `1h` or a bare number of seconds. Negative, zero or
+/// unparsable durations are refused with one sentence naming `what`.
+pub fn parse_duration(text: &str, what: &str) -> CmdResult<Duration> {
+    let text = text.trim();
+    let split = text
+        .find(|c: char| !(c.is_ascii_digit() || c == '.' || c == '-' || c == '+'))
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let number: f64 = number.parse().map_err(|_| {
+        Failure::invalid(format!(
+            "{what} {text:?} is not a duration (use e.g. 500ms, 10s, 2m)"
+        ))
+    })?;
+    let scale = match unit {
+        "ms" => 0.001,
+        "" | "s" => 1.0,
+        "m" => 60.0,
+        "h" => 3600.0,
+        _ => {
+            return Err(Failure::invalid(format!(
+                "{what} {text:?} has an unknown unit {unit:?} (use ms, s, m or h)"
+            )));
+        }
+    };
+    let seconds = number * scale;
+    if !seconds.is_finite() || seconds <= 0.0 {
+        return Err(Failure::invalid(format!(
+            "{what} must be positive, not {text}"
+        )));
+    }
+    Duration::try_from_secs_f64(seconds)
+        .map_err(|_| Failure::invalid(format!("{what} {text:?} is out of range")))
+}
+
+/// Lease ids are hexadecimal, as etcdctl prints and reads them; `0x` is optional.
+pub fn parse_lease_id(text: &str) -> CmdResult<LeaseId> {
+    let digits = text.trim().trim_start_matches("0x");
+    let id = u64::from_str_radix(digits, 16).map_err(|_| {
+        Failure::invalid(format!(
+            "lease id {text:?} is not a hexadecimal number (as `lease grant` prints it)"
+        ))
+    })?;
+    // etcd's ids are int64s printed as unsigned hex; reinterpret the bits.
+    let id = id as i64;
+    if id == 0 {
+        return Err(Failure::invalid("lease id 0 means no lease"));
+    }
+    Ok(id)
+}
+
+/// How lease ids are printed: 16 hex digits, as etcdctl does.
+pub fn lease_hex(id: LeaseId) -> String {
+    format!("{:016x}", id as u64)
+}
+
+/// The shared state of one client command run.
+pub struct Ctx {
+    pub global: GlobalArgs,
+    pub out: Output,
+    pub timeout: Duration,
+    /// `--timeout` when given explicitly: the wait bound of `lock` and `elect campaign`.
+    pub wait: Option<Duration>,
+}
+
+impl Ctx {
+    pub fn new(global: GlobalArgs) -> CmdResult<Ctx> {
+        let out = Output::new(global.json);
+        let wait = global
+            .timeout
+            .as_deref()
+            .map(|t| parse_duration(t, "--timeout"))
+            .transpose()?;
+        let timeout = match wait {
+            Some(wait) => wait,
+            None => parse_duration(DEFAULT_TIMEOUT, "--timeout")?,
+        };
+        Ok(Ctx {
+            global,
+            out,
+            timeout,
+            wait,
+        })
+    }
+
+    pub fn endpoints(&self) -> Vec<String> {
+        self.global
+            .endpoints
+            .split(',')
+            .map(str::trim)
+            .filter(|e| !e.is_empty())
+            .map(str::to_string)
+            .collect()
+    }
+
+    /// Connects to the cluster, bounded by `--timeout`.
+    pub async fn connect(&self) -> CmdResult<Client> {
+        let endpoints = self.endpoints();
+        if endpoints.is_empty() {
+            return Err(Failure::invalid("--endpoints lists no endpoint"));
+        }
+        let options = ClientOptions {
+            request_timeout: self.timeout,
+            connect_timeout: self.timeout.min(CONNECT_TIMEOUT_MAX),
+            ..ClientOptions::default()
+        };
+        match tokio::time::timeout(
+            self.timeout + CONNECT_TIMEOUT_MAX,
+            Client::connect_with(&endpoints, options),
+        )
+        .await
+        {
+            Ok(result) => Ok(result?),
+            Err(_) => Err(Failure::new(
+                "connection_failed",
+                format!(
+                    "no endpoint of {} answered within {:?}",
+                    endpoints.join(","),
+                    self.timeout
+                ),
+            )),
+        }
+    }
+}
+
+/// Runs one client command; answers the process exit code.
+pub async fn run(global: GlobalArgs, command: ClientCommand) -> i32 {
+    let ctx = match Ctx::new(global.clone()) {
+        Ok(ctx) => ctx,
+        Err(failure) => {
+            Output::new(global.json).failure(&failure);
+            return failure.exit_code();
+        }
+    };
+    let result = match command {
+        ClientCommand::Put(args) => kv::put(&ctx, args).await,
+        ClientCommand::Get(args) => kv::get(&ctx, args).await,
+        ClientCommand::Del(args) => kv::del(&ctx, args).await,
+        ClientCommand::Txn(args) => txn::run(&ctx, args).await,
+        ClientCommand::Watch(args) => kv::watch(&ctx, args).await,
+        ClientCommand::Lease(command) => lease::run(&ctx, command).await,
+        ClientCommand::Elect(command) => elect::run(&ctx, command).await,
+        ClientCommand::Lock(args) => lock::run(&ctx, args).await,
+        ClientCommand::Publish(args) => topic::publish(&ctx, args).await,
+        ClientCommand::Subscribe(args) => topic::subscribe(&ctx, args).await,
+        ClientCommand::Inbox(args) => topic::inbox(&ctx, args).await,
+        ClientCommand::Ack(args) => topic::ack(&ctx, args).await,
+        ClientCommand::Member(command) => cluster::member(&ctx, command).await,
+        ClientCommand::Status => cluster::status(&ctx).await,
+        ClientCommand::TransferLeader(args) => cluster::transfer_leader(&ctx, args).await,
+        ClientCommand::Snapshot(command) => cluster::snapshot(&ctx, command).await,
+    };
+    match result {
+        Ok(code) => code,
+        Err(failure) => {
+            ctx.out.failure(&failure);
+            failure.exit_code()
+        }
+    }
+}
+
+/// Resolves on SIGTERM or Ctrl-C.
+pub async fn interrupted() {
+    crate::termination_signal().await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_parse_and_refuse_nonsense() {
+        assert_eq!(
+            parse_duration("10s", "ttl").ok(),
+            Some(Duration::from_secs(10))
+        );
+        assert_eq!(
+            parse_duration("250ms", "ttl").ok(),
+            Some(Duration::from_millis(250))
+        );
+        assert_eq!(
+            parse_duration("3", "ttl").ok(),
+            Some(Duration::from_secs(3))
+        );
+        assert_eq!(
+            parse_duration("2m", "ttl").ok(),
+            Some(Duration::from_secs(120))
+        );
+        for bad in ["-3", "0", "abc", "5x", "", "-1s"] {
+            let failure = parse_duration(bad, "ttl").err();
+            assert_eq!(failure.map(|f| f.code), Some("invalid_argument"), "{bad}");
+        }
+    }
+
+    #[test]
+    fn lease_ids_are_hex_and_round_trip() {
+        assert_eq!(parse_lease_id("1f").ok(), Some(31));
+        assert_eq!(parse_lease_id("0x1f").ok(), Some(31));
+        assert_eq!(lease_hex(31), "000000000000001f");
+        let big = parse_lease_id("ffffffffffffffff").ok();
+        assert_eq!(big, Some(-1));
+        assert_eq!(lease_hex(-1), "ffffffffffffffff");
+        assert!(parse_lease_id("0").is_err());
+        assert!(parse_lease_id("xyz").is_err());
+    }
+
+    #[test]
+    fn every_client_code_has_its_own_exit_code() {
+        let mut seen = std::collections::HashSet::new();
+        for code in conclave_client::Error::CODES {
+            let exit = exit_code(code);
+            assert!(exit > 1, "{code}");
+            assert!(seen.insert(exit), "{code} shares exit code {exit}");
+            assert!(EXIT_CODES_HELP.contains(code), "{code} undocumented");
+        }
+    }
+}
