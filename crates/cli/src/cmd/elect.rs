@@ -318,6 +318,14 @@ async fn campaign(ctx: &Ctx, args: CampaignArgs) -> CmdResult {
         }
     };
     let info = leadership.info().clone();
+    // A lease this command granted is revoked on the way out, so nothing it held lingers
+    // until the TTL (the library revokes in the background, which exit would cut short).
+    let granted_lease = lease.is_none().then(|| leadership.lease_id());
+    let revoke = |client: conclave_client::Client| async move {
+        if let Some(id) = granted_lease {
+            let _ = client.lease_revoke(id).await;
+        }
+    };
     let mut elected = leader_json(&info);
     elected["event"] = json!("elected");
     ctx.out
@@ -376,6 +384,7 @@ async fn campaign(ctx: &Ctx, args: CampaignArgs) -> CmdResult {
         End::Exited(status) => {
             // CMD's work is done: hand the seat on at once.
             let _ = leadership.resign().await;
+            revoke(client.clone()).await;
             let code = status.map(child::exit_code).unwrap_or(1);
             ctx.out.ok(
                 json!({"event": "resigned", "group": args.group, "fence": info.fence, "exit_code": code}),
@@ -389,6 +398,7 @@ async fn campaign(ctx: &Ctx, args: CampaignArgs) -> CmdResult {
                 child::stop(child, grace).await;
             }
             let _ = leadership.resign().await;
+            revoke(client.clone()).await;
             ctx.out.ok(
                 json!({"event": "resigned", "group": args.group, "fence": info.fence}),
                 || format!("resigned {}", args.group),

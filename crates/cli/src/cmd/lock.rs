@@ -97,7 +97,11 @@ pub async fn run(ctx: &Ctx, args: LockArgs) -> CmdResult {
             None => 0,
         },
     };
+    let lease = guard.lease_id();
     guard.unlock().await?;
+    // The lease was granted for this lock alone; revoke it now rather than leave it to expire
+    // (the library's background revoke would be cut short by exit).
+    let _ = client.lease_revoke(lease).await;
     ctx.out.ok(
         json!({"event": "released", "name": args.name, "fence": fence, "exit_code": code}),
         String::new,
