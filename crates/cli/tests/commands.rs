@@ -199,3 +199,40 @@ async fn cluster_commands_in_both_output_modes() {
     assert!(bytes > 0);
     assert_eq!(std::fs::metadata(&file).map(|m| m.len()).ok(), Some(bytes));
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn bench_reports_throughput_and_latency_percentiles() {
+    let cluster = Cluster::start(3).await;
+    let eps = cluster.endpoints();
+    let eps = eps.as_str();
+    for op in ["put", "get"] {
+        let report = run(
+            eps,
+            &[
+                "bench",
+                op,
+                "--clients",
+                "4",
+                "--duration",
+                "1s",
+                "--key-space",
+                "20",
+                "--json",
+            ],
+        )
+        .data();
+        assert_eq!(report["op"], op);
+        assert!(report["ops"].as_u64().is_some_and(|n| n > 0), "{report}");
+        assert!(report["ops_per_s"].as_f64().is_some_and(|r| r > 0.0));
+        let latency = &report["latency_ms"];
+        let p = |k: &str| latency[k].as_f64().unwrap_or(-1.0);
+        assert!(0.0 < p("p50") && p("p50") <= p("p90") && p("p90") <= p("p99"));
+        assert!(p("p99") <= p("p99_9") && p("p99_9") <= p("max"), "{report}");
+    }
+    let table = run(
+        eps,
+        &["bench", "put", "--clients", "2", "--duration", "500ms"],
+    );
+    assert!(table.ok().starts_with("OP   CLIENTS"), "{table:?}");
+    run(eps, &["bench", "put", "--clients", "0", "--json"]).assert_error("invalid_argument", 2);
+}

@@ -4,6 +4,7 @@
 //! Every command ends in one of two ways: success (exit 0, or the exit status of a child
 //! command it supervised) or a [`Failure`] carrying a stable code and its exit code.
 
+mod bench;
 mod child;
 mod cluster;
 mod elect;
@@ -101,6 +102,9 @@ pub enum ClientCommand {
     /// Snapshots of the state machine.
     #[command(subcommand)]
     Snapshot(cluster::SnapshotCommand),
+    /// Load generator over the etcd v3 KV API: ops/s and latency percentiles.
+    #[command(subcommand)]
+    Bench(bench::BenchCommand),
 }
 
 /// Why a command failed: a stable code, one sentence, and the exit code for its class.
@@ -310,6 +314,7 @@ pub async fn run(global: GlobalArgs, command: ClientCommand) -> i32 {
         ClientCommand::Status => cluster::status(&ctx).await,
         ClientCommand::TransferLeader(args) => cluster::transfer_leader(&ctx, args).await,
         ClientCommand::Snapshot(command) => cluster::snapshot(&ctx, command).await,
+        ClientCommand::Bench(command) => bench::run(&ctx, command).await,
     };
     match result {
         Ok(code) => code,
