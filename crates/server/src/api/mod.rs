@@ -10,8 +10,11 @@
 //! ```
 
 pub mod cluster;
+pub mod conclave;
 pub mod convert;
+pub mod election;
 pub mod kv;
+pub mod lock;
 pub mod maintenance;
 pub mod watch;
 

@@ -1,0 +1,406 @@
+//! etcd's Lock service (`v3lockpb`): Lock and Unlock, with fencing.
+//!
+//! ```text
+//!  Lock(name, lease) ─► propose Request::Lock ─► key <name>/<lease hex>, fence = create rev
+//!     owner? ── yes ─► answer (key; fence in the `conclave-fence` response metadata)
+//!            └─ no ──► wait: applied events that touch <name>/ ─► queue_status again
+//!                        Owner ─► answer · Lost (lease ran out, key gone) ─► error, never Owner
+//!  Unlock(key) ─► propose Request::Unlock (fenced when `conclave-fence` metadata is sent)
+//! ```
+//!
+//! Waiting is driven by the apply path's event broadcast (the one watches use), never by
+//! polling. A follower forwards the whole call to the leader, which proposes and waits.
+//! Helpers shared with the election services live here too.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use conclave_proto::etcdserverpb::{self as pb, kv_client::KvClient};
+use conclave_proto::v3lockpb::lock_server::{Lock, LockServer};
+use conclave_proto::v3lockpb::{self as lockpb, lock_client::LockClient};
+use conclave_state::{Event, QueueResponse, QueueStatus, Request, Response, StateMachine};
+use tokio::sync::broadcast;
+use tokio::time::Instant;
+use tonic::metadata::MetadataValue;
+use tonic::{Status, async_trait};
+
+use super::{Api, CallContext, state_status, to_status};
+use crate::error::Error;
+use crate::node::{Applied, AppliedEvents};
+
+/// Request and response metadata carrying a lock's fence (its key's create revision). etcd's
+/// messages have no field for it; Conclave-aware clients read it from Lock and send it with
+/// Unlock, so a stale holder's unlock cannot release a later holder of the same key.
+pub const FENCE_METADATA: &str = "conclave-fence";
+/// How long a Lock or Campaign waits when the client sets no deadline. etcd waits for ever;
+/// a bound keeps a waiter whose cancellation was lost from living for ever.
+pub const QUEUE_WAIT_DEFAULT_MS: u64 = 24 * 3600 * 1000;
+
+/// The lock service over the shared [`Api`].
+pub struct LockService {
+    pub api: Arc<Api>,
+}
+
+/// The service, ready for the gRPC router.
+pub fn server(api: &Arc<Api>, decode_max: usize) -> LockServer<LockService> {
+    LockServer::new(LockService { api: api.clone() }).max_decoding_message_size(decode_max)
+}
+
+/// A waiting call's context: the client's deadline, or [`QUEUE_WAIT_DEFAULT_MS`].
+pub(crate) fn wait_context<T>(request: &tonic::Request<T>) -> CallContext {
+    CallContext::new(request, QUEUE_WAIT_DEFAULT_MS)
+}
+
+/// What a write answered: applied here, or the leader's answer to the forwarded call.
+pub(crate) enum Outcome<L, F> {
+    Local(L),
+    Forwarded(tonic::Response<F>),
+}
+
+/// The state machine's answer, or its error as etcd's status.
+pub(crate) fn answer(applied: &Applied) -> Result<&Response, Status> {
+    applied.output.result.as_ref().map_err(state_status)
+}
+
+pub(crate) fn unexpected(response: &Response) -> Status {
+    Status::internal(format!("unexpected state machine answer {response:?}"))
+}
+
+/// `name` followed by `/`: the prefix of a lock's or an election's queue keys.
+pub(crate) fn queue_prefix(name: &[u8]) -> Vec<u8> {
+    let mut prefix = name.to_vec();
+    prefix.push(b'/');
+    prefix
+}
+
+/// Whether a batch changed a key under `prefix` (the only changes that can move a queue).
+pub(crate) fn touches_prefix(batch: &AppliedEvents, prefix: &[u8]) -> bool {
+    batch
+        .events
+        .iter()
+        .any(|event| matches!(event, Event::Kv(e) if e.kv.key.starts_with(prefix)))
+}
+
+/// Resolves once the node's driver has stopped, so waits and streams end and the gRPC
+/// server's graceful shutdown is not held up by them.
+pub(crate) async fn node_stopped(api: &Api) {
+    let mut status = api.node.status.clone();
+    // An error means the driver's status sender is gone: stopped as well.
+    let _ = status.wait_for(|s| s.stopped.is_some()).await;
+}
+
+/// Runs `check` on the applied state now and again after every applied batch `relevant`
+/// accepts, until it answers `Some` or the deadline passes (`Ok(None)`). Subscribing under
+/// the state's read lock means no batch can slip between a check and the wait.
+pub(crate) async fn wait_until<T>(
+    api: &Api,
+    deadline: Instant,
+    mut check: impl FnMut(&StateMachine) -> Option<T>,
+    relevant: impl Fn(&AppliedEvents) -> bool,
+) -> Result<Option<T>, Status> {
+    let (mut events, first) = api
+        .node
+        .read_state(|state| (api.node.events.subscribe(), check(state)));
+    if let Some(done) = first {
+        return Ok(Some(done));
+    }
+    let stopped = node_stopped(api);
+    tokio::pin!(stopped);
+    loop {
+        let remaining = deadline.saturating_duration_since(Instant::now());
+        let received = tokio::select! {
+            _ = &mut stopped => return Err(to_status(Error::Stopped)),
+            received = tokio::time::timeout(remaining, events.recv()) => received,
+        };
+        match received {
+            Err(_) => return Ok(None),
+            Ok(Ok(batch)) if !relevant(&batch) => continue,
+            // Lagging only means batches were skipped; the state itself is authoritative.
+            Ok(Ok(_)) | Ok(Err(broadcast::error::RecvError::Lagged(_))) => {}
+            Ok(Err(broadcast::error::RecvError::Closed)) => return Err(to_status(Error::Stopped)),
+        }
+        if let Some(done) = api.node.read_state(&mut check) {
+            return Ok(Some(done));
+        }
+    }
+}
+
+/// The answer to a waiter whose key is gone or whose lease ran out: it never owns.
+pub(crate) fn lost_status() -> Status {
+    state_status(&conclave_state::Error::LeaseNotFound)
+}
+
+/// Waits until the queue key `key` (created at `fence`) owns `name`. Answers the revision
+/// at which it was seen owning, `Ok(None)` at the deadline, or the "lease not found" status
+/// once the key is lost.
+pub(crate) async fn wait_for_queue(
+    api: &Api,
+    deadline: Instant,
+    name: &[u8],
+    key: &[u8],
+    fence: i64,
+) -> Result<Option<i64>, Status> {
+    let prefix = queue_prefix(name);
+    let outcome = wait_until(
+        api,
+        deadline,
+        |state| match state.queue_status(name, key, fence) {
+            QueueStatus::Owner { .. } => Some(Ok(state.revision())),
+            QueueStatus::Lost => Some(Err(lost_status())),
+            QueueStatus::Waiting { .. } => None,
+        },
+        |batch| touches_prefix(batch, &prefix),
+    )
+    .await?;
+    outcome.transpose()
+}
+
+/// Deletes a queue key if it was still created at `fence` (a waiter that gave up).
+pub(crate) async fn fenced_delete(
+    api: &Api,
+    ctx: &CallContext,
+    key: Bytes,
+    fence: i64,
+) -> Result<bool, Status> {
+    let command = Request::Unlock {
+        key: key.clone(),
+        fence: Some(fence),
+    };
+    api.write(
+        ctx,
+        command,
+        |applied| match answer(&applied)? {
+            Response::Unlocked { released } => Ok(*released),
+            other => Err(unexpected(other)),
+        },
+        |channel, timeout| {
+            let key = key.clone();
+            Box::pin(async move {
+                // The same fenced delete as a Txn, which every member serves.
+                use pb::compare::{CompareResult, CompareTarget, TargetUnion};
+                let txn = pb::TxnRequest {
+                    compare: vec![pb::Compare {
+                        result: CompareResult::Equal as i32,
+                        target: CompareTarget::Create as i32,
+                        key: key.clone(),
+                        target_union: Some(TargetUnion::CreateRevision(fence)),
+                        ..Default::default()
+                    }],
+                    success: vec![pb::RequestOp {
+                        request: Some(pb::request_op::Request::RequestDeleteRange(
+                            pb::DeleteRangeRequest {
+                                key,
+                                ..Default::default()
+                            },
+                        )),
+                    }],
+                    failure: vec![],
+                };
+                let request = Api::forwarded_request(txn, timeout);
+                Ok(KvClient::new(channel)
+                    .txn(request)
+                    .await?
+                    .into_inner()
+                    .succeeded)
+            })
+        },
+    )
+    .await
+}
+
+/// Removes a waiter's queue key if the call is dropped while waiting (the client cancelled
+/// or disconnected), as etcd's recipes do; disarmed on every answer.
+pub(crate) struct QueueGuard {
+    api: Arc<Api>,
+    key: Bytes,
+    fence: i64,
+    armed: bool,
+}
+
+impl QueueGuard {
+    pub(crate) fn new(api: Arc<Api>, key: Bytes, fence: i64) -> Self {
+        QueueGuard {
+            api,
+            key,
+            fence,
+            armed: true,
+        }
+    }
+
+    pub(crate) fn disarm(&mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for QueueGuard {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let api = self.api.clone();
+        let key = self.key.clone();
+        let fence = self.fence;
+        runtime.spawn(async move {
+            let ctx = CallContext {
+                deadline: Instant::now() + Duration::from_millis(api.config.request_timeout_ms),
+                forwarded: false,
+            };
+            if let Err(status) = fenced_delete(&api, &ctx, key, fence).await {
+                tracing::debug!(%status, "abandoned queue key not removed; its lease will");
+            }
+        });
+    }
+}
+
+/// The fence a request carries in its metadata, if any.
+pub(crate) fn request_fence<T>(request: &tonic::Request<T>) -> Result<Option<i64>, Status> {
+    let Some(value) = request.metadata().get(FENCE_METADATA) else {
+        return Ok(None);
+    };
+    value
+        .to_str()
+        .ok()
+        .and_then(|text| text.trim().parse::<i64>().ok())
+        .filter(|fence| *fence > 0)
+        .map(Some)
+        .ok_or_else(|| {
+            Status::invalid_argument(format!(
+                "conclave: invalid argument: {FENCE_METADATA} must be a positive revision"
+            ))
+        })
+}
+
+fn with_fence<T>(message: T, fence: i64) -> tonic::Response<T> {
+    let mut response = tonic::Response::new(message);
+    if let Ok(value) = MetadataValue::try_from(fence.to_string()) {
+        response.metadata_mut().insert(FENCE_METADATA, value);
+    }
+    response
+}
+
+#[async_trait]
+impl Lock for LockService {
+    async fn lock(
+        &self,
+        request: tonic::Request<lockpb::LockRequest>,
+    ) -> Result<tonic::Response<lockpb::LockResponse>, Status> {
+        let ctx = wait_context(&request);
+        let message = request.into_inner();
+        if message.name.is_empty() {
+            return Err(state_status(&conclave_state::Error::EmptyKey));
+        }
+        let api = &self.api;
+        let command = Request::Lock {
+            name: message.name.clone(),
+            lease: message.lease,
+        };
+        let outcome = api
+            .write(
+                &ctx,
+                command,
+                |applied| match answer(&applied)? {
+                    Response::Lock(queued) => {
+                        Ok(Outcome::Local((queued.clone(), applied.output.revision)))
+                    }
+                    other => Err(unexpected(other)),
+                },
+                |channel, timeout| {
+                    let message = message.clone();
+                    Box::pin(async move {
+                        let request = Api::forwarded_request(message, timeout);
+                        Ok(Outcome::Forwarded(
+                            LockClient::new(channel).lock(request).await?,
+                        ))
+                    })
+                },
+            )
+            .await?;
+        let (queued, revision): (QueueResponse, i64) = match outcome {
+            Outcome::Forwarded(response) => return Ok(response),
+            Outcome::Local(local) => local,
+        };
+        let revision = if queued.owner {
+            revision
+        } else {
+            let mut guard = QueueGuard::new(api.clone(), queued.key.clone(), queued.fence);
+            let waited =
+                wait_for_queue(api, ctx.deadline, &message.name, &queued.key, queued.fence).await;
+            // The key keeps its place on a deadline: etcd's clients retry Lock with the same
+            // lease (idempotent) and must not lose their turn.
+            guard.disarm();
+            match waited? {
+                Some(revision) => revision,
+                None => return Err(to_status(Error::Timeout)),
+            }
+        };
+        Ok(with_fence(
+            lockpb::LockResponse {
+                header: Some(api.header(revision)),
+                key: queued.key,
+            },
+            queued.fence,
+        ))
+    }
+
+    async fn unlock(
+        &self,
+        request: tonic::Request<lockpb::UnlockRequest>,
+    ) -> Result<tonic::Response<lockpb::UnlockResponse>, Status> {
+        let ctx = CallContext::new(&request, self.api.config.request_timeout_ms);
+        let fence = request_fence(&request)?;
+        let message = request.into_inner();
+        if message.key.is_empty() {
+            return Err(state_status(&conclave_state::Error::EmptyKey));
+        }
+        let api = &self.api;
+        let command = Request::Unlock {
+            key: message.key.clone(),
+            fence,
+        };
+        let outcome = api
+            .write(
+                &ctx,
+                command,
+                |applied| match answer(&applied)? {
+                    Response::Unlocked { released } => {
+                        Ok(Outcome::Local((*released, applied.output.revision)))
+                    }
+                    other => Err(unexpected(other)),
+                },
+                |channel, timeout| {
+                    let message = message.clone();
+                    Box::pin(async move {
+                        let mut request = Api::forwarded_request(message, timeout);
+                        if let Some(fence) = fence
+                            && let Ok(value) = MetadataValue::try_from(fence.to_string())
+                        {
+                            request.metadata_mut().insert(FENCE_METADATA, value);
+                        }
+                        Ok(Outcome::Forwarded(
+                            LockClient::new(channel).unlock(request).await?,
+                        ))
+                    })
+                },
+            )
+            .await?;
+        let (released, revision) = match outcome {
+            Outcome::Forwarded(response) => return Ok(response),
+            Outcome::Local(local) => local,
+        };
+        // etcd answers an unlock of a missing key with success; a fenced unlock that released
+        // nothing tells its caller it no longer held the lock.
+        if let (Some(fence), false) = (fence, released) {
+            return Err(Status::failed_precondition(format!(
+                "conclave: lock key {:?} is not held at fence {fence}",
+                String::from_utf8_lossy(&message.key)
+            )));
+        }
+        Ok(tonic::Response::new(lockpb::UnlockResponse {
+            header: Some(api.header(revision)),
+        }))
+    }
+}
