@@ -24,7 +24,7 @@ use bytes::Bytes;
 use conclave_raft::{
     ConfState, Config as RaftConfig, EntryKind, NodeId, RawNode, Ready, Role, Snapshot, Storage,
 };
-use conclave_state::{ApplyOutput, Command, Event, Request, StateMachine};
+use conclave_state::{ApplyOutput, Command, Event, LeaseKeeper, Request, StateMachine};
 use conclave_storage::{OsDisk, StorageOptions, WalStorage};
 use tokio::sync::{broadcast, mpsc, oneshot, watch};
 
@@ -37,6 +37,17 @@ use crate::transport::{InboundMessage, PeerTransport};
 const DRAIN_BATCH_MAX: usize = 1024;
 /// Events a watcher hub may lag behind the apply path before it is told it lost some.
 pub const APPLIED_EVENTS_BUFFER_MAX: usize = 65_536;
+/// Leases one `LeaseExpire` command revokes at most, so one entry stays small.
+const LEASE_EXPIRE_BATCH_MAX: usize = 1000;
+/// Checkpoints one `LeaseCheckpoint` command carries at most (a new leader anchors every lease).
+const LEASE_CHECKPOINT_BATCH_MAX: usize = 1000;
+/// An expiry proposal not applied within this long (lost to a leader change) is made again.
+const LEASE_EXPIRE_RETRY_MS: u64 = 1000;
+/// A keepalive this long after its lease's last "renewed" record commits a new one first. An
+/// abandoned lease ends by its last keepalive + TTL + this across leader changes; etcd's
+/// clients renew every TTL/3 (at least 333 ms), so a shorter interval would cost an entry on
+/// nearly every keepalive.
+const LEASE_CHECKPOINT_INTERVAL_MS: u64 = 500;
 
 /// What a committed proposal produced.
 #[derive(Debug, Clone)]
@@ -61,6 +72,27 @@ pub enum NodeRequest {
         target: NodeId,
         reply: oneshot::Sender<Result<(), Error>>,
     },
+    /// A lease keepalive, served by the leader only. `None`: the lease does not exist (or is
+    /// past its deadline).
+    LeaseRenew {
+        id: i64,
+        reply: oneshot::Sender<Result<Option<LeaseRenewal>, Error>>,
+    },
+    /// The leader's remaining time to live of a lease; `None` when it does not exist.
+    LeaseRemaining {
+        id: i64,
+        reply: oneshot::Sender<Result<Option<u64>, Error>>,
+    },
+}
+
+/// A keepalive the leader accepted.
+#[derive(Debug)]
+pub struct LeaseRenewal {
+    /// The lease's granted TTL, for the answer.
+    pub ttl_ms: u64,
+    /// When set, answer the client only after this checkpoint has committed: otherwise a
+    /// later leader could resume the lease at an earlier deadline than the one promised.
+    pub checkpoint: Option<oneshot::Receiver<Result<Applied, Error>>>,
 }
 
 /// The driver's public view of the node, published on every change.
@@ -136,6 +168,18 @@ impl NodeHandle {
         self.ask(|reply| NodeRequest::TransferLeader { target, reply })
             .await
     }
+
+    /// A keepalive on the leader; see [`NodeRequest::LeaseRenew`].
+    pub async fn lease_renew(&self, id: i64) -> Result<Option<LeaseRenewal>, Error> {
+        self.ask(|reply| NodeRequest::LeaseRenew { id, reply })
+            .await
+    }
+
+    /// The leader's remaining TTL of a lease; see [`NodeRequest::LeaseRemaining`].
+    pub async fn lease_remaining_ms(&self, id: i64) -> Result<Option<u64>, Error> {
+        self.ask(|reply| NodeRequest::LeaseRemaining { id, reply })
+            .await
+    }
 }
 
 /// The state machine configuration every replica must share (limits decide which commands
@@ -146,6 +190,7 @@ pub fn state_config(config: &ServerConfig) -> conclave_state::Config {
         request_bytes_max: config.request_bytes_max,
         key_bytes_max: config.request_bytes_max,
         value_bytes_max: config.request_bytes_max,
+        lease_checkpoint_interval_ms: LEASE_CHECKPOINT_INTERVAL_MS,
         ..conclave_state::Config::default()
     }
 }
@@ -186,6 +231,28 @@ struct ProposalWaiter {
     reply: oneshot::Sender<Result<Applied, Error>>,
 }
 
+/// Where this node stands with the leases (only a leader keeps their deadlines).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LeaseRole {
+    Follower,
+    /// Leader, waiting to apply every entry up to `index` (its own term's first entry) so that
+    /// it resumes the leases from the newest records earlier leaders left.
+    Promoting {
+        index: u64,
+    },
+    Leading,
+}
+
+/// The leader's lease duty: deadlines, expiry and checkpoints. See `docs/state.md`, Leases.
+struct LeaseDuty {
+    keeper: LeaseKeeper,
+    role: LeaseRole,
+    /// Applied index the keeper last adopted grants and revocations at.
+    synced_index: u64,
+    /// The last expiry proposal (index, leader time), until applied or given up on.
+    expire_pending: Option<(u64, u64)>,
+}
+
 /// The Raft driver. Owned by one thread; see the module documentation.
 pub struct Driver {
     config: ServerConfig,
@@ -204,6 +271,7 @@ pub struct Driver {
     reads_confirmed: Vec<(u64, Vec<ReadWaiter>)>,
     next_read_context: u64,
     snapshot_index: u64,
+    leases: LeaseDuty,
 }
 
 /// Starts the driver thread. Returns the handle for the API and a join handle whose result is
@@ -229,6 +297,12 @@ pub fn spawn(
         .map_err(|e| Error::RaftStart(e.to_string()))?
         - 1;
     let raw = RawNode::new(raft_config, store).map_err(Error::RaftStart)?;
+    let leases = LeaseDuty {
+        keeper: LeaseKeeper::new(&state_config(&config)),
+        role: LeaseRole::Follower,
+        synced_index: 0,
+        expire_pending: None,
+    };
     let state = Arc::new(RwLock::new(state));
     let (status_sender, status_receiver) = watch::channel(NodeStatus::default());
     let (events, _) = broadcast::channel(APPLIED_EVENTS_BUFFER_MAX);
@@ -246,6 +320,7 @@ pub fn spawn(
         reads_confirmed: Vec::new(),
         next_read_context: 1,
         snapshot_index,
+        leases,
     };
     driver.publish_status();
     let thread = std::thread::Builder::new()
@@ -308,6 +383,7 @@ impl Driver {
         }
         let mut stopping_since: Option<Instant> = None;
         loop {
+            let mut ticked = false;
             tokio::select! {
                 _ = &mut shutdown, if stopping_since.is_none() => {
                     stopping_since = Some(Instant::now());
@@ -318,6 +394,7 @@ impl Driver {
                 _ = ticker.tick() => {
                     self.raw.tick();
                     self.drop_abandoned_waiters();
+                    ticked = true;
                 }
                 message = inbound.recv() => {
                     if let Some((_, message)) = message {
@@ -343,6 +420,7 @@ impl Driver {
                 }
             }
             self.flush_reads();
+            self.drive_leases(ticked);
             while self.raw.has_ready() {
                 self.handle_ready()?;
             }
@@ -414,6 +492,163 @@ impl Driver {
             NodeRequest::TransferLeader { target, reply } => {
                 let result = self.raw.transfer_leader(target).map_err(raft_error);
                 let _ = reply.send(result);
+            }
+            NodeRequest::LeaseRenew { id, reply } => {
+                let result = self.lease_renew(id);
+                let _ = reply.send(result);
+            }
+            NodeRequest::LeaseRemaining { id, reply } => {
+                let result = self.lease_remaining_ms(id);
+                let _ = reply.send(result);
+            }
+        }
+    }
+
+    /// Why this node cannot serve lease deadlines now, if it cannot.
+    fn lease_unavailable(&self) -> Option<Error> {
+        if self.raw.role() != Role::Leader {
+            return Some(Error::NotLeader {
+                leader: self.raw.leader(),
+            });
+        }
+        // A fresh leader first resumes the leases (moments after its election); callers retry.
+        (self.leases.role != LeaseRole::Leading).then_some(Error::LeaderChanged)
+    }
+
+    fn lease_renew(&mut self, id: i64) -> Result<Option<LeaseRenewal>, Error> {
+        if let Some(error) = self.lease_unavailable() {
+            return Err(error);
+        }
+        let now = now_ms();
+        let renewal = {
+            let state = self
+                .state
+                .read()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            self.leases.keeper.renew(state.leases(), id, now)
+        };
+        // The keeper refuses only leases that are gone or past their deadline.
+        let Ok(renewal) = renewal else {
+            return Ok(None);
+        };
+        let checkpoint = renewal.checkpoint_before_reply.map(|checkpoint| {
+            let (reply, committed) = oneshot::channel();
+            let request = Request::LeaseCheckpoint {
+                checkpoints: vec![checkpoint],
+            };
+            self.propose(request, reply);
+            committed
+        });
+        Ok(Some(LeaseRenewal {
+            ttl_ms: renewal.ttl_ms,
+            checkpoint,
+        }))
+    }
+
+    fn lease_remaining_ms(&mut self, id: i64) -> Result<Option<u64>, Error> {
+        if let Some(error) = self.lease_unavailable() {
+            return Err(error);
+        }
+        let now = now_ms();
+        let state = self
+            .state
+            .read()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let Some(lease) = state.lease(id) else {
+            return Ok(None);
+        };
+        // A lease granted in this very turn is not synced into the keeper yet: its recorded
+        // bound is where the keeper will put it.
+        let interval_ms = state.config().lease_checkpoint_interval_ms;
+        let remaining = self.leases.keeper.remaining_ms(id, now).unwrap_or_else(|| {
+            lease
+                .resume
+                .promise_bound_ms(lease.ttl_ms, interval_ms)
+                .saturating_sub(now)
+        });
+        Ok(Some(remaining))
+    }
+
+    /// The leader's lease duty, once per loop turn: follow leadership changes (promote once
+    /// the new term's first entry is applied, demote on losing it), adopt applied grants and
+    /// revocations, and on ticks propose the expiry of leases past their deadline.
+    fn drive_leases(&mut self, ticked: bool) {
+        let applied = self.raw.applied_index();
+        if self.raw.role() != Role::Leader {
+            if self.leases.role != LeaseRole::Follower {
+                self.leases.keeper.demote();
+                self.leases.role = LeaseRole::Follower;
+                self.leases.expire_pending = None;
+            }
+            return;
+        }
+        match self.leases.role {
+            LeaseRole::Follower => {
+                // The no-op of this term is at or below the last index now.
+                self.leases.role = LeaseRole::Promoting {
+                    index: self.raw.last_index(),
+                };
+                return;
+            }
+            LeaseRole::Promoting { index } if applied < index => return,
+            LeaseRole::Promoting { .. } => {
+                let checkpoints = {
+                    let state = self
+                        .state
+                        .read()
+                        .unwrap_or_else(|poisoned| poisoned.into_inner());
+                    self.leases.keeper.promote(state.leases(), now_ms())
+                };
+                self.leases.role = LeaseRole::Leading;
+                self.leases.synced_index = applied;
+                // Anchor what this leader decided, so the next one resumes from it rather than
+                // granting another full grace (etcd issue 9888).
+                for batch in checkpoints.chunks(LEASE_CHECKPOINT_BATCH_MAX) {
+                    self.propose_lease_duty(Request::LeaseCheckpoint {
+                        checkpoints: batch.to_vec(),
+                    });
+                }
+                tracing::info!(leases = checkpoints.len(), "leases resumed as leader");
+            }
+            LeaseRole::Leading => {}
+        }
+        if applied > self.leases.synced_index {
+            let state = self
+                .state
+                .read()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            self.leases.keeper.sync(state.leases());
+            self.leases.synced_index = applied;
+        }
+        if !ticked {
+            return;
+        }
+        let now = now_ms();
+        if let Some((index, at_ms)) = self.leases.expire_pending {
+            let lost = now >= at_ms.saturating_add(LEASE_EXPIRE_RETRY_MS);
+            if applied < index && !lost {
+                return;
+            }
+            self.leases.expire_pending = None;
+        }
+        let ids = self.leases.keeper.expired(now, LEASE_EXPIRE_BATCH_MAX);
+        if ids.is_empty() {
+            return;
+        }
+        tracing::debug!(?ids, "proposing lease expiry");
+        if let Some(index) = self.propose_lease_duty(Request::LeaseExpire { ids }) {
+            self.leases.expire_pending = Some((index, now));
+        }
+    }
+
+    /// Proposes a leader-made lease command nobody waits for; returns its index.
+    fn propose_lease_duty(&mut self, request: Request) -> Option<u64> {
+        let command = Command::new(now_ms(), request);
+        match self.raw.propose(Bytes::from(command.encode())) {
+            Ok(index) => Some(index),
+            Err(error) => {
+                tracing::warn!(%error, "lease command not proposed");
+                None
             }
         }
     }

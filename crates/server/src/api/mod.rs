@@ -10,11 +10,9 @@
 //! ```
 
 pub mod cluster;
-pub mod conclave;
 pub mod convert;
-pub mod election;
 pub mod kv;
-pub mod lock;
+pub mod lease;
 pub mod maintenance;
 pub mod watch;
 

@@ -1,0 +1,515 @@
+//! etcd's Lease service: LeaseGrant, LeaseRevoke, LeaseKeepAlive, LeaseTimeToLive, LeaseLeases.
+//!
+//! ```text
+//!  Grant / Revoke ─► Api::write (through the log; followers forward)
+//!  KeepAlive stream ─► leader: NodeHandle::lease_renew (LeaseKeeper, not the log; a checkpoint
+//!                      commits first when the keeper asks) ─► TTL
+//!                   └► follower: one upstream KeepAlive stream to the leader per client
+//!                      stream, re-opened on the new leader when leadership moves
+//!  TimeToLive ─► the leader's remaining TTL (forwarded) + granted TTL and keys from the state
+//!  Leases ─► linearizable read of the lease table
+//! ```
+//!
+//! etcd's wire unit is the second: granted TTLs are rounded up to whole seconds and never
+//! below the minimum (1.5 × the election timeout) rounded up, as etcd does; remaining TTLs are
+//! truncated, as etcd reports them.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use conclave_proto::etcdserverpb::{
+    self as pb, lease_client::LeaseClient, lease_server::Lease, lease_server::LeaseServer,
+};
+use conclave_raft::NodeId;
+use conclave_state::{Request, Response};
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tokio_stream::StreamExt;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::{Channel, Endpoint};
+use tonic::{Code, Status, Streaming, async_trait};
+
+use super::{Api, CallContext, FORWARDED_HEADER, state_status, to_status};
+use crate::error::Error;
+use crate::node::{Applied, state_config};
+
+/// Keepalive answers queued for one client stream before we stop reading its requests.
+pub const KEEPALIVE_STREAM_RESPONSES_MAX: usize = 16;
+/// Keepalive requests queued for the upstream stream to the leader (one is in flight at a
+/// time; the slack lets a send never wait).
+const KEEPALIVE_UPSTREAM_REQUESTS_MAX: usize = 4;
+/// While the leader is unknown or moving, re-check at least this often.
+const LEADER_POLL_MS: u64 = 20;
+const MS_PER_SECOND: u64 = 1000;
+
+/// The Lease gRPC server, refusing requests above `decode_max_bytes` before decoding them.
+pub fn server(api: &Arc<Api>, decode_max_bytes: usize) -> LeaseServer<LeaseService> {
+    LeaseServer::new(LeaseService {
+        shared: Arc::new(Shared {
+            api: api.clone(),
+            channels: Mutex::new(HashMap::new()),
+        }),
+    })
+    .max_decoding_message_size(decode_max_bytes)
+}
+
+pub struct LeaseService {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    api: Arc<Api>,
+    /// Lazily connected channels to other members' client addresses, for forwarding.
+    channels: Mutex<HashMap<NodeId, Channel>>,
+}
+
+/// The leader's stream a follower forwards one client's keepalives on.
+struct Upstream {
+    leader: NodeId,
+    requests: mpsc::Sender<pb::LeaseKeepAliveRequest>,
+    responses: Streaming<pb::LeaseKeepAliveResponse>,
+}
+
+/// etcd's TTL seconds to the state machine's milliseconds: at least the minimum TTL rounded up
+/// to a whole second (etcd's `minLeaseTTL`); negative asks count as 0, so they get it too.
+fn grant_ttl_ms(ttl_seconds: i64, ttl_min_ms: u64) -> u64 {
+    let min_seconds = ttl_min_ms.div_ceil(MS_PER_SECOND);
+    let seconds = u64::try_from(ttl_seconds).unwrap_or(0).max(min_seconds);
+    // Saturates far above the state machine's maximum, which then refuses it with etcd's error.
+    seconds.saturating_mul(MS_PER_SECOND)
+}
+
+/// A granted TTL in etcd's whole seconds.
+fn ttl_seconds(ttl_ms: u64) -> i64 {
+    i64::try_from(ttl_ms.div_ceil(MS_PER_SECOND)).unwrap_or(i64::MAX)
+}
+
+/// Whether a failed attempt may be retried on the (new) leader within the deadline.
+fn is_retriable(status: &Status) -> bool {
+    let message = status.message();
+    status.code() == Code::Unavailable
+        && (message == Error::LeaderChanged.to_string()
+            || message == Error::NoLeader.to_string()
+            || message.starts_with("etcdserver: not leader")
+            // Transport failures reaching a leader that just died.
+            || !message.starts_with("etcdserver:"))
+}
+
+fn unexpected(response: &Response) -> Status {
+    Status::internal(format!("unexpected state machine answer {response:?}"))
+}
+
+fn answer(applied: &Applied) -> Result<&Response, Status> {
+    applied.output.result.as_ref().map_err(state_status)
+}
+
+impl Shared {
+    fn context<T>(&self, request: &tonic::Request<T>) -> CallContext {
+        CallContext::new(request, self.api.config.request_timeout_ms)
+    }
+
+    fn channel(&self, id: NodeId) -> Result<Channel, Status> {
+        let mut channels = self
+            .channels
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some(channel) = channels.get(&id) {
+            return Ok(channel.clone());
+        }
+        let member = self
+            .api
+            .config
+            .member(id)
+            .ok_or_else(|| to_status(Error::NoLeader))?;
+        let endpoint = Endpoint::from_shared(format!("http://{}", member.client_addr))
+            .map_err(|e| Status::internal(format!("bad client address of member {id}: {e}")))?
+            .connect_timeout(Duration::from_millis(self.api.config.request_timeout_ms));
+        let channel = endpoint.connect_lazy();
+        channels.insert(id, channel.clone());
+        Ok(channel)
+    }
+
+    /// The leader: `None` when it is this node, else its id. Waits for one until the deadline.
+    /// A forwarded call that reached a node no longer leading fails at once, so the member
+    /// that forwarded it looks for the new leader itself.
+    async fn leader(&self, ctx: &CallContext) -> Result<Option<NodeId>, Status> {
+        let mut status = self.api.node.status.clone();
+        loop {
+            let current = status.borrow_and_update().clone();
+            if current.stopped.is_some() {
+                return Err(to_status(Error::Stopped));
+            }
+            match current.leader {
+                Some(leader) if leader == self.api.config.id => return Ok(None),
+                Some(leader) if !ctx.forwarded => return Ok(Some(leader)),
+                Some(leader) => {
+                    return Err(to_status(Error::NotLeader {
+                        leader: Some(leader),
+                    }));
+                }
+                None => {}
+            }
+            let remaining = ctx.remaining();
+            if remaining.is_zero() {
+                return Err(to_status(Error::NoLeader));
+            }
+            let wait = remaining.min(Duration::from_millis(LEADER_POLL_MS));
+            let _ = tokio::time::timeout(wait, status.changed()).await;
+        }
+    }
+
+    /// Sleeps before a retry; false when the deadline leaves no time for one.
+    async fn pause_before_retry(&self, ctx: &CallContext) -> bool {
+        let remaining = ctx.remaining();
+        if remaining.is_zero() {
+            return false;
+        }
+        tokio::time::sleep(remaining.min(Duration::from_millis(LEADER_POLL_MS))).await;
+        true
+    }
+
+    /// One keepalive on this node as leader.
+    async fn renew_here(
+        &self,
+        ctx: &CallContext,
+        id: i64,
+    ) -> Result<pb::LeaseKeepAliveResponse, Status> {
+        let renewal = tokio::time::timeout(ctx.remaining(), self.api.node.lease_renew(id))
+            .await
+            .map_err(|_| to_status(Error::Timeout))?
+            .map_err(to_status)?;
+        let Some(renewal) = renewal else {
+            // etcd answers a keepalive of a missing lease with TTL 0, not an error.
+            return Ok(pb::LeaseKeepAliveResponse {
+                header: Some(self.api.read_header()),
+                id,
+                ttl: 0,
+            });
+        };
+        if let Some(committed) = renewal.checkpoint {
+            match tokio::time::timeout(ctx.remaining(), committed).await {
+                Err(_) => return Err(to_status(Error::Timeout)),
+                Ok(Err(_)) => return Err(to_status(Error::Stopped)),
+                Ok(Ok(Err(error))) => return Err(to_status(error)),
+                Ok(Ok(Ok(_))) => {}
+            }
+        }
+        Ok(pb::LeaseKeepAliveResponse {
+            header: Some(self.api.read_header()),
+            id,
+            ttl: ttl_seconds(renewal.ttl_ms),
+        })
+    }
+
+    /// One keepalive through the leader's stream, opening it when needed.
+    async fn renew_at(
+        &self,
+        ctx: &CallContext,
+        upstream: &mut Option<Upstream>,
+        leader: NodeId,
+        id: i64,
+    ) -> Result<pb::LeaseKeepAliveResponse, Status> {
+        if upstream.as_ref().is_none_or(|u| u.leader != leader) {
+            *upstream = None;
+            let (requests, outgoing) = mpsc::channel(KEEPALIVE_UPSTREAM_REQUESTS_MAX);
+            // No gRPC timeout: the stream lives as long as the client's.
+            let mut request = tonic::Request::new(ReceiverStream::new(outgoing));
+            request.metadata_mut().insert(
+                FORWARDED_HEADER,
+                tonic::metadata::MetadataValue::from_static("1"),
+            );
+            let mut client = LeaseClient::new(self.channel(leader)?);
+            let opened = tokio::time::timeout(ctx.remaining(), client.lease_keep_alive(request))
+                .await
+                .map_err(|_| to_status(Error::Timeout))??;
+            *upstream = Some(Upstream {
+                leader,
+                requests,
+                responses: opened.into_inner(),
+            });
+        }
+        let Some(stream) = upstream.as_mut() else {
+            return Err(to_status(Error::LeaderChanged));
+        };
+        let sent = stream.requests.send(pb::LeaseKeepAliveRequest { id }).await;
+        let answer = match sent {
+            Err(_) => Err(to_status(Error::LeaderChanged)),
+            Ok(()) => match tokio::time::timeout(ctx.remaining(), stream.responses.message()).await
+            {
+                Err(_) => Err(to_status(Error::Timeout)),
+                Ok(Ok(Some(response))) => Ok(response),
+                // The leader ended the stream: it stepped down or went away.
+                Ok(Ok(None)) => Err(to_status(Error::LeaderChanged)),
+                Ok(Err(status)) => Err(status),
+            },
+        };
+        if answer.is_err() {
+            // A stream that failed once is not trusted again.
+            *upstream = None;
+        }
+        answer
+    }
+
+    /// One keepalive wherever the leader is, retried across leader changes until the deadline.
+    async fn keep_alive_once(
+        &self,
+        ctx: &CallContext,
+        upstream: &mut Option<Upstream>,
+        id: i64,
+    ) -> Result<pb::LeaseKeepAliveResponse, Status> {
+        loop {
+            let outcome = match self.leader(ctx).await {
+                Ok(None) => self.renew_here(ctx, id).await,
+                Ok(Some(leader)) => self.renew_at(ctx, upstream, leader, id).await,
+                Err(status) => Err(status),
+            };
+            match outcome {
+                Ok(response) => return Ok(response),
+                // A forwarded keepalive goes back to its follower, which re-routes it.
+                Err(status) if ctx.forwarded => return Err(status),
+                Err(status) if is_retriable(&status) && self.pause_before_retry(ctx).await => {}
+                Err(status) => return Err(status),
+            }
+        }
+    }
+
+    /// LeaseTimeToLive answered by this node as leader.
+    async fn time_to_live_here(
+        &self,
+        ctx: &CallContext,
+        message: &pb::LeaseTimeToLiveRequest,
+    ) -> Result<pb::LeaseTimeToLiveResponse, Status> {
+        let remaining_ms = tokio::time::timeout(
+            ctx.remaining(),
+            self.api.node.lease_remaining_ms(message.id),
+        )
+        .await
+        .map_err(|_| to_status(Error::Timeout))?
+        .map_err(to_status)?;
+        let found = self.api.node.read_state(|state| {
+            let revision = state.revision();
+            let lease = state.lease(message.id).map(|lease| {
+                let keys = if message.keys {
+                    lease.keys.iter().cloned().collect()
+                } else {
+                    Vec::new()
+                };
+                (lease.ttl_ms, keys)
+            });
+            (revision, lease)
+        });
+        let (revision, lease) = found;
+        let response = match (remaining_ms, lease) {
+            (Some(remaining_ms), Some((ttl_ms, keys))) => pb::LeaseTimeToLiveResponse {
+                header: Some(self.api.header(revision)),
+                id: message.id,
+                // etcd truncates the remaining seconds.
+                ttl: i64::try_from(remaining_ms / MS_PER_SECOND).unwrap_or(i64::MAX),
+                granted_ttl: ttl_seconds(ttl_ms),
+                keys,
+            },
+            // etcd answers a missing lease with TTL -1, not an error.
+            _ => pb::LeaseTimeToLiveResponse {
+                header: Some(self.api.header(revision)),
+                id: message.id,
+                ttl: -1,
+                granted_ttl: 0,
+                keys: Vec::new(),
+            },
+        };
+        Ok(response)
+    }
+}
+
+#[async_trait]
+impl Lease for LeaseService {
+    async fn lease_grant(
+        &self,
+        request: tonic::Request<pb::LeaseGrantRequest>,
+    ) -> Result<tonic::Response<pb::LeaseGrantResponse>, Status> {
+        let shared = &self.shared;
+        let ctx = shared.context(&request);
+        let message = request.into_inner();
+        let api = &shared.api;
+        let ttl_min_ms = state_config(&api.config).lease_ttl_ms_min();
+        let command = Request::LeaseGrant {
+            id: message.id,
+            ttl_ms: grant_ttl_ms(message.ttl, ttl_min_ms),
+        };
+        let response = api
+            .write(
+                &ctx,
+                command,
+                |applied| match answer(&applied)? {
+                    Response::LeaseGranted { id, ttl_ms } => Ok(pb::LeaseGrantResponse {
+                        header: Some(api.header(applied.output.revision)),
+                        id: *id,
+                        ttl: ttl_seconds(*ttl_ms),
+                        error: String::new(),
+                    }),
+                    other => Err(unexpected(other)),
+                },
+                |channel, timeout| {
+                    Box::pin(async move {
+                        let request = Api::forwarded_request(message, timeout);
+                        Ok(LeaseClient::new(channel)
+                            .lease_grant(request)
+                            .await?
+                            .into_inner())
+                    })
+                },
+            )
+            .await?;
+        Ok(tonic::Response::new(response))
+    }
+
+    async fn lease_revoke(
+        &self,
+        request: tonic::Request<pb::LeaseRevokeRequest>,
+    ) -> Result<tonic::Response<pb::LeaseRevokeResponse>, Status> {
+        let shared = &self.shared;
+        let ctx = shared.context(&request);
+        let message = request.into_inner();
+        let api = &shared.api;
+        let command = Request::LeaseRevoke { id: message.id };
+        let response = api
+            .write(
+                &ctx,
+                command,
+                |applied| match answer(&applied)? {
+                    Response::LeaseRevoked => Ok(pb::LeaseRevokeResponse {
+                        header: Some(api.header(applied.output.revision)),
+                    }),
+                    other => Err(unexpected(other)),
+                },
+                |channel, timeout| {
+                    Box::pin(async move {
+                        let request = Api::forwarded_request(message, timeout);
+                        Ok(LeaseClient::new(channel)
+                            .lease_revoke(request)
+                            .await?
+                            .into_inner())
+                    })
+                },
+            )
+            .await?;
+        Ok(tonic::Response::new(response))
+    }
+
+    type LeaseKeepAliveStream = ReceiverStream<Result<pb::LeaseKeepAliveResponse, Status>>;
+
+    async fn lease_keep_alive(
+        &self,
+        request: tonic::Request<Streaming<pb::LeaseKeepAliveRequest>>,
+    ) -> Result<tonic::Response<Self::LeaseKeepAliveStream>, Status> {
+        let forwarded = request.metadata().get(FORWARDED_HEADER).is_some();
+        let mut incoming = request.into_inner();
+        let (responses, output) = mpsc::channel(KEEPALIVE_STREAM_RESPONSES_MAX);
+        let shared = self.shared.clone();
+        tokio::spawn(async move {
+            let mut upstream = None;
+            // Keepalives on one stream are answered in order, one at a time, as etcd does.
+            while let Some(Ok(message)) = incoming.next().await {
+                // Each keepalive gets the request timeout; the stream itself has none.
+                let ctx = CallContext {
+                    deadline: Instant::now()
+                        + Duration::from_millis(shared.api.config.request_timeout_ms),
+                    forwarded,
+                };
+                let answer = shared
+                    .keep_alive_once(&ctx, &mut upstream, message.id)
+                    .await;
+                let failed = answer.is_err();
+                // A failed keepalive ends the stream with its error; clients open a new one.
+                if responses.send(answer).await.is_err() || failed {
+                    break;
+                }
+            }
+        });
+        Ok(tonic::Response::new(ReceiverStream::new(output)))
+    }
+
+    async fn lease_time_to_live(
+        &self,
+        request: tonic::Request<pb::LeaseTimeToLiveRequest>,
+    ) -> Result<tonic::Response<pb::LeaseTimeToLiveResponse>, Status> {
+        let shared = &self.shared;
+        let ctx = shared.context(&request);
+        let message = request.into_inner();
+        loop {
+            // The remaining TTL lives only in the leader's memory.
+            let outcome = match shared.leader(&ctx).await {
+                Ok(None) => shared.time_to_live_here(&ctx, &message).await,
+                Ok(Some(leader)) => match shared.channel(leader) {
+                    Ok(channel) => {
+                        let request = Api::forwarded_request(message, ctx.remaining());
+                        LeaseClient::new(channel)
+                            .lease_time_to_live(request)
+                            .await
+                            .map(tonic::Response::into_inner)
+                    }
+                    Err(status) => Err(status),
+                },
+                Err(status) => Err(status),
+            };
+            match outcome {
+                Ok(response) => return Ok(tonic::Response::new(response)),
+                Err(status) if ctx.forwarded => return Err(status),
+                Err(status) if is_retriable(&status) && shared.pause_before_retry(&ctx).await => {}
+                Err(status) => return Err(status),
+            }
+        }
+    }
+
+    async fn lease_leases(
+        &self,
+        request: tonic::Request<pb::LeaseLeasesRequest>,
+    ) -> Result<tonic::Response<pb::LeaseLeasesResponse>, Status> {
+        let shared = &self.shared;
+        let ctx = shared.context(&request);
+        shared.api.linearizable_barrier(&ctx).await?;
+        let (revision, leases) = shared.api.node.read_state(|state| {
+            let leases = state
+                .leases()
+                .iter()
+                .map(|lease| pb::LeaseStatus { id: lease.id })
+                .collect();
+            (state.revision(), leases)
+        });
+        Ok(tonic::Response::new(pb::LeaseLeasesResponse {
+            header: Some(shared.api.header(revision)),
+            leases,
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ttls_follow_etcds_seconds() {
+        // Election timeout 150 ms: minimum 225 ms, which etcd rounds up to 1 s.
+        assert_eq!(grant_ttl_ms(0, 225), 1000);
+        assert_eq!(grant_ttl_ms(-5, 225), 1000);
+        assert_eq!(grant_ttl_ms(5, 225), 5000);
+        assert_eq!(grant_ttl_ms(1, 1500), 2000);
+        assert_eq!(grant_ttl_ms(i64::MAX, 225), u64::MAX);
+        assert_eq!(ttl_seconds(5000), 5);
+        assert_eq!(ttl_seconds(1500), 2);
+    }
+
+    #[test]
+    fn only_leadership_and_transport_failures_are_retried() {
+        assert!(is_retriable(&to_status(Error::LeaderChanged)));
+        assert!(is_retriable(&to_status(Error::NotLeader {
+            leader: Some(2)
+        })));
+        assert!(is_retriable(&Status::unavailable("connection refused")));
+        assert!(!is_retriable(&to_status(Error::Timeout)));
+        assert!(!is_retriable(&state_status(
+            &conclave_state::Error::LeaseNotFound
+        )));
+    }
+}
