@@ -89,6 +89,11 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> Re
             .add_service(cluster)
             .add_service(watch)
             .add_service(crate::api::lease::server(&api, decode_max))
+            .add_service(crate::api::lock::server(&api, decode_max))
+            .add_service(crate::api::election::server(&api, decode_max))
+            .add_service(crate::api::conclave::election_server(&api, decode_max))
+            .add_service(crate::api::conclave::topic_server(&api, decode_max))
+            .add_service(crate::api::conclave::status_server(&api))
             .serve_with_incoming_shutdown(
                 tokio_stream::wrappers::TcpListenerStream::new(client_listener),
                 async move {

@@ -10,9 +10,12 @@
 //! ```
 
 pub mod cluster;
+pub mod conclave;
 pub mod convert;
+pub mod election;
 pub mod kv;
 pub mod lease;
+pub mod lock;
 pub mod maintenance;
 pub mod watch;
 
