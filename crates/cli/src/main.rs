@@ -9,6 +9,7 @@
 
 mod cluster_spec;
 mod cmd;
+mod daemon;
 mod dev;
 
 use std::io::IsTerminal;
@@ -39,6 +40,9 @@ enum Command {
     Serve(ServeArgs),
     /// Run a local development cluster (child `serve` processes for more than one node).
     Dev(dev::DevArgs),
+    /// Run `serve` in the background (pid and log file in its data directory).
+    #[command(subcommand)]
+    Daemon(daemon::DaemonCommand),
     #[command(flatten)]
     Client(cmd::ClientCommand),
 }
@@ -194,7 +198,7 @@ fn parse_cli() -> Cli {
 fn main() {
     let cli = parse_cli();
     // Client commands are quiet unless asked: their output is the answer, not the logs.
-    let default_log = if matches!(cli.command, Command::Client(_)) {
+    let default_log = if matches!(cli.command, Command::Client(_) | Command::Daemon(_)) {
         "error"
     } else {
         "info"
@@ -221,6 +225,10 @@ fn main() {
         match cli.command {
             Command::Serve(args) => serve(args).await,
             Command::Dev(args) => dev::run(args).await,
+            Command::Daemon(command) => {
+                let code = daemon::run(cli.global.json, command).await;
+                std::process::exit(code);
+            }
             Command::Client(command) => {
                 let code = cmd::run(cli.global, command).await;
                 // Leave at once: background tasks (keepalives, streams) end with the process.

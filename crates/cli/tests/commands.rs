@@ -236,3 +236,69 @@ async fn bench_reports_throughput_and_latency_percentiles() {
     assert!(table.ok().starts_with("OP   CLIENTS"), "{table:?}");
     run(eps, &["bench", "put", "--clients", "0", "--json"]).assert_error("invalid_argument", 2);
 }
+
+#[test]
+fn daemon_start_status_stop_with_pid_and_log_files() {
+    let dir = std::env::temp_dir().join(format!("conclave-cli-daemon-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let port = || {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.to_string())
+            .expect("a free port")
+    };
+    let (client, peer) = (port(), port());
+    let dir_arg = dir.to_string_lossy().to_string();
+    let started = run(
+        "unused:1",
+        &[
+            "daemon",
+            "start",
+            "--data-dir",
+            &dir_arg,
+            "--listen-client",
+            &client,
+            "--listen-peer",
+            &peer,
+            "--json",
+        ],
+    )
+    .data();
+    assert!(started["pid"].as_u64().is_some());
+    assert!(dir.join("conclave.pid").exists() && dir.join("conclave.log").exists());
+    run(&client, &["put", "k", "v"]).ok();
+    let again = run(
+        "unused:1",
+        &[
+            "daemon",
+            "start",
+            "--data-dir",
+            &dir_arg,
+            "--listen-client",
+            &client,
+            "--listen-peer",
+            &peer,
+            "--json",
+        ],
+    );
+    again.assert_error("already_exists", 4);
+    let status = run(
+        "unused:1",
+        &["daemon", "status", "--data-dir", &dir_arg, "--json"],
+    )
+    .data();
+    assert_eq!(status["running"], true);
+    let stopped = run(
+        "unused:1",
+        &["daemon", "stop", "--data-dir", &dir_arg, "--json"],
+    )
+    .data();
+    assert_eq!(stopped["stopped"], true);
+    run(
+        "unused:1",
+        &["daemon", "status", "--data-dir", &dir_arg, "--json"],
+    )
+    .assert_error("not_found", 3);
+    assert!(!dir.join("conclave.pid").exists());
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1,0 +1,268 @@
+//! `conclave daemon start|stop|status`: `serve` in the background, with a pid file and a log
+//! file in its data directory.
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use clap::{Args, Subcommand};
+use conclave_proto::etcdserverpb::StatusRequest;
+use conclave_proto::etcdserverpb::maintenance_client::MaintenanceClient;
+use serde_json::json;
+
+use crate::ServeArgs;
+use crate::cmd::{CmdResult, Failure, Output};
+
+/// Name of the pid file inside the data directory.
+pub const PID_FILE: &str = "conclave.pid";
+/// Name of the log file inside the data directory.
+pub const LOG_FILE: &str = "conclave.log";
+/// How long `start` waits for the client port to answer.
+const START_TIMEOUT: Duration = Duration::from_secs(15);
+/// How long `stop` waits after SIGTERM (a graceful stop hands leadership over) before SIGKILL.
+const STOP_TIMEOUT: Duration = Duration::from_secs(15);
+const POLL: Duration = Duration::from_millis(50);
+
+#[derive(Subcommand, Debug)]
+pub enum DaemonCommand {
+    /// Start `conclave serve` in the background with these serve flags.
+    Start(ServeArgs),
+    /// Stop the daemon of a data directory (SIGTERM, SIGKILL after 15 s).
+    Stop(DirArgs),
+    /// Whether the daemon of a data directory runs.
+    Status(DirArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct DirArgs {
+    /// The daemon's data directory (where its pid file is).
+    #[arg(long, env = "CONCLAVE_DATA_DIR", default_value = "./conclave-data")]
+    pub data_dir: PathBuf,
+}
+
+impl ServeArgs {
+    /// The flags that reproduce these arguments. The destructuring is exhaustive on purpose:
+    /// a new serve flag does not compile until it is passed on here too.
+    fn to_args(&self) -> Vec<OsString> {
+        let ServeArgs {
+            name,
+            id,
+            data_dir,
+            listen_client,
+            listen_peer,
+            initial_cluster,
+            initial_cluster_clients,
+            snapshot_entries,
+            tick_ms,
+            heartbeat_ms,
+            election_timeout_ms,
+            request_timeout_ms,
+        } = self;
+        let mut args: Vec<OsString> = vec!["serve".into(), "--name".into(), name.into()];
+        if let Some(id) = id {
+            args.extend(["--id".into(), id.to_string().into()]);
+        }
+        args.extend(["--data-dir".into(), data_dir.clone().into_os_string()]);
+        args.extend(["--listen-client".into(), listen_client.into()]);
+        args.extend(["--listen-peer".into(), listen_peer.into()]);
+        if let Some(spec) = initial_cluster {
+            args.extend(["--initial-cluster".into(), spec.into()]);
+        }
+        if let Some(spec) = initial_cluster_clients {
+            args.extend(["--initial-cluster-clients".into(), spec.into()]);
+        }
+        for (flag, value) in [
+            ("--snapshot-entries", snapshot_entries),
+            ("--tick-ms", tick_ms),
+            ("--heartbeat-ms", heartbeat_ms),
+            ("--election-timeout-ms", election_timeout_ms),
+            ("--request-timeout-ms", request_timeout_ms),
+        ] {
+            args.extend([flag.into(), value.to_string().into()]);
+        }
+        args
+    }
+}
+
+fn read_pid(dir: &Path) -> Option<i32> {
+    std::fs::read_to_string(dir.join(PID_FILE))
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
+fn alive(pid: i32) -> bool {
+    // SAFETY: signal 0 only checks that the process exists and may be signalled.
+    unsafe { libc::kill(pid, 0) == 0 }
+}
+
+pub async fn run(json: bool, command: DaemonCommand) -> i32 {
+    let out = Output::new(json);
+    let result = match command {
+        DaemonCommand::Start(args) => start(&out, args).await,
+        DaemonCommand::Stop(args) => stop(&out, args).await,
+        DaemonCommand::Status(args) => status(&out, args),
+    };
+    match result {
+        Ok(code) => code,
+        Err(failure) => {
+            out.failure(&failure);
+            failure.exit_code()
+        }
+    }
+}
+
+async fn start(out: &Output, args: ServeArgs) -> CmdResult {
+    // Refuse bad flags here, with the same sentence serve would print.
+    args.to_config()
+        .map_err(|e| Failure::invalid(e.to_string()))?;
+    let dir = args.data_dir.clone();
+    if let Some(pid) = read_pid(&dir).filter(|pid| alive(*pid)) {
+        return Err(Failure::new(
+            "already_exists",
+            format!("a daemon (pid {pid}) already runs over {}", dir.display()),
+        ));
+    }
+    std::fs::create_dir_all(&dir)
+        .map_err(|e| Failure::io(format!("cannot create {}: {e}", dir.display())))?;
+    let log_path = dir.join(LOG_FILE);
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&log_path)
+        .map_err(|e| Failure::io(format!("cannot open {}: {e}", log_path.display())))?;
+    let log_err = log
+        .try_clone()
+        .map_err(|e| Failure::io(format!("cannot open {}: {e}", log_path.display())))?;
+    let exe = std::env::current_exe()
+        .map_err(|e| Failure::io(format!("cannot find the conclave binary: {e}")))?;
+    let mut command = std::process::Command::new(exe);
+    command
+        .args(args.to_args())
+        .stdin(Stdio::null())
+        .stdout(Stdio::from(log))
+        .stderr(Stdio::from(log_err));
+    // Its own session: the daemon outlives this shell and its terminal's signals.
+    // SAFETY: setsid is async-signal-safe and affects only the child.
+    unsafe {
+        std::os::unix::process::CommandExt::pre_exec(&mut command, || {
+            if libc::setsid() < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let mut child = command
+        .spawn()
+        .map_err(|e| Failure::io(format!("cannot start conclave serve: {e}")))?;
+    let pid = child.id();
+    let pid_path = dir.join(PID_FILE);
+    std::fs::write(&pid_path, format!("{pid}\n"))
+        .map_err(|e| Failure::io(format!("cannot write {}: {e}", pid_path.display())))?;
+    let url = format!("http://{}", args.listen_client);
+    let started = Instant::now();
+    loop {
+        if let Ok(Some(status)) = child.try_wait() {
+            let _ = std::fs::remove_file(&pid_path);
+            return Err(Failure::io(format!(
+                "conclave serve exited at once ({status}); see {}",
+                log_path.display()
+            )));
+        }
+        if answers(&url).await {
+            break;
+        }
+        if started.elapsed() > START_TIMEOUT {
+            return Err(Failure::new(
+                "timeout",
+                format!(
+                    "conclave serve (pid {pid}) did not answer on {} within {START_TIMEOUT:?}; see {}",
+                    args.listen_client,
+                    log_path.display()
+                ),
+            ));
+        }
+        tokio::time::sleep(POLL).await;
+    }
+    out.ok(
+        json!({
+            "pid": pid,
+            "data_dir": dir.display().to_string(),
+            "log": log_path.display().to_string(),
+            "pid_file": pid_path.display().to_string(),
+            "listen_client": args.listen_client,
+        }),
+        || {
+            format!(
+                "conclave serve started (pid {pid}), clients on {}, log {}",
+                args.listen_client,
+                log_path.display()
+            )
+        },
+    );
+    Ok(0)
+}
+
+async fn answers(url: &str) -> bool {
+    let Ok(endpoint) = tonic::transport::Endpoint::from_shared(url.to_string()) else {
+        return false;
+    };
+    let Ok(channel) = endpoint.connect_timeout(POLL * 4).connect().await else {
+        return false;
+    };
+    MaintenanceClient::new(channel)
+        .status(StatusRequest {})
+        .await
+        .is_ok()
+}
+
+async fn stop(out: &Output, args: DirArgs) -> CmdResult {
+    let pid_path = args.data_dir.join(PID_FILE);
+    let Some(pid) = read_pid(&args.data_dir).filter(|pid| alive(*pid)) else {
+        let _ = std::fs::remove_file(&pid_path);
+        return Err(Failure::new(
+            "not_found",
+            format!("no daemon runs over {}", args.data_dir.display()),
+        ));
+    };
+    // SAFETY: kill(2) on the daemon's pid; no memory is shared.
+    unsafe {
+        libc::kill(pid, libc::SIGTERM);
+    }
+    let started = Instant::now();
+    let mut forced = false;
+    while alive(pid) {
+        if started.elapsed() > STOP_TIMEOUT && !forced {
+            // SAFETY: as above.
+            unsafe {
+                libc::kill(pid, libc::SIGKILL);
+            }
+            forced = true;
+        }
+        tokio::time::sleep(POLL).await;
+    }
+    let _ = std::fs::remove_file(&pid_path);
+    out.ok(
+        json!({"pid": pid, "stopped": true, "forced": forced}),
+        || format!("conclave serve (pid {pid}) stopped"),
+    );
+    Ok(0)
+}
+
+fn status(out: &Output, args: DirArgs) -> CmdResult {
+    match read_pid(&args.data_dir).filter(|pid| alive(*pid)) {
+        Some(pid) => {
+            out.ok(
+                json!({"running": true, "pid": pid, "data_dir": args.data_dir.display().to_string()}),
+                || format!("running (pid {pid})"),
+            );
+            Ok(0)
+        }
+        None => Err(Failure::new(
+            "not_found",
+            format!("no daemon runs over {}", args.data_dir.display()),
+        )),
+    }
+}
