@@ -1,0 +1,284 @@
+//! `elect campaign`, `lock` and `inbox` as separate CLI processes against a real 3-node
+//! cluster: failover by priority after kill -9, exclusive locks, and a consumer that loses
+//! nothing across a Raft leader failover.
+
+mod cli_support;
+mod common;
+
+use std::time::{Duration, Instant};
+
+use cli_support::{Streaming, run, run_until_ok};
+use common::Cluster;
+use serde_json::Value;
+
+/// The candidacy TTL the failover test uses: a killed leader's seat moves within it (+1 s).
+const TTL_S: u64 = 3;
+const LINE_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// Waits for a streaming campaign's `elected` line; answers when it arrived and its data.
+fn elected(process: &Streaming, timeout: Duration) -> (Instant, Value) {
+    let (at, line) = process
+        .next_json(timeout)
+        .expect("an elected line before the timeout");
+    assert_eq!(line["status"], "ok", "{line}");
+    assert_eq!(line["data"]["event"], "elected", "{line}");
+    (at, line["data"].clone())
+}
+
+fn campaign(eps: &str, id: &str, priority: u32, log: &str) -> Streaming {
+    // `exec` so the long-running part is CMD itself, which dies with its supervisor.
+    let script = format!(
+        "echo \"$CONCLAVE_GROUP $CONCLAVE_TERM $CONCLAVE_FENCE {id}\" >> {log}; exec sleep 600"
+    );
+    Streaming::start(
+        eps,
+        &[
+            "elect",
+            "campaign",
+            "swarm",
+            "--id",
+            id,
+            "--priority",
+            &priority.to_string(),
+            "--value",
+            &format!("http://{id}"),
+            "--ttl",
+            &format!("{TTL_S}s"),
+            "--json",
+            "--",
+            "sh",
+            "-c",
+            &script,
+        ],
+    )
+}
+
+/// Waits until the leaders' log has `n` lines (CMD starts just after `elected` is printed).
+fn log_lines(log: &std::path::Path, n: usize) -> Vec<String> {
+    let start = Instant::now();
+    loop {
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        if text.lines().count() >= n || start.elapsed() > LINE_TIMEOUT {
+            return text.lines().map(str::to_string).collect();
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn candidates(eps: &str) -> usize {
+    run(eps, &["elect", "candidates", "swarm", "--json"]).data()["candidates"]
+        .as_array()
+        .map(Vec::len)
+        .unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn killed_leaders_are_replaced_in_priority_order_within_the_ttl() {
+    let cluster = Cluster::start(3).await;
+    let eps = cluster.endpoints();
+    let eps = eps.as_str();
+    let log = cluster.root.join("leaders.log");
+    let log_arg = log.to_string_lossy().to_string();
+
+    let mut high = campaign(eps, "high", 30, &log_arg);
+    let (_, first) = elected(&high, LINE_TIMEOUT);
+    assert_eq!(first["leader"], "high");
+    log_lines(&log, 1);
+    let mut mid = campaign(eps, "mid", 20, &log_arg);
+    let mut low = campaign(eps, "low", 10, &log_arg);
+    let start = Instant::now();
+    while candidates(eps) < 3 {
+        assert!(
+            start.elapsed() < LINE_TIMEOUT,
+            "the candidates did not register"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+
+    let limit = Duration::from_secs(TTL_S + 1);
+    let killed = Instant::now();
+    high.kill9();
+    let (at, second) = elected(&mid, limit + Duration::from_secs(5));
+    let takeover = at.duration_since(killed);
+    eprintln!("takeover after kill -9 of the leader: {takeover:?} (TTL {TTL_S} s)");
+    assert!(takeover <= limit, "mid took over after {takeover:?}");
+    assert_eq!(second["leader"], "mid");
+    let fence = |v: &Value| v["fence"].as_u64().expect("fence");
+    assert!(fence(&second) > fence(&first));
+    assert!(second["term"].as_u64() > first["term"].as_u64());
+    log_lines(&log, 2);
+
+    let killed = Instant::now();
+    mid.kill9();
+    let (at, third) = elected(&low, limit + Duration::from_secs(5));
+    let takeover = at.duration_since(killed);
+    eprintln!("second takeover: {takeover:?}");
+    assert!(takeover <= limit, "low took over after {takeover:?}");
+    assert_eq!(third["leader"], "low");
+    assert!(fence(&third) > fence(&second));
+
+    // Each leader's CMD saw its own group, term and fence.
+    let lines = log_lines(&log, 3);
+    let expected: Vec<String> = [&first, &second, &third]
+        .iter()
+        .map(|l| {
+            format!(
+                "swarm {} {} {}",
+                l["term"],
+                l["fence"],
+                l["leader"].as_str().unwrap_or("")
+            )
+        })
+        .collect();
+    assert_eq!(lines, expected);
+
+    // Ctrl-C resigns before exiting: the seat is vacant at once, not after the TTL.
+    low.signal("-INT");
+    assert_eq!(low.wait_code(LINE_TIMEOUT), Some(130));
+    run(eps, &["elect", "leader", "swarm", "--json"]).assert_error("not_found", 3);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_leader_whose_lease_ends_stops_its_command_and_exits_with_leadership_lost() {
+    let cluster = Cluster::start(3).await;
+    let eps = cluster.endpoints();
+    let eps = eps.as_str();
+    let marker = cluster.root.join("stopped");
+    let script = format!(
+        "trap 'echo stopped > {}; exit 0' TERM; while true; do sleep 0.1; done",
+        marker.display()
+    );
+    let mut leader = Streaming::start(
+        eps,
+        &[
+            "elect", "campaign", "g", "--id", "one", "--json", "--", "sh", "-c", &script,
+        ],
+    );
+    let (_, info) = elected(&leader, LINE_TIMEOUT);
+    let lease = info["lease"].as_str().expect("lease").to_string();
+    // Give CMD time to install its trap before the loss.
+    std::thread::sleep(Duration::from_millis(300));
+    run(eps, &["lease", "revoke", &lease, "--json"]).data();
+    assert_eq!(
+        leader.wait_code(LINE_TIMEOUT),
+        Some(8),
+        "leadership_lost's exit code"
+    );
+    let (_, line) = leader.next_json(LINE_TIMEOUT).expect("the loss document");
+    assert_eq!(line["status"], "error");
+    assert_eq!(line["code"], "leadership_lost");
+    assert_eq!(
+        std::fs::read_to_string(&marker).ok().as_deref(),
+        Some("stopped\n"),
+        "CMD got SIGTERM"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn contending_lock_holders_run_one_after_the_other_with_rising_fences() {
+    let cluster = Cluster::start(3).await;
+    let eps = cluster.endpoints();
+    let eps = eps.as_str();
+    let log = cluster.root.join("lock.log");
+    let script = format!(
+        "echo start $CONCLAVE_LOCK_FENCE >> {0}; sleep 1; echo end $CONCLAVE_LOCK_FENCE >> {0}",
+        log.display()
+    );
+    let args = ["lock", "shared", "--json", "--", "sh", "-c", &script];
+    let mut first = Streaming::start(eps, &args);
+    let (_, acquired) = first.next_json(LINE_TIMEOUT).expect("acquired");
+    assert_eq!(acquired["data"]["event"], "acquired");
+    let mut second = Streaming::start(eps, &args);
+    assert_eq!(first.wait_code(LINE_TIMEOUT), Some(0));
+    assert_eq!(second.wait_code(LINE_TIMEOUT), Some(0));
+    let text = std::fs::read_to_string(&log).expect("the lock log");
+    let lines: Vec<(&str, u64)> = text
+        .lines()
+        .filter_map(|l| l.split_once(' '))
+        .map(|(what, fence)| (what, fence.parse().unwrap_or(0)))
+        .collect();
+    assert_eq!(lines.len(), 4, "{text}");
+    assert_eq!(lines[0].0, "start");
+    assert_eq!(lines[1], ("end", lines[0].1), "{text}");
+    assert_eq!(
+        lines[2].0, "start",
+        "the second ran only after the first: {text}"
+    );
+    assert_eq!(lines[3], ("end", lines[2].1));
+    assert!(lines[2].1 > lines[0].1, "fences rise: {text}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn inbox_and_ack_lose_nothing_across_a_leader_failover() {
+    let mut cluster = Cluster::start(3).await;
+    let eps = cluster.endpoints();
+    let settle = Duration::from_secs(20);
+    for i in 1..=10 {
+        run_until_ok(
+            &eps,
+            &["publish", "jobs", &format!("m{i}"), "--json"],
+            settle,
+        )
+        .data();
+    }
+    let mut seen: Vec<(u64, String)> = Vec::new();
+    let consume_batch = |seen: &mut Vec<(u64, String)>| -> usize {
+        let batch = run_until_ok(
+            &eps,
+            &[
+                "inbox",
+                "--consumer",
+                "worker",
+                "jobs",
+                "--limit",
+                "3",
+                "--json",
+            ],
+            settle,
+        )
+        .data();
+        let messages = batch["messages"].as_array().cloned().unwrap_or_default();
+        for m in &messages {
+            seen.push((
+                m["seq"].as_u64().expect("seq"),
+                m["data"].as_str().unwrap_or("").to_string(),
+            ));
+        }
+        if let Some(last) = messages.last().and_then(|m| m["seq"].as_u64()) {
+            run_until_ok(
+                &eps,
+                &[
+                    "ack",
+                    "--consumer",
+                    "worker",
+                    "jobs",
+                    &last.to_string(),
+                    "--json",
+                ],
+                settle,
+            )
+            .data();
+        }
+        messages.len()
+    };
+    consume_batch(&mut seen);
+    consume_batch(&mut seen);
+
+    let leader = cluster.wait_for_leader(Duration::from_secs(5)).await;
+    cluster.kill(leader);
+    cluster.wait_for_leader(Duration::from_secs(10)).await;
+    for i in 11..=20 {
+        run_until_ok(
+            &eps,
+            &["publish", "jobs", &format!("m{i}"), "--json"],
+            settle,
+        )
+        .data();
+    }
+    while consume_batch(&mut seen) > 0 {}
+
+    let data: Vec<String> = seen.iter().map(|(_, d)| d.clone()).collect();
+    let expected: Vec<String> = (1..=20).map(|i| format!("m{i}")).collect();
+    assert_eq!(data, expected, "nothing lost, repeated or reordered");
+    assert!(seen.windows(2).all(|w| w[0].0 < w[1].0), "{seen:?}");
+}
