@@ -478,3 +478,66 @@ async fn etcdctl_lease_grant_put_keep_alive_time_to_live_revoke() {
         format!("lease {id} already expired")
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn etcdctl_lock_of_a_killed_holder_frees_when_its_session_lease_expires() {
+    let cluster = Cluster::start(3).await;
+    let leader = cluster.wait_for_leader(Duration::from_secs(5)).await;
+    let follower = (1..=3).find(|&id| id != leader).expect("a follower");
+    let via = cluster.nodes[(follower - 1) as usize].client.clone();
+    let etcdctl_lock = |extra: &[&str]| {
+        Command::new(ETCDCTL)
+            .env("ETCDCTL_API", "3")
+            .arg(format!("--endpoints={via}"))
+            .args(["lock", "--ttl=2", "shared-lock"])
+            .args(extra)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("start etcdctl lock")
+    };
+    // Without a command, `etcdctl lock` prints its key and holds the lock until signalled.
+    let mut holder = etcdctl_lock(&[]);
+    let held_key = async {
+        loop {
+            let listed = etcdctl(&via, &["get", "--prefix", "shared-lock/", "--keys-only"]);
+            if !listed.trim().is_empty() {
+                return listed;
+            }
+            tokio::time::sleep(POLL_INTERVAL).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), held_key)
+        .await
+        .expect("the first etcdctl took the lock");
+    let mut waiter = etcdctl_lock(&["echo", "second-holder"]);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(
+        waiter.try_wait().expect("poll etcdctl").is_none(),
+        "the second etcdctl got the lock while the first held it"
+    );
+
+    // SIGKILL: the holder cannot unlock or revoke; only its 2 s session lease frees the lock.
+    let _ = holder.kill();
+    let _ = holder.wait();
+    let killed = Instant::now();
+    let output = tokio::task::spawn_blocking(move || waiter.wait_with_output())
+        .await
+        .expect("join")
+        .expect("second etcdctl");
+    let waited = killed.elapsed();
+    assert!(output.status.success());
+    assert_eq!(
+        String::from_utf8_lossy(&output.stdout).trim(),
+        "second-holder"
+    );
+    println!(
+        "etcdctl lock: granted {} ms after the holder was killed (session TTL 2 s)",
+        waited.as_millis()
+    );
+    // Its last keepalive was at most TTL/3 before the kill; allow the expiry bound on top.
+    assert!(
+        waited < Duration::from_secs(2) + ELECTION_TIMEOUT + Duration::from_secs(1),
+        "lock freed {waited:?} after the holder died"
+    );
+}
