@@ -205,7 +205,7 @@ async fn bench_reports_throughput_and_latency_percentiles() {
     let cluster = Cluster::start(3).await;
     let eps = cluster.endpoints();
     let eps = eps.as_str();
-    for op in ["put", "get"] {
+    for op in ["put", "get", "txn", "lock"] {
         let report = run(
             eps,
             &[
@@ -235,6 +235,21 @@ async fn bench_reports_throughput_and_latency_percentiles() {
     );
     assert!(table.ok().starts_with("OP   CLIENTS"), "{table:?}");
     run(eps, &["bench", "put", "--clients", "0", "--json"]).assert_error("invalid_argument", 2);
+
+    // Failover: each round's leader stops heartbeating; the next is elected within the TTL.
+    let report = run(
+        eps,
+        &["bench", "elect", "--rounds", "2", "--ttl", "1s", "--json"],
+    )
+    .data();
+    let fences: Vec<u64> = report["fences"]
+        .as_array()
+        .map(|f| f.iter().filter_map(|x| x.as_u64()).collect())
+        .unwrap_or_default();
+    assert_eq!(fences.len(), 3, "{report}");
+    assert!(fences.windows(2).all(|w| w[0] < w[1]), "{report}");
+    let max = report["failover_ms"]["max"].as_f64().unwrap_or(f64::MAX);
+    assert!(max > 0.0 && max <= 2000.0, "{report}");
 }
 
 #[test]

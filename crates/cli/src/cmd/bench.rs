@@ -1,5 +1,6 @@
-//! `bench put|get`: a load generator over the plain etcd v3 KV API (raw gRPC, no Conclave
-//! extensions), so the same run can be pointed at etcd for a side-by-side comparison.
+//! `bench put|get|txn|lock|elect`: a load generator. `put`, `get` and `txn` use the plain etcd
+//! v3 KV API (raw gRPC) and `lock` etcd's v3lock API, so those runs can be pointed at etcd for
+//! a side-by-side comparison; `elect` measures Conclave's failover time.
 
 use std::io::{IsTerminal, Write};
 use std::sync::Arc;
@@ -7,8 +8,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use clap::{Args, Subcommand};
+use conclave_client::{CampaignOptions, Client, LockOptions};
+use conclave_proto::etcdserverpb::compare::{CompareResult, CompareTarget, TargetUnion};
 use conclave_proto::etcdserverpb::kv_client::KvClient;
-use conclave_proto::etcdserverpb::{PutRequest, RangeRequest};
+use conclave_proto::etcdserverpb::request_op::Request as RequestOpKind;
+use conclave_proto::etcdserverpb::{Compare, PutRequest, RangeRequest, RequestOp, TxnRequest};
 use hdrhistogram::Histogram;
 use serde_json::json;
 use tonic::transport::{Channel, Endpoint};
@@ -23,6 +27,10 @@ pub const BENCH_VALUE_BYTES_MAX: usize = 1024 * 1024;
 const BENCH_CONNECTIONS_MAX: usize = 16;
 /// Latencies above this are clamped into the histogram's top bucket.
 const LATENCY_MAX_US: u64 = 60_000_000;
+/// TTL of each `bench lock` client's lease.
+const LOCK_LEASE_TTL: Duration = Duration::from_secs(10);
+/// How often `bench elect` checks that the next candidate registered.
+const POLL_CANDIDATES: Duration = Duration::from_millis(20);
 /// How often the progress bar redraws.
 const PROGRESS_EVERY: Duration = Duration::from_millis(200);
 
@@ -32,6 +40,22 @@ pub enum BenchCommand {
     Put(BenchArgs),
     /// Linearizable (or --serializable) gets of keys written first.
     Get(BenchArgs),
+    /// Transactions: compare a key's mod revision, then put it.
+    Txn(BenchArgs),
+    /// Lock and unlock (etcd v3lock) over --key-space lock names.
+    Lock(BenchArgs),
+    /// Failover time: kill a leader's session, time the next candidate's election.
+    Elect(ElectBenchArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct ElectBenchArgs {
+    /// Leader changes to measure.
+    #[arg(long, default_value_t = 5)]
+    pub rounds: u32,
+    /// TTL of each candidate's lease (the failover time is at most about this).
+    #[arg(long, default_value = "2s")]
+    pub ttl: String,
 }
 
 #[derive(Args, Debug)]
@@ -57,6 +81,19 @@ pub struct BenchArgs {
 enum Kind {
     Put,
     Get,
+    Txn,
+    Lock,
+}
+
+impl Kind {
+    fn name(self) -> &'static str {
+        match self {
+            Kind::Put => "put",
+            Kind::Get => "get",
+            Kind::Txn => "txn",
+            Kind::Lock => "lock",
+        }
+    }
 }
 
 fn key(i: u64) -> Vec<u8> {
@@ -67,6 +104,9 @@ pub async fn run(ctx: &Ctx, command: BenchCommand) -> CmdResult {
     let (kind, args) = match command {
         BenchCommand::Put(args) => (Kind::Put, args),
         BenchCommand::Get(args) => (Kind::Get, args),
+        BenchCommand::Txn(args) => (Kind::Txn, args),
+        BenchCommand::Lock(args) => (Kind::Lock, args),
+        BenchCommand::Elect(args) => return elect(ctx, args).await,
     };
     if args.clients == 0 || args.clients > BENCH_CLIENTS_MAX {
         return Err(Failure::invalid(format!(
@@ -84,7 +124,8 @@ pub async fn run(ctx: &Ctx, command: BenchCommand) -> CmdResult {
     }
     let duration = parse_duration(&args.duration, "--duration")?;
     // The client library finds the Raft leader (Status + MemberList, which etcd serves too).
-    let target = ctx.connect().await?.current_endpoint().await?;
+    let cluster = ctx.connect().await?;
+    let target = cluster.current_endpoint().await?;
     let connections: Vec<Channel> = (0..args.clients.min(BENCH_CONNECTIONS_MAX))
         .map(|_| {
             Endpoint::from_shared(target.clone())
@@ -121,7 +162,17 @@ pub async fn run(ctx: &Ctx, command: BenchCommand) -> CmdResult {
             let key_space = args.key_space;
             let serializable = args.serializable;
             let timeout = ctx.timeout;
+            let cluster = cluster.clone();
             tokio::spawn(async move {
+                // Locks: one lease per client, kept alive by the library, for every round.
+                let lease = match kind {
+                    Kind::Lock => match cluster.lease_grant_kept(LOCK_LEASE_TTL).await {
+                        Ok(keeper) => Some(keeper),
+                        Err(_) => return None,
+                    },
+                    _ => None,
+                };
+                let mutex = cluster.mutex();
                 let mut histogram = Histogram::<u64>::new_with_bounds(1, LATENCY_MAX_US, 3).ok();
                 let mut i = client as u64;
                 while Instant::now() < stop_at {
@@ -146,6 +197,40 @@ pub async fn run(ctx: &Ctx, command: BenchCommand) -> CmdResult {
                             });
                             request.set_timeout(timeout);
                             kv.range(request).await.is_ok()
+                        }
+                        Kind::Txn => {
+                            // etcd's own txn benchmark shape: a compare that always holds.
+                            let mut request = tonic::Request::new(TxnRequest {
+                                compare: vec![Compare {
+                                    result: CompareResult::Greater as i32,
+                                    target: CompareTarget::Mod as i32,
+                                    key: k.clone().into(),
+                                    target_union: Some(TargetUnion::ModRevision(-1)),
+                                    range_end: Default::default(),
+                                }],
+                                success: vec![RequestOp {
+                                    request: Some(RequestOpKind::RequestPut(PutRequest {
+                                        key: k.into(),
+                                        value: value.clone().into(),
+                                        ..Default::default()
+                                    })),
+                                }],
+                                failure: vec![],
+                            });
+                            request.set_timeout(timeout);
+                            kv.txn(request).await.is_ok()
+                        }
+                        Kind::Lock => {
+                            let name = format!("bench-lock/{}", i % key_space);
+                            let options = LockOptions {
+                                lease: lease.as_ref().map(|l| l.id()),
+                                timeout: Some(timeout),
+                                ..LockOptions::default()
+                            };
+                            match mutex.lock(&name, options).await {
+                                Ok(guard) => guard.unlock().await.is_ok(),
+                                Err(_) => false,
+                            }
                         }
                     };
                     if ok {
@@ -212,7 +297,7 @@ pub async fn run(ctx: &Ctx, command: BenchCommand) -> CmdResult {
         "p50": ms(0.5), "p90": ms(0.9), "p99": ms(0.99), "p99_9": ms(0.999),
         "max": total.max() as f64 / 1000.0,
     });
-    let op = if kind == Kind::Put { "put" } else { "get" };
+    let op = kind.name();
     ctx.out.ok(
         json!({
             "op": op, "endpoint": target, "clients": args.clients,
@@ -247,5 +332,95 @@ pub async fn run(ctx: &Ctx, command: BenchCommand) -> CmdResult {
             format!("every one of {errors} requests failed"),
         ));
     }
+    Ok(0)
+}
+
+/// Percentiles of `values` (sorted here), in milliseconds.
+fn percentiles_ms(values: &mut [Duration]) -> serde_json::Value {
+    values.sort();
+    let at = |q: f64| {
+        let index = ((values.len() as f64 * q).ceil() as usize).clamp(1, values.len().max(1)) - 1;
+        values
+            .get(index)
+            .map(|d| d.as_secs_f64() * 1000.0)
+            .unwrap_or(0.0)
+    };
+    json!({"p50": at(0.5), "p90": at(0.9), "p99": at(0.99), "max": at(1.0)})
+}
+
+/// `bench elect`: a leader in one group stops heartbeating (its session is killed, as by
+/// kill -9); the time until the waiting candidate's campaign returns is one sample.
+async fn elect(ctx: &Ctx, args: ElectBenchArgs) -> CmdResult {
+    if args.rounds == 0 {
+        return Err(Failure::invalid("--rounds must be at least 1"));
+    }
+    let ttl = parse_duration(&args.ttl, "--ttl")?;
+    let client: Client = ctx.connect().await?;
+    let group = format!("bench-elect-{}", std::process::id());
+    let election = client.election();
+    let options = CampaignOptions {
+        ttl,
+        ..CampaignOptions::default()
+    };
+    let mut leader = election
+        .campaign(&group, "bench-0", 1, Vec::new(), options.clone())
+        .await?;
+    let mut samples = Vec::new();
+    let mut fences = vec![leader.fence()];
+    for round in 1..=args.rounds {
+        let next = {
+            let election = election.clone();
+            let group = group.clone();
+            let options = options.clone();
+            tokio::spawn(async move {
+                election
+                    .campaign(&group, &format!("bench-{round}"), 1, Vec::new(), options)
+                    .await
+            })
+        };
+        // Let the candidate register before the leader goes.
+        let registered = Instant::now();
+        while election.candidates(&group).await?.len() < 2 {
+            if registered.elapsed() > ctx.timeout {
+                return Err(Failure::new(
+                    "timeout",
+                    "the next candidate did not register",
+                ));
+            }
+            tokio::time::sleep(POLL_CANDIDATES).await;
+        }
+        let killed = Instant::now();
+        leader.abandon();
+        leader = next
+            .await
+            .map_err(|e| Failure::io(format!("campaign task failed: {e}")))??;
+        samples.push(killed.elapsed());
+        fences.push(leader.fence());
+        ctx.out.note(&format!(
+            "round {round}: {:?} to the next election (fence {})",
+            killed.elapsed(),
+            leader.fence()
+        ));
+    }
+    let _ = leader.resign().await;
+    let latency = percentiles_ms(&mut samples);
+    ctx.out.ok(
+        json!({"op": "elect", "rounds": args.rounds, "ttl_s": ttl.as_secs_f64(), "fences": fences, "failover_ms": latency}),
+        || {
+            let f = |k: &str| format!("{:.0}", latency[k].as_f64().unwrap_or(0.0));
+            ctx.out.table(
+                &["OP", "ROUNDS", "TTL", "P50 MS", "P90 MS", "P99 MS", "MAX MS"],
+                &[vec![
+                    "elect".into(),
+                    args.rounds.to_string(),
+                    format!("{ttl:?}"),
+                    f("p50"),
+                    f("p90"),
+                    f("p99"),
+                    f("max"),
+                ]],
+            )
+        },
+    );
     Ok(0)
 }
