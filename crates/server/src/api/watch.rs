@@ -81,7 +81,17 @@ impl Watch for WatchService {
         tokio::spawn(async move {
             let mut watches: HashMap<i64, JoinHandle<()>> = HashMap::new();
             let mut next_id: i64 = 0;
-            while let Some(Ok(message)) = incoming.next().await {
+            // The stream ends when the node stops, so it cannot hold up a graceful shutdown.
+            let stopped = super::lock::node_stopped(&api);
+            tokio::pin!(stopped);
+            loop {
+                let message = tokio::select! {
+                    _ = &mut stopped => break,
+                    message = incoming.next() => match message {
+                        Some(Ok(message)) => message,
+                        _ => break,
+                    },
+                };
                 watches.retain(|_, task| !task.is_finished());
                 match message.request_union {
                     Some(RequestUnion::CreateRequest(create)) => {
