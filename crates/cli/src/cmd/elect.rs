@@ -42,7 +42,8 @@ pub struct CampaignArgs {
     /// TTL of the candidacy's lease: how long a dead leader keeps the seat.
     #[arg(long, default_value = "10s", allow_hyphen_values = true)]
     pub ttl: String,
-    /// Depose a lower-priority leader instead of waiting for it to go.
+    /// Ask for the seat from a lower-priority leader (it moves when that leader resigns or its
+    /// lease ends).
     #[arg(long)]
     pub preempt: bool,
     /// Campaign under this existing lease (hex id) instead of granting one.

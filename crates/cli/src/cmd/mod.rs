@@ -33,19 +33,21 @@ const CONNECT_TIMEOUT_MAX: Duration = Duration::from_secs(2);
 pub const EXIT_CODES_HELP: &str = "\
 Exit codes (with --json, `code` in the error document):
   0   success (or, with `-- CMD`, CMD's own exit status when it ended by itself)
-  1   io_error           a local failure (file, terminal, starting CMD)
-  2   invalid_argument   bad input: flags, TTL, key, revision, unknown command
-  3   not_found          key, group, candidate, lease list entry or member missing
+  1   io_error           a local failure (writing a file, reading stdin)
+  2   invalid_argument   bad input: flags, TTL, key, revision, txn syntax, a CMD that
+                         cannot start
+  3   not_found          key, group (no leader), candidate, member or daemon missing
   4   already_exists     lease id or candidate id taken
   5   compacted          the requested revision was compacted
   6   too_large          request, value or TTL over a limit
   7   lease_expired      the lease is gone (expired, revoked, unknown)
   8   leadership_lost    no longer leader or lock holder (stale fence)
-  9   timeout            the deadline (--timeout, lock --timeout) passed
+  9   timeout            the deadline (--timeout) passed
   10  no_leader          the cluster has no Raft leader
   11  unavailable        a member failed mid-request, or the call is not served
   12  connection_failed  no endpoint could be reached
-  130 interrupted        Ctrl-C / SIGTERM (after resigning or unlocking)";
+  130 interrupted        Ctrl-C / SIGTERM while CMD ran (after stopping it and
+                         resigning or unlocking; without CMD, Ctrl-C exits 0)";
 
 /// Flags every client command takes (global: they may appear before or after the command).
 #[derive(Args, Debug, Clone)]
@@ -102,7 +104,7 @@ pub enum ClientCommand {
     /// Snapshots of the state machine.
     #[command(subcommand)]
     Snapshot(cluster::SnapshotCommand),
-    /// Load generator over the etcd v3 KV API: ops/s and latency percentiles.
+    /// Load generator (etcd v3 put, get, txn, lock) and election failover timer.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
 }
