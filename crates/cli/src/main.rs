@@ -37,7 +37,21 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run one node of a Conclave cluster.
-    Serve(ServeArgs),
+    Serve {
+        #[command(flatten)]
+        args: ServeArgs,
+        /// `new` founds a cluster; `existing` joins a running one after `member add`: the
+        /// data directory starts empty and --initial-cluster lists the founding members plus
+        /// this one, under the id `member add` returned. (Kept out of `ServeArgs`, which
+        /// `conclave dev` and `daemon` build, since only a manual join needs it.)
+        #[arg(
+            long,
+            env = "CONCLAVE_INITIAL_CLUSTER_STATE",
+            default_value = "new",
+            value_parser = ["new", "existing"]
+        )]
+        initial_cluster_state: String,
+    },
     /// Run a local development cluster (child `serve` processes for more than one node).
     Dev(dev::DevArgs),
     /// Run `serve` in the background (pid and log file in its data directory).
@@ -153,8 +167,9 @@ pub async fn termination_signal() {
     }
 }
 
-async fn serve(args: ServeArgs) -> Result<(), CliError> {
-    let config = args.to_config()?;
+async fn serve(args: ServeArgs, join: bool) -> Result<(), CliError> {
+    let mut config = args.to_config()?;
+    config.join = join;
     conclave_server::server::run(config, termination_signal()).await?;
     Ok(())
 }
@@ -223,7 +238,10 @@ fn main() {
     };
     let result = runtime.block_on(async {
         match cli.command {
-            Command::Serve(args) => serve(args).await,
+            Command::Serve {
+                args,
+                initial_cluster_state,
+            } => serve(args, initial_cluster_state == "existing").await,
             Command::Dev(args) => dev::run(args).await,
             Command::Daemon(command) => {
                 let code = daemon::run(cli.global.json, command).await;

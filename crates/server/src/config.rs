@@ -63,6 +63,10 @@ pub struct ServerConfig {
     pub request_bytes_max: usize,
     /// How long a leader shutting down waits for its successor before it just stops.
     pub shutdown_transfer_timeout_ms: u64,
+    /// This node joins a running cluster (etcd's `--initial-cluster-state existing`): a fresh
+    /// data directory is not bootstrapped, the leader sends a snapshot, and `members` is the
+    /// founding list plus this node, which the cluster id leaves out.
+    pub join: bool,
 }
 
 impl ServerConfig {
@@ -90,6 +94,7 @@ impl ServerConfig {
             driver_queue_messages_max: 4096,
             request_bytes_max: REQUEST_BYTES_MAX,
             shutdown_transfer_timeout_ms: 1_000,
+            join: false,
         }
     }
 
@@ -113,6 +118,8 @@ impl ServerConfig {
         let mut members: Vec<_> = self
             .members
             .iter()
+            // A joining node derives the id of the cluster it joins, which it is not part of.
+            .filter(|m| !(self.join && m.id == self.id))
             .map(|m| format!("{}={}", m.id, m.peer_addr))
             .collect();
         members.sort();
@@ -201,6 +208,23 @@ mod tests {
         assert_eq!(config.cluster_id(), id);
         config.members.push(second);
         assert!(config.validate().is_err());
+    }
+
+    #[test]
+    fn a_joining_node_derives_the_founders_cluster_id() {
+        let founder = ServerConfig::single("/tmp/x", "127.0.0.1:2379", "127.0.0.1:2380");
+        let mut joiner = ServerConfig::single("/tmp/y", "127.0.0.1:2381", "127.0.0.1:2382");
+        joiner.id = 2;
+        joiner.join = true;
+        joiner.members = founder.members.clone();
+        joiner.members.push(Member {
+            id: 2,
+            name: "b".into(),
+            peer_addr: "127.0.0.1:2382".into(),
+            client_addr: "127.0.0.1:2381".into(),
+        });
+        assert!(joiner.validate().is_ok());
+        assert_eq!(joiner.cluster_id(), founder.cluster_id());
     }
 
     #[test]

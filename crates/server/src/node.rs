@@ -15,20 +15,21 @@
 //! applied at that index carries another term, a new leader overwrote it and the waiter gets
 //! [`Error::LeaderChanged`] instead of hanging.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::Path;
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use conclave_raft::{
-    ConfState, Config as RaftConfig, EntryKind, NodeId, RawNode, Ready, Role, Snapshot, Storage,
+    ConfChange, ConfChangeStep, ConfState, Config as RaftConfig, EntryKind, NodeId, RawNode, Ready,
+    Role, Snapshot, Storage,
 };
 use conclave_state::{ApplyOutput, Command, Event, LeaseKeeper, Request, StateMachine};
 use conclave_storage::{OsDisk, StorageOptions, WalStorage};
 use tokio::sync::{broadcast, mpsc, oneshot, watch};
 
-use crate::config::ServerConfig;
+use crate::config::{Member, ServerConfig};
 use crate::error::Error;
 use crate::transport::{InboundMessage, PeerTransport};
 
@@ -83,6 +84,17 @@ pub enum NodeRequest {
         id: i64,
         reply: oneshot::Sender<Result<Option<u64>, Error>>,
     },
+    /// Replicate a member record (the membership table lives next to the state machine, since
+    /// users cannot write `/_conclave/` keys); answered once applied here. Leader only.
+    ProposeMember {
+        member: Member,
+        reply: oneshot::Sender<Result<(), Error>>,
+    },
+    /// Propose one membership change; answered once its entry is applied here. Leader only.
+    ChangeMembership {
+        steps: Vec<ConfChangeStep>,
+        reply: oneshot::Sender<Result<(), Error>>,
+    },
 }
 
 /// A keepalive the leader accepted.
@@ -106,6 +118,8 @@ pub struct NodeStatus {
     pub applied_index: u64,
     pub last_index: u64,
     pub conf_state: ConfState,
+    /// The replicated member records (ids, names, addresses), by id.
+    pub members: Vec<Member>,
     /// Set once the driver stopped; the reason, empty for a clean shutdown.
     pub stopped: Option<String>,
 }
@@ -175,6 +189,18 @@ impl NodeHandle {
             .await
     }
 
+    /// Replicates a member record; see [`NodeRequest::ProposeMember`].
+    pub async fn propose_member(&self, member: Member) -> Result<(), Error> {
+        self.ask(|reply| NodeRequest::ProposeMember { member, reply })
+            .await
+    }
+
+    /// Proposes a membership change; see [`NodeRequest::ChangeMembership`].
+    pub async fn change_membership(&self, steps: Vec<ConfChangeStep>) -> Result<(), Error> {
+        self.ask(|reply| NodeRequest::ChangeMembership { steps, reply })
+            .await
+    }
+
     /// The leader's remaining TTL of a lease; see [`NodeRequest::LeaseRemaining`].
     pub async fn lease_remaining_ms(&self, id: i64) -> Result<Option<u64>, Error> {
         self.ask(|reply| NodeRequest::LeaseRemaining { id, reply })
@@ -198,29 +224,108 @@ pub fn state_config(config: &ServerConfig) -> conclave_state::Config {
 /// Opens the data directory (bootstrapping a fresh one with the founding members) and rebuilds
 /// the state machine from the newest snapshot. The log after it is replayed by the core.
 pub fn open_storage(config: &ServerConfig) -> Result<(WalStorage, StateMachine), Error> {
+    open_storage_with_members(config).map(|(store, state, _)| (store, state))
+}
+
+/// [`open_storage`], plus the member records: the snapshot's, or the founding members.
+fn open_storage_with_members(
+    config: &ServerConfig,
+) -> Result<(WalStorage, StateMachine, BTreeMap<NodeId, Member>), Error> {
     let mut store = WalStorage::open(
         Arc::new(OsDisk),
         &config.data_dir,
         StorageOptions::default(),
     )?;
-    if store.is_fresh() {
+    // A joining node waits for the leader's snapshot, which carries the membership.
+    if store.is_fresh() && !config.join {
         let voters = config.members.iter().map(|m| m.id);
         store.bootstrap(ConfState::with_voters(voters))?;
     }
     let snapshot = store
         .snapshot()
         .map_err(|e| Error::StateRestore(e.to_string()))?;
-    let state = restore_state(config, &snapshot)?;
-    Ok((store, state))
+    let (state, members) = restore_state(config, &snapshot)?;
+    let members = members
+        .unwrap_or_else(|| config.members.clone())
+        .into_iter()
+        .map(|m| (m.id, m))
+        .collect();
+    Ok((store, state, members))
 }
 
-fn restore_state(config: &ServerConfig, snapshot: &Snapshot) -> Result<StateMachine, Error> {
+fn restore_state(
+    config: &ServerConfig,
+    snapshot: &Snapshot,
+) -> Result<(StateMachine, Option<Vec<Member>>), Error> {
     if snapshot.data.is_empty() {
         // The bootstrap snapshot carries membership only.
-        return Ok(StateMachine::new(state_config(config)));
+        return Ok((StateMachine::new(state_config(config)), None));
     }
-    StateMachine::restore(state_config(config), &snapshot.data[..])
-        .map_err(|e| Error::StateRestore(e.to_string()))
+    let (members, data) = split_snapshot(&snapshot.data[..])
+        .ok_or_else(|| Error::StateRestore("malformed member records in the snapshot".into()))?;
+    let state = StateMachine::restore(state_config(config), data)
+        .map_err(|e| Error::StateRestore(e.to_string()))?;
+    Ok((state, members))
+}
+
+/// Starts a log entry that carries a member record rather than a state-machine command. A
+/// command's encoding cannot start with it (leader time 0, then an invalid option tag).
+const MEMBER_ENTRY_MAGIC: &[u8] = b"\x00conclave-member\x01";
+/// Starts a snapshot whose member records precede the state machine's image. Snapshots
+/// without it (taken before membership changes existed) are the image alone.
+const SNAPSHOT_MEMBERS_MAGIC: &[u8] = b"CNCLMEMB";
+/// Bounds a member record's strings, so a corrupt length cannot ask for gigabytes.
+const MEMBER_FIELD_BYTES_MAX: usize = 4096;
+
+fn encode_member_into(out: &mut Vec<u8>, member: &Member) {
+    out.extend_from_slice(&member.id.to_be_bytes());
+    for field in [&member.name, &member.peer_addr, &member.client_addr] {
+        out.extend_from_slice(&(field.len() as u32).to_be_bytes());
+        out.extend_from_slice(field.as_bytes());
+    }
+}
+
+fn encode_member_entry(member: &Member) -> Vec<u8> {
+    let mut out = MEMBER_ENTRY_MAGIC.to_vec();
+    encode_member_into(&mut out, member);
+    out
+}
+
+/// Reads what [`encode_member_into`] wrote; `None` on malformed bytes, never a panic.
+fn decode_member(bytes: &mut &[u8]) -> Option<Member> {
+    fn take<'a>(bytes: &mut &'a [u8], n: usize) -> Option<&'a [u8]> {
+        let (head, rest) = (bytes.get(..n)?, bytes.get(n..)?);
+        *bytes = rest;
+        Some(head)
+    }
+    fn string(bytes: &mut &[u8]) -> Option<String> {
+        let len = u32::from_be_bytes(take(bytes, 4)?.try_into().ok()?) as usize;
+        if len > MEMBER_FIELD_BYTES_MAX {
+            return None;
+        }
+        String::from_utf8(take(bytes, len)?.to_vec()).ok()
+    }
+    let id = u64::from_be_bytes(take(bytes, 8)?.try_into().ok()?);
+    Some(Member {
+        id,
+        name: string(bytes)?,
+        peer_addr: string(bytes)?,
+        client_addr: string(bytes)?,
+    })
+}
+
+/// Splits a snapshot into its member records (if it has them) and the state image.
+fn split_snapshot(data: &[u8]) -> Option<(Option<Vec<Member>>, &[u8])> {
+    let Some(mut rest) = data.strip_prefix(SNAPSHOT_MEMBERS_MAGIC) else {
+        return Some((None, data));
+    };
+    let count = u32::from_be_bytes(rest.get(..4)?.try_into().ok()?);
+    rest = rest.get(4..)?;
+    let mut members = Vec::new();
+    for _ in 0..count {
+        members.push(decode_member(&mut rest)?);
+    }
+    Some((Some(members), rest))
 }
 
 /// Who waits for a linearizable read to become safe.
@@ -228,7 +333,50 @@ type ReadWaiter = oneshot::Sender<Result<(), Error>>;
 
 struct ProposalWaiter {
     term: u64,
-    reply: oneshot::Sender<Result<Applied, Error>>,
+    reply: Reply,
+}
+
+/// Who waits for an entry: a client command wants its output; a member record or a
+/// membership change only that it was applied.
+enum Reply {
+    Command(oneshot::Sender<Result<Applied, Error>>),
+    Done(oneshot::Sender<Result<(), Error>>),
+}
+
+impl ProposalWaiter {
+    fn fail(self, error: Error) {
+        match self.reply {
+            Reply::Command(reply) => {
+                let _ = reply.send(Err(error));
+            }
+            Reply::Done(reply) => {
+                let _ = reply.send(Err(error));
+            }
+        }
+    }
+
+    /// Answers with what applying the entry at this waiter's index produced: `Some` output
+    /// for a command, `None` for a member record or membership change.
+    fn answer(self, entry_term: u64, output: Option<Applied>) {
+        if self.term != entry_term {
+            return self.fail(Error::LeaderChanged);
+        }
+        match (self.reply, output) {
+            (Reply::Command(reply), Some(applied)) => {
+                let _ = reply.send(Ok(applied));
+            }
+            (Reply::Done(reply), None) => {
+                let _ = reply.send(Ok(()));
+            }
+            // Another kind of entry took the index: what was waited for is lost.
+            (Reply::Command(reply), None) => {
+                let _ = reply.send(Err(Error::LeaderChanged));
+            }
+            (Reply::Done(reply), Some(_)) => {
+                let _ = reply.send(Err(Error::LeaderChanged));
+            }
+        }
+    }
 }
 
 /// Where this node stands with the leases (only a leader keeps their deadlines).
@@ -272,6 +420,15 @@ pub struct Driver {
     next_read_context: u64,
     snapshot_index: u64,
     leases: LeaseDuty,
+    /// The replicated member records, by id: founding members or the snapshot's, then
+    /// applied member entries. The peer transport dials every one of them but this node.
+    members: BTreeMap<NodeId, Member>,
+    /// Nodes a membership change removes; their records go once the configuration no longer
+    /// holds them (the joint configuration still needs them).
+    removals: BTreeSet<NodeId>,
+    /// The caller's runtime, which has the IO driver the peer links need (the driver's own
+    /// runtime has timers only).
+    peer_runtime: tokio::runtime::Handle,
 }
 
 /// Starts the driver thread. Returns the handle for the API and a join handle whose result is
@@ -283,7 +440,7 @@ pub fn spawn(
     shutdown: oneshot::Receiver<()>,
 ) -> Result<(NodeHandle, std::thread::JoinHandle<Result<(), Error>>), Error> {
     config.validate()?;
-    let (store, state) = open_storage(&config)?;
+    let (store, state, members) = open_storage_with_members(&config)?;
     let mut raft_config = RaftConfig::new(config.id);
     raft_config.election_ticks = config.election_ticks;
     raft_config.heartbeat_ticks = config.heartbeat_ticks;
@@ -321,7 +478,12 @@ pub fn spawn(
         next_read_context: 1,
         snapshot_index,
         leases,
+        members,
+        removals: BTreeSet::new(),
+        peer_runtime: tokio::runtime::Handle::try_current()
+            .map_err(|e| Error::RaftStart(format!("no tokio runtime for the peer links: {e}")))?,
     };
+    driver.sync_peers();
     driver.publish_status();
     let thread = std::thread::Builder::new()
         .name("conclave-raft".into())
@@ -501,7 +663,81 @@ impl Driver {
                 let result = self.lease_remaining_ms(id);
                 let _ = reply.send(result);
             }
+            NodeRequest::ProposeMember { member, reply } => {
+                let data = Bytes::from(encode_member_entry(&member));
+                self.propose_tracked(Reply::Done(reply), |raw| raw.propose(data));
+            }
+            NodeRequest::ChangeMembership { steps, reply } => {
+                self.propose_tracked(Reply::Done(reply), |raw| raw.propose_conf_change(steps));
+            }
         }
+    }
+
+    /// Proposes with `propose` as leader and keeps `reply` until the entry is applied.
+    fn propose_tracked(
+        &mut self,
+        reply: Reply,
+        propose: impl FnOnce(&mut RawNode<WalStorage>) -> Result<u64, conclave_raft::Error>,
+    ) {
+        let waiter = ProposalWaiter {
+            term: self.raw.term(),
+            reply,
+        };
+        if self.raw.role() != Role::Leader {
+            return waiter.fail(Error::NotLeader {
+                leader: self.raw.leader(),
+            });
+        }
+        if self.proposals.len() >= self.config.proposals_inflight_max {
+            return waiter.fail(Error::TooManyRequests);
+        }
+        match propose(&mut self.raw) {
+            Ok(index) => {
+                self.proposals.insert(index, waiter);
+            }
+            Err(error) => waiter.fail(raft_error(error)),
+        }
+    }
+
+    /// Makes the transport dial exactly the recorded members other than this node.
+    fn sync_peers(&mut self) {
+        let _runtime = self.peer_runtime.enter();
+        let me = self.raw.id();
+        let stale: Vec<NodeId> = self
+            .transport
+            .peers()
+            .filter(|id| !self.members.contains_key(id))
+            .collect();
+        for id in stale {
+            self.transport.remove_peer(id);
+        }
+        for member in self.members.values().filter(|m| m.id != me) {
+            if let Err(error) = self.transport.add_peer(member.id, member.peer_addr.clone()) {
+                tracing::warn!(id = member.id, %error, "peer not added");
+            }
+        }
+    }
+
+    /// Drops the records of removed nodes once the configuration no longer holds them.
+    fn finish_removals(&mut self) {
+        if self.removals.is_empty() {
+            return;
+        }
+        let conf = self.raw.conf_state().clone();
+        let gone: Vec<NodeId> = self
+            .removals
+            .iter()
+            .copied()
+            .filter(|&id| !conf.contains(id))
+            .collect();
+        for id in gone {
+            self.removals.remove(&id);
+            if id != self.raw.id() {
+                self.members.remove(&id);
+            }
+            tracing::info!(id, "member removed");
+        }
+        self.sync_peers();
     }
 
     /// Why this node cannot serve lease deadlines now, if it cannot.
@@ -669,6 +905,7 @@ impl Driver {
         match self.raw.propose(Bytes::from(command.encode())) {
             Ok(index) => {
                 let term = self.raw.term();
+                let reply = Reply::Command(reply);
                 self.proposals.insert(index, ProposalWaiter { term, reply });
             }
             Err(error) => {
@@ -735,8 +972,12 @@ impl Driver {
         }
         // 3. Apply: a snapshot from the leader replaces the state, then committed entries.
         if let Some(snapshot) = &ready.snapshot {
-            let restored = restore_state(&self.config, snapshot)?;
+            let (restored, members) = restore_state(&self.config, snapshot)?;
             *self.write_state() = restored;
+            if let Some(members) = members {
+                self.members = members.into_iter().map(|m| (m.id, m)).collect();
+                self.sync_peers();
+            }
             self.snapshot_index = snapshot.meta.index;
             // Proposals at or below the snapshot can no longer be matched to their entry.
             let lost: Vec<u64> = self
@@ -746,7 +987,7 @@ impl Driver {
                 .collect();
             for index in lost {
                 if let Some(waiter) = self.proposals.remove(&index) {
-                    let _ = waiter.reply.send(Err(Error::LeaderChanged));
+                    waiter.fail(Error::LeaderChanged);
                 }
             }
         }
@@ -760,8 +1001,9 @@ impl Driver {
                 self.reads_confirmed.push((read_state.index, readers));
             }
         }
-        // 5. Advance.
+        // 5. Advance: committed membership changes take effect here.
         self.raw.advance(ready);
+        self.finish_removals();
         self.release_reads();
         Ok(())
     }
@@ -779,6 +1021,7 @@ impl Driver {
         let mut events = Vec::new();
         let mut revision = 0;
         let mut answers = Vec::new();
+        let mut members_changed = false;
         {
             let mut state = self
                 .state
@@ -786,10 +1029,38 @@ impl Driver {
                 .unwrap_or_else(|poisoned| poisoned.into_inner());
             for entry in &ready.committed_entries {
                 let waiter = self.proposals.remove(&entry.index);
-                if entry.kind != EntryKind::Normal || entry.data.is_empty() {
-                    // Membership changes are the core's; an empty entry is a leader's no-op.
+                if entry.kind == EntryKind::ConfChange {
+                    // The core applies it at advance; the driver follows with the peers.
+                    if let Some(ConfChange::Enter(steps)) = ConfChange::decode(&entry.data) {
+                        for step in steps {
+                            if let ConfChangeStep::RemoveNode(id) = step {
+                                self.removals.insert(id);
+                            }
+                        }
+                        members_changed = true;
+                    }
                     if let Some(waiter) = waiter {
-                        answers.push((waiter, Err(Error::LeaderChanged)));
+                        answers.push((waiter, entry.term, None));
+                    }
+                    continue;
+                }
+                if let Some(mut record) = entry.data.strip_prefix(MEMBER_ENTRY_MAGIC) {
+                    match decode_member(&mut record) {
+                        Some(member) => {
+                            self.members.insert(member.id, member);
+                            members_changed = true;
+                        }
+                        None => tracing::error!(index = entry.index, "bad member record skipped"),
+                    }
+                    if let Some(waiter) = waiter {
+                        answers.push((waiter, entry.term, None));
+                    }
+                    continue;
+                }
+                if entry.data.is_empty() {
+                    // A leader's no-op: whatever waited at this index was overwritten.
+                    if let Some(waiter) = waiter {
+                        waiter.fail(Error::LeaderChanged);
                     }
                     continue;
                 }
@@ -805,15 +1076,11 @@ impl Driver {
                 revision = output.revision;
                 events.extend(output.events.iter().cloned());
                 if let Some(waiter) = waiter {
-                    let answer = if waiter.term == entry.term {
-                        Ok(Applied {
-                            output,
-                            term: entry.term,
-                        })
-                    } else {
-                        Err(Error::LeaderChanged)
+                    let applied = Applied {
+                        output,
+                        term: entry.term,
                     };
-                    answers.push((waiter, answer));
+                    answers.push((waiter, entry.term, Some(applied)));
                 }
             }
         }
@@ -824,15 +1091,18 @@ impl Driver {
                 events: Arc::new(events),
             });
         }
-        for (waiter, answer) in answers {
-            let _ = waiter.reply.send(answer);
+        if members_changed {
+            self.sync_peers();
+        }
+        for (waiter, term, output) in answers {
+            waiter.answer(term, output);
         }
         // Anything still waiting below the last applied index was overwritten.
         let applied = ready.committed_entries.last().map_or(0, |e| e.index);
         let stale: Vec<u64> = self.proposals.range(..=applied).map(|(&i, _)| i).collect();
         for index in stale {
             if let Some(waiter) = self.proposals.remove(&index) {
-                let _ = waiter.reply.send(Err(Error::LeaderChanged));
+                waiter.fail(Error::LeaderChanged);
             }
         }
         Ok(())
@@ -862,7 +1132,7 @@ impl Driver {
 
     fn fail_all_waiters(&mut self, error: impl Fn() -> Error) {
         for (_, waiter) in std::mem::take(&mut self.proposals) {
-            let _ = waiter.reply.send(Err(error()));
+            waiter.fail(error());
         }
         let mut readers: Vec<_> = std::mem::take(&mut self.reads_unsent);
         readers.extend(self.reads_sent.drain().flat_map(|(_, r)| r));
@@ -888,6 +1158,15 @@ impl Driver {
             .read()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .snapshot_to_vec();
+        // The member records travel with the state, so a node that catches up by snapshot
+        // (a joining one above all) learns every member's address.
+        let mut framed = SNAPSHOT_MEMBERS_MAGIC.to_vec();
+        framed.extend_from_slice(&(self.members.len() as u32).to_be_bytes());
+        for member in self.members.values() {
+            encode_member_into(&mut framed, member);
+        }
+        framed.extend_from_slice(&data);
+        let data = framed;
         let conf_state = self.raw.conf_state().clone();
         self.raw
             .store_mut()
@@ -907,6 +1186,7 @@ impl Driver {
             applied_index: self.raw.applied_index(),
             last_index: self.raw.last_index(),
             conf_state: self.raw.conf_state().clone(),
+            members: self.members.values().cloned().collect(),
             stopped: None,
         };
         self.status.send_if_modified(|current| {

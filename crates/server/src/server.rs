@@ -76,7 +76,7 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> Re
     let maintenance = MaintenanceServer::new(MaintenanceService { api: api.clone() })
         .max_decoding_message_size(decode_max)
         .max_encoding_message_size(GRPC_RESPONSE_BYTES_MAX);
-    let cluster = ClusterServer::new(ClusterService { api: api.clone() });
+    let cluster = ClusterServer::new(ClusterService::new(api.clone()));
     let watch = WatchServer::new(WatchService { api: api.clone() })
         .max_decoding_message_size(decode_max)
         .max_encoding_message_size(GRPC_RESPONSE_BYTES_MAX);

@@ -1,0 +1,310 @@
+//! Membership changes over real processes: a learner joins a running 3-node cluster with an
+//! empty data directory, catches up by snapshot, is promoted, and original members are
+//! removed (a follower, then the leader), while writes and reads continue.
+
+mod common;
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{Cluster, Node};
+use conclave_proto::etcdserverpb::cluster_client::ClusterClient;
+use conclave_proto::etcdserverpb::{
+    Member, MemberAddRequest, MemberListRequest, MemberPromoteRequest, MemberRemoveRequest,
+    RangeRequest,
+};
+use tonic::Code;
+use tonic::transport::Channel;
+
+const CATCH_UP_TIMEOUT: Duration = Duration::from_secs(20);
+const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
+
+fn cluster_client(cluster: &Cluster, id: u64) -> ClusterClient<Channel> {
+    let channel = Channel::from_shared(cluster.endpoint(id))
+        .expect("valid endpoint")
+        .connect_lazy();
+    ClusterClient::new(channel)
+}
+
+async fn members(cluster: &Cluster, id: u64) -> Vec<Member> {
+    let mut client = cluster_client(cluster, id);
+    let mut members = client
+        .member_list(MemberListRequest::default())
+        .await
+        .expect("member list")
+        .into_inner()
+        .members;
+    members.sort_by_key(|m| m.id);
+    members
+}
+
+/// Waits until node `id` lists exactly `expected` as (id, is_learner).
+async fn wait_for_members(cluster: &Cluster, id: u64, expected: &[(u64, bool)]) {
+    let start = Instant::now();
+    loop {
+        let listed: Vec<(u64, bool)> = members(cluster, id)
+            .await
+            .iter()
+            .map(|m| (m.id, m.is_learner))
+            .collect();
+        if listed == expected {
+            return;
+        }
+        assert!(
+            start.elapsed() < CATCH_UP_TIMEOUT,
+            "node {id} lists {listed:?}, expected {expected:?}; logs in {}",
+            cluster.root.display()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn serializable_get(cluster: &Cluster, id: u64, key: &str) -> Option<String> {
+    let mut kv = cluster.kv(id).await;
+    let response = kv
+        .range(RangeRequest {
+            key: key.to_string().into(),
+            serializable: true,
+            ..Default::default()
+        })
+        .await
+        .ok()?
+        .into_inner();
+    response
+        .kvs
+        .first()
+        .map(|kv| String::from_utf8_lossy(&kv.value).into_owned())
+}
+
+/// Waits until node `id` has applied `key` = `value`.
+async fn wait_for_value(cluster: &Cluster, id: u64, key: &str, value: &str) {
+    let start = Instant::now();
+    while serializable_get(cluster, id, key).await.as_deref() != Some(value) {
+        assert!(
+            start.elapsed() < CATCH_UP_TIMEOUT,
+            "node {id} never applied {key}={value}; logs in {}",
+            cluster.root.display()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Writes `count` keys `prefix-i` through the leader and checks every live member applies
+/// them.
+async fn write_and_check(cluster: &Cluster, prefix: &str, count: usize) {
+    let leader = cluster.wait_for_leader(WRITE_TIMEOUT).await;
+    for i in 0..count {
+        let key = format!("{prefix}-{i}");
+        cluster
+            .put_until_acked(leader, &key, &key, WRITE_TIMEOUT)
+            .await;
+    }
+    let last = format!("{prefix}-{}", count - 1);
+    for id in cluster.live_ids() {
+        wait_for_value(cluster, id, &last, &last).await;
+    }
+}
+
+/// Adds a learner through member `via` and starts it with an empty data directory and
+/// `--initial-cluster-state existing`. Returns its id.
+async fn add_and_start_learner(cluster: &mut Cluster, via: u64) -> u64 {
+    let client_port = free_port();
+    let peer_port = free_port();
+    let peer = format!("127.0.0.1:{peer_port}");
+    let added = cluster_client(cluster, via)
+        .member_add(MemberAddRequest {
+            peer_ur_ls: vec![format!("http://{peer}")],
+            is_learner: true,
+        })
+        .await
+        .expect("member add")
+        .into_inner();
+    let member = added.member.expect("the added member");
+    assert!(member.is_learner);
+    let id = member.id;
+    assert_eq!(
+        id,
+        cluster.nodes.len() as u64 + 1,
+        "ids continue after the founders"
+    );
+    assert!(added.members.iter().any(|m| m.id == id));
+
+    let founders: Vec<String> = cluster
+        .nodes
+        .iter()
+        .map(|n| format!("{}={}", n.id, n.peer))
+        .collect();
+    let initial_cluster = format!("{},{id}={peer}", founders.join(","));
+    let client = format!("127.0.0.1:{client_port}");
+    let clients: Vec<String> = cluster
+        .nodes
+        .iter()
+        .map(|n| format!("{}={}", n.id, n.client))
+        .chain(std::iter::once(format!("{id}={client}")))
+        .collect();
+    let data_dir = cluster.root.join(format!("node{id}"));
+    let log = std::fs::File::create(cluster.root.join(format!("node{id}.log"))).expect("log");
+    let log_err = log.try_clone().expect("clone the log handle");
+    let child = Command::new(env!("CARGO_BIN_EXE_conclave"))
+        .arg("serve")
+        .args(["--id", &id.to_string()])
+        .arg("--data-dir")
+        .arg(&data_dir)
+        .args(["--listen-client", &client])
+        .args(["--listen-peer", &peer])
+        .args(["--initial-cluster", &initial_cluster])
+        .args(["--initial-cluster-clients", &clients.join(",")])
+        .args(["--initial-cluster-state", "existing"])
+        .args(["--snapshot-entries", "50"])
+        .env("CONCLAVE_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::from(log))
+        .stderr(Stdio::from(log_err))
+        .spawn()
+        .expect("start the joining node");
+    cluster.nodes.push(Node {
+        id,
+        client,
+        peer,
+        data_dir,
+        child: Some(child),
+    });
+    id
+}
+
+/// A free loopback port from the same range the harness uses (above its own picks).
+fn free_port() -> u16 {
+    for _ in 0..1000 {
+        let port = 32_000 - (rand_offset() % 2000) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port");
+}
+
+fn rand_offset() -> u32 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u32(std::process::id());
+    hasher.finish() as u32
+}
+
+/// Starts 3 nodes, writes, adds and starts a learner, waits for it to catch up, promotes it.
+async fn cluster_with_promoted_fourth() -> Cluster {
+    let mut cluster = Cluster::start(3).await;
+    // Past --snapshot-entries, so the newcomer catches up from a compacted log.
+    write_and_check(&cluster, "before", 120).await;
+    let leader = cluster.wait_for_leader(WRITE_TIMEOUT).await;
+    let via = if leader == 1 { 2 } else { 1 }; // a follower forwards the change
+    let id = add_and_start_learner(&mut cluster, via).await;
+    wait_for_members(
+        &cluster,
+        1,
+        &[(1, false), (2, false), (3, false), (id, true)],
+    )
+    .await;
+    wait_for_value(&cluster, id, "before-119", "before-119").await;
+    write_and_check(&cluster, "learner", 20).await;
+
+    let mut client = cluster_client(&cluster, via);
+    client
+        .member_promote(MemberPromoteRequest { id })
+        .await
+        .expect("promote the learner");
+    for node in 1..=id {
+        wait_for_members(
+            &cluster,
+            node,
+            &[(1, false), (2, false), (3, false), (id, false)],
+        )
+        .await;
+    }
+    write_and_check(&cluster, "promoted", 20).await;
+    cluster
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn learner_joins_is_promoted_and_a_follower_is_removed() {
+    let mut cluster = cluster_with_promoted_fourth().await;
+    let mut client = cluster_client(&cluster, 1);
+
+    // etcd's refusals, word for word.
+    let again = client
+        .member_promote(MemberPromoteRequest { id: 4 })
+        .await
+        .expect_err("a voter cannot be promoted");
+    assert_eq!(again.code(), Code::FailedPrecondition);
+    assert_eq!(
+        again.message(),
+        "etcdserver: can only promote a learner member"
+    );
+    let unknown = client
+        .member_promote(MemberPromoteRequest { id: 99 })
+        .await
+        .expect_err("unknown member");
+    assert_eq!(unknown.code(), Code::NotFound);
+    assert_eq!(unknown.message(), "etcdserver: member not found");
+    let duplicate = client
+        .member_add(MemberAddRequest {
+            peer_ur_ls: vec![format!("http://{}", cluster.nodes[3].peer)],
+            is_learner: true,
+        })
+        .await
+        .expect_err("duplicate peer URL");
+    assert_eq!(duplicate.message(), "etcdserver: Peer URLs already exists");
+
+    let etcdctl = std::path::Path::new("/usr/bin/etcdctl");
+    if etcdctl.exists() {
+        let output = Command::new(etcdctl)
+            .env("ETCDCTL_API", "3")
+            .args(["--endpoints", &cluster.endpoints(), "member", "list"])
+            .output()
+            .expect("run etcdctl");
+        let listed = String::from_utf8_lossy(&output.stdout);
+        assert!(output.status.success(), "etcdctl member list: {listed}");
+        assert_eq!(listed.lines().count(), 4, "etcdctl member list: {listed}");
+        assert!(listed.contains(&cluster.nodes[3].peer), "{listed}");
+    }
+
+    // Remove a founding follower; the rest carry on.
+    let leader = cluster.wait_for_leader(WRITE_TIMEOUT).await;
+    let removed = (1..=3).find(|&id| id != leader).expect("a follower");
+    let remaining: Vec<(u64, bool)> = (1..=4)
+        .filter(|&id| id != removed)
+        .map(|id| (id, false))
+        .collect();
+    client = cluster_client(&cluster, leader);
+    client
+        .member_remove(MemberRemoveRequest { id: removed })
+        .await
+        .expect("remove a follower");
+    cluster.kill(removed);
+    for id in cluster.live_ids() {
+        wait_for_members(&cluster, id, &remaining).await;
+    }
+    write_and_check(&cluster, "after-removal", 20).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_leader_can_be_removed() {
+    let mut cluster = cluster_with_promoted_fourth().await;
+    let leader = cluster.wait_for_leader(WRITE_TIMEOUT).await;
+    let remaining: Vec<(u64, bool)> = (1..=4)
+        .filter(|&id| id != leader)
+        .map(|id| (id, false))
+        .collect();
+    // The answer may be lost as the leader steps down; the membership is what counts.
+    let _ = cluster_client(&cluster, leader)
+        .member_remove(MemberRemoveRequest { id: leader })
+        .await;
+    let witness = (1..=4).find(|&id| id != leader).expect("another member");
+    wait_for_members(&cluster, witness, &remaining).await;
+    cluster.kill(leader);
+    let new_leader = cluster.wait_for_leader(WRITE_TIMEOUT).await;
+    assert_ne!(new_leader, leader);
+    for id in cluster.live_ids() {
+        wait_for_members(&cluster, id, &remaining).await;
+    }
+    write_and_check(&cluster, "after-leader-removal", 20).await;
+}
