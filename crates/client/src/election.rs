@@ -638,6 +638,7 @@ impl Leadership {
     pub fn lost(&self) -> impl Future<Output = LossReason> + Send + 'static {
         let mut lost = self.lost_tx.subscribe();
         let mut lease = self.keeper.as_ref().map(LeaseKeepAlive::subscribe);
+        let has_lease = lease.is_some();
         async move {
             let lease_expired = async {
                 match lease.as_mut() {
@@ -651,6 +652,11 @@ impl Leadership {
                         return reason;
                     }
                     if lost.changed().await.is_err() {
+                        // The handle went away without a recorded reason (abandoned, as a
+                        // crash would): the lease alone decides when leadership is gone.
+                        if has_lease {
+                            std::future::pending::<()>().await;
+                        }
                         return LossReason::Resigned;
                     }
                 }

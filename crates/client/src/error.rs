@@ -100,6 +100,10 @@ impl Error {
         match status.code() {
             Code::Unavailable if lower.contains("no leader") => Error::NoLeader(message),
             Code::Unavailable if lower.contains("request timed out") => Error::Timeout(message),
+            // tonic's own deadline (the request's `timeout`) ends the call this way.
+            Code::Cancelled | Code::Unavailable if lower.contains("timeout expired") => {
+                Error::Timeout(message)
+            }
             Code::Unavailable
             | Code::Cancelled
             | Code::Aborted
