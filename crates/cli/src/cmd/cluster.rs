@@ -5,9 +5,11 @@ use std::time::Duration;
 
 use clap::{Args, Subcommand};
 use conclave_client::{Error, ErrorContext};
+use conclave_proto::etcdserverpb::cluster_client::ClusterClient;
 use conclave_proto::etcdserverpb::maintenance_client::MaintenanceClient;
 use conclave_proto::etcdserverpb::{
-    Member, MoveLeaderRequest, SnapshotRequest, StatusRequest, StatusResponse,
+    Member, MemberAddRequest, MemberPromoteRequest, MemberRemoveRequest, MoveLeaderRequest,
+    SnapshotRequest, StatusRequest, StatusResponse,
 };
 use serde_json::{Value, json};
 use tokio::io::AsyncWriteExt;
@@ -23,6 +25,21 @@ pub const SNAPSHOT_BYTES_MAX: u64 = 8 * 1024 * 1024 * 1024;
 pub enum MemberCommand {
     /// Every member with its URLs.
     List,
+    /// Add a member (voter, or learner with --learner); prints how to start it.
+    Add {
+        /// The new member's name (used in the printed serve flags).
+        name: String,
+        /// Its peer address, `http://host:port`.
+        #[arg(long, value_name = "URL")]
+        peer_url: String,
+        /// Join as a non-voting learner (promote it once it caught up).
+        #[arg(long)]
+        learner: bool,
+    },
+    /// Remove a member (its name or hex id).
+    Remove { name: String },
+    /// Make a caught-up learner a voter (its name or hex id).
+    Promote { name: String },
 }
 
 #[derive(Subcommand, Debug)]
@@ -81,8 +98,136 @@ async fn probe(url: &str, timeout: Duration) -> Result<StatusResponse, String> {
     }
 }
 
+/// The member called `name` (or whose hex id it is).
+fn find_member<'a>(members: &'a [Member], name: &str) -> CmdResult<&'a Member> {
+    members
+        .iter()
+        .find(|m| m.name == name || id_hex(m.id) == name.trim_start_matches("0x"))
+        .ok_or_else(|| {
+            Failure::new(
+                "not_found",
+                format!("no member is named or has the id {name:?}"),
+            )
+        })
+}
+
+/// `4 (n4)`, or `4` for a member that has not started yet (no name).
+fn label(m: &Member) -> String {
+    if m.name.is_empty() {
+        id_hex(m.id)
+    } else {
+        format!("{} ({})", id_hex(m.id), m.name)
+    }
+}
+
+fn host_port(url: &str) -> String {
+    url.trim_start_matches("http://")
+        .trim_start_matches("https://")
+        .trim_end_matches('/')
+        .to_string()
+}
+
 pub async fn member(ctx: &Ctx, command: MemberCommand) -> CmdResult {
     match command {
+        MemberCommand::Add {
+            name,
+            peer_url,
+            learner,
+        } => {
+            if name.is_empty() {
+                return Err(Failure::invalid("the member name must not be empty"));
+            }
+            if !host_port(&peer_url).contains(':') {
+                return Err(Failure::invalid(format!(
+                    "--peer-url {peer_url:?} needs a host and a port"
+                )));
+            }
+            let client = ctx.connect().await?;
+            let url = client.current_endpoint().await?;
+            let peer_url = if peer_url.contains("://") {
+                peer_url
+            } else {
+                format!("http://{peer_url}")
+            };
+            let answer = ClusterClient::new(channel(&url, ctx.timeout)?)
+                .member_add(MemberAddRequest {
+                    peer_ur_ls: vec![peer_url.clone()],
+                    is_learner: learner,
+                })
+                .await
+                .map_err(|s| status_failure(&s))?
+                .into_inner();
+            let added = answer.member.ok_or_else(|| {
+                Failure::new("unavailable", "the server did not say who it added")
+            })?;
+            // How to start it: numeric keys, since names would be numbered in list order.
+            let initial_cluster = answer
+                .members
+                .iter()
+                .filter_map(|m| {
+                    m.peer_ur_ls
+                        .first()
+                        .map(|p| format!("{}={}", m.id, host_port(p)))
+                })
+                .collect::<Vec<_>>()
+                .join(",");
+            let flags = vec![
+                "--name".to_string(),
+                name.clone(),
+                "--id".into(),
+                added.id.to_string(),
+                "--listen-peer".into(),
+                host_port(&peer_url),
+                "--initial-cluster".into(),
+                initial_cluster,
+                "--initial-cluster-state".into(),
+                "existing".into(),
+            ];
+            ctx.out.ok(
+                json!({
+                    "member": member_json(&added),
+                    "members": answer.members.iter().map(member_json).collect::<Vec<_>>(),
+                    "serve_flags": flags,
+                }),
+                || {
+                    format!(
+                        "member {} added{}; start it with an empty data directory:\n  conclave serve {} --listen-client HOST:PORT --initial-cluster-clients ...",
+                        id_hex(added.id),
+                        if learner { " as a learner" } else { "" },
+                        flags.join(" ")
+                    )
+                },
+            );
+            Ok(0)
+        }
+        MemberCommand::Remove { name } => {
+            let client = ctx.connect().await?;
+            let members = client.member_list().await?;
+            let target = find_member(&members, &name)?.clone();
+            let url = client.current_endpoint().await?;
+            ClusterClient::new(channel(&url, ctx.timeout)?)
+                .member_remove(MemberRemoveRequest { id: target.id })
+                .await
+                .map_err(|s| status_failure(&s))?;
+            ctx.out.ok(json!({"removed": member_json(&target)}), || {
+                format!("member {} removed", label(&target))
+            });
+            Ok(0)
+        }
+        MemberCommand::Promote { name } => {
+            let client = ctx.connect().await?;
+            let members = client.member_list().await?;
+            let target = find_member(&members, &name)?.clone();
+            let url = client.current_endpoint().await?;
+            ClusterClient::new(channel(&url, ctx.timeout)?)
+                .member_promote(MemberPromoteRequest { id: target.id })
+                .await
+                .map_err(|s| status_failure(&s))?;
+            ctx.out.ok(json!({"promoted": member_json(&target)}), || {
+                format!("member {} promoted to voter", label(&target))
+            });
+            Ok(0)
+        }
         MemberCommand::List => {
             let client = ctx.connect().await?;
             let members = client.member_list().await?;
@@ -242,17 +387,8 @@ pub async fn status(ctx: &Ctx) -> CmdResult {
 
 pub async fn transfer_leader(ctx: &Ctx, args: TransferArgs) -> CmdResult {
     let answers = probe_all(ctx).await?;
-    let target = answers
-        .iter()
-        .map(|(m, _)| m)
-        .find(|m| m.name == args.name || id_hex(m.id) == args.name.trim_start_matches("0x"))
-        .ok_or_else(|| {
-            Failure::new(
-                "not_found",
-                format!("no member is named or has the id {:?}", args.name),
-            )
-        })?
-        .clone();
+    let members: Vec<Member> = answers.iter().map(|(m, _)| m.clone()).collect();
+    let target = find_member(&members, &args.name)?.clone();
     let leader = answers
         .iter()
         .filter_map(|(m, a)| a.as_ref().ok().map(|s| (m, s)))
