@@ -282,3 +282,41 @@ async fn inbox_and_ack_lose_nothing_across_a_leader_failover() {
     assert_eq!(data, expected, "nothing lost, repeated or reordered");
     assert!(seen.windows(2).all(|w| w[0].0 < w[1].0), "{seen:?}");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn ctrl_c_withdraws_a_waiting_locker_and_releases_a_holder() {
+    let cluster = Cluster::start(3).await;
+    let eps = cluster.endpoints();
+    let eps = eps.as_str();
+    let mut holder = Streaming::start(
+        eps,
+        &["lock", "gate", "--json", "--", "sh", "-c", "exec sleep 600"],
+    );
+    let (_, acquired) = holder.next_json(LINE_TIMEOUT).expect("acquired");
+    let fence = acquired["data"]["fence"].as_u64().expect("fence");
+    let mut waiter = Streaming::start(eps, &["lock", "gate", "--json"]);
+    std::thread::sleep(Duration::from_millis(300));
+    waiter.signal("-INT");
+    assert_eq!(waiter.wait_code(LINE_TIMEOUT), Some(130));
+    let (_, doc) = waiter
+        .next_json(LINE_TIMEOUT)
+        .expect("the interrupted document");
+    assert_eq!(doc["code"], "interrupted");
+
+    holder.signal("-INT");
+    assert_eq!(holder.wait_code(LINE_TIMEOUT), Some(130), "CMD was stopped");
+    let (_, released) = holder.next_json(LINE_TIMEOUT).expect("released");
+    assert_eq!(released["data"]["event"], "released");
+    // The lock is free at once: the next holder does not wait for a TTL, and its fence is higher.
+    let started = Instant::now();
+    let next = run(eps, &["lock", "gate", "--json", "--", "true"]);
+    assert_eq!(next.code, 0, "{next:?}");
+    assert!(started.elapsed() < Duration::from_secs(3));
+    let first: Value = next
+        .stdout
+        .lines()
+        .next()
+        .and_then(|l| serde_json::from_str(l).ok())
+        .expect("acquired line");
+    assert!(first["data"]["fence"].as_u64().is_some_and(|f| f > fence));
+}

@@ -315,7 +315,10 @@ async fn campaign(ctx: &Ctx, args: CampaignArgs) -> CmdResult {
         _ = super::interrupted() => {
             // Withdraw now rather than leave the candidacy until its lease expires.
             let _ = election.resign(&args.group, &args.id, 0).await;
-            return Ok(super::exit_code("interrupted"));
+            return Err(Failure::new(
+                "interrupted",
+                format!("interrupted before being elected in {}; withdrew {}", args.group, args.id),
+            ));
         }
     };
     let info = leadership.info().clone();

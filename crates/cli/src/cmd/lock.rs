@@ -36,7 +36,12 @@ pub async fn run(ctx: &Ctx, args: LockArgs) -> CmdResult {
     let mutex = client.mutex();
     let guard = tokio::select! {
         guard = mutex.lock(&args.name, options) => guard?,
-        _ = super::interrupted() => return Ok(super::exit_code("interrupted")),
+        _ = super::interrupted() => {
+            return Err(Failure::new(
+                "interrupted",
+                format!("interrupted while waiting for the lock {}", args.name),
+            ));
+        }
     };
     let fence = guard.fence();
     let key = text(guard.key());

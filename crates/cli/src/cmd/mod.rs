@@ -46,8 +46,9 @@ Exit codes (with --json, `code` in the error document):
   10  no_leader          the cluster has no Raft leader
   11  unavailable        a member failed mid-request, or the call is not served
   12  connection_failed  no endpoint could be reached
-  130 interrupted        Ctrl-C / SIGTERM while CMD ran (after stopping it and
-                         resigning or unlocking; without CMD, Ctrl-C exits 0)";
+  130 interrupted        Ctrl-C / SIGTERM while waiting for a seat or lock, or while CMD
+                         ran (after stopping it and resigning or unlocking; a held seat
+                         or lock without CMD is released by Ctrl-C with exit 0)";
 
 /// Flags every client command takes (global: they may appear before or after the command).
 #[derive(Args, Debug, Clone)]
