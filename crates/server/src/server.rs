@@ -94,12 +94,9 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> Re
             .add_service(crate::api::conclave::election_server(&api, decode_max))
             .add_service(crate::api::conclave::topic_server(&api, decode_max))
             .add_service(crate::api::conclave::status_server(&api))
-            .serve_with_incoming_shutdown(
-                tokio_stream::wrappers::TcpListenerStream::new(client_listener),
-                async move {
-                    let _ = grpc_stopped.await;
-                },
-            ),
+            .serve_with_incoming_shutdown(client_connections(client_listener), async move {
+                let _ = grpc_stopped.await;
+            }),
     );
     tracing::info!(
         id = config.id,
@@ -126,4 +123,18 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> Re
         Ok(result) => result,
         Err(join_error) => Err(Error::RaftStart(format!("driver task: {join_error}"))),
     }
+}
+
+/// Accepted client connections with `TCP_NODELAY` set: tonic applies its own nodelay default
+/// only to listeners it binds itself, and without it a response written in two parts waits
+/// for the client's delayed ACK (about 40 ms per small read on Linux).
+fn client_connections(
+    listener: tokio::net::TcpListener,
+) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
+    use tokio_stream::StreamExt;
+    tokio_stream::wrappers::TcpListenerStream::new(listener).map(|accepted| {
+        let stream = accepted?;
+        stream.set_nodelay(true)?;
+        Ok(stream)
+    })
 }
