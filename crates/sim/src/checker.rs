@@ -338,7 +338,13 @@ mod tests {
         let mut c = Checker::default();
         let committed = entry(2, 1, "x");
         // Node 1 starts from the bootstrap snapshot at index 1.
-        c.reset_state(1, AppState { applied: 1, hash: 0 });
+        c.reset_state(
+            1,
+            AppState {
+                applied: 1,
+                hash: 0,
+            },
+        );
         c.observe_applied(1, 1, &committed, chain_hash(0, &committed));
         let mut holds = MemStorage::new_with_conf_state(ConfState::with_voters([1, 2, 3]));
         holds.append(std::slice::from_ref(&committed));
