@@ -86,7 +86,7 @@ impl ServerConfig {
             tick_ms: 10,
             election_ticks: 15,
             heartbeat_ticks: 5,
-            snapshot_entries: 10_000,
+            snapshot_entries: 100_000,
             request_timeout_ms: 5_000,
             proposals_inflight_max: 10_000,
             reads_inflight_max: 10_000,
