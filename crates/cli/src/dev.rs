@@ -71,7 +71,7 @@ fn serve_args(node: &DevNode, initial_cluster: &str) -> ServeArgs {
         listen_peer: node.peer.clone(),
         initial_cluster: Some(initial_cluster.to_string()),
         initial_cluster_clients: None,
-        snapshot_entries: 10_000,
+        snapshot_entries: conclave_server::config::DEFAULT_SNAPSHOT_ENTRIES,
         tick_ms: 10,
         heartbeat_ms: 50,
         election_timeout_ms: 150,

@@ -89,7 +89,7 @@ pub struct ServeArgs {
     #[arg(long, env = "CONCLAVE_INITIAL_CLUSTER_CLIENTS")]
     pub initial_cluster_clients: Option<String>,
     /// Take a snapshot and compact the log every this many applied entries.
-    #[arg(long, env = "CONCLAVE_SNAPSHOT_ENTRIES", default_value_t = 100_000)]
+    #[arg(long, env = "CONCLAVE_SNAPSHOT_ENTRIES", default_value_t = conclave_server::config::DEFAULT_SNAPSHOT_ENTRIES)]
     pub snapshot_entries: u64,
     /// Length of one Raft tick.
     #[arg(long, env = "CONCLAVE_TICK_MS", default_value_t = 10)]

@@ -69,6 +69,11 @@ pub struct ServerConfig {
     pub join: bool,
 }
 
+/// Snapshot the state machine every this many applied entries unless told otherwise (etcd's
+/// default too). The snapshot is taken on the Raft driver thread and pauses the node while it
+/// is written, so more often costs tail latency; see docs/performance.md.
+pub const DEFAULT_SNAPSHOT_ENTRIES: u64 = 100_000;
+
 impl ServerConfig {
     /// A single-node configuration with Conclave's defaults.
     pub fn single(data_dir: impl Into<PathBuf>, listen_client: &str, listen_peer: &str) -> Self {
@@ -86,7 +91,7 @@ impl ServerConfig {
             tick_ms: 10,
             election_ticks: 15,
             heartbeat_ticks: 5,
-            snapshot_entries: 100_000,
+            snapshot_entries: DEFAULT_SNAPSHOT_ENTRIES,
             request_timeout_ms: 5_000,
             proposals_inflight_max: 10_000,
             reads_inflight_max: 10_000,
