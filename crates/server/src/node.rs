@@ -25,7 +25,7 @@ use conclave_raft::{
     ConfChange, ConfChangeStep, ConfState, Config as RaftConfig, EntryKind, NodeId, RawNode, Ready,
     Role, Snapshot, Storage,
 };
-use conclave_state::{ApplyOutput, Command, Event, LeaseKeeper, Request, StateMachine};
+use conclave_state::{ApplyOutput, Command, Event, LeaseKeeper, Request, SessionSeq, StateMachine};
 use conclave_storage::{OsDisk, StorageOptions, WalStorage};
 use tokio::sync::{broadcast, mpsc, oneshot, watch};
 
@@ -64,6 +64,8 @@ pub enum NodeRequest {
     /// Replicate `request`; the reply comes once it is applied (or lost).
     Propose {
         request: Request,
+        /// The client's exactly-once session position, if it has one.
+        session: Option<SessionSeq>,
         reply: oneshot::Sender<Result<Applied, Error>>,
     },
     /// Answer once the state machine has applied up to a quorum-confirmed commit index.
@@ -170,8 +172,22 @@ impl NodeHandle {
     }
 
     pub async fn propose(&self, request: Request) -> Result<Applied, Error> {
-        self.ask(|reply| NodeRequest::Propose { request, reply })
-            .await
+        self.propose_in_session(request, None).await
+    }
+
+    /// Replicates `request` as position `session` of a client session (when given): a retry
+    /// with the same position is answered from the state machine's cache, not applied again.
+    pub async fn propose_in_session(
+        &self,
+        request: Request,
+        session: Option<SessionSeq>,
+    ) -> Result<Applied, Error> {
+        self.ask(|reply| NodeRequest::Propose {
+            request,
+            session,
+            reply,
+        })
+        .await
     }
 
     pub async fn read_index(&self) -> Result<(), Error> {
@@ -636,7 +652,11 @@ impl Driver {
 
     fn handle_request(&mut self, request: NodeRequest) {
         match request {
-            NodeRequest::Propose { request, reply } => self.propose(request, reply),
+            NodeRequest::Propose {
+                request,
+                session,
+                reply,
+            } => self.propose(request, session, reply),
             NodeRequest::ReadIndex { reply } => {
                 let pending: usize = self.reads_unsent.len()
                     + self.reads_sent.values().map(Vec::len).sum::<usize>()
@@ -772,7 +792,7 @@ impl Driver {
             let request = Request::LeaseCheckpoint {
                 checkpoints: vec![checkpoint],
             };
-            self.propose(request, reply);
+            self.propose(request, None, reply);
             committed
         });
         Ok(Some(LeaseRenewal {
@@ -889,7 +909,12 @@ impl Driver {
         }
     }
 
-    fn propose(&mut self, request: Request, reply: oneshot::Sender<Result<Applied, Error>>) {
+    fn propose(
+        &mut self,
+        request: Request,
+        session: Option<SessionSeq>,
+        reply: oneshot::Sender<Result<Applied, Error>>,
+    ) {
         if self.raw.role() != Role::Leader {
             let _ = reply.send(Err(Error::NotLeader {
                 leader: self.raw.leader(),
@@ -901,7 +926,11 @@ impl Driver {
             return;
         }
         // The leader's clock is the state machine's only notion of time (leases, sessions).
-        let command = Command::new(now_ms(), request);
+        let command = Command {
+            leader_time_ms: now_ms(),
+            session,
+            request,
+        };
         match self.raw.propose(Bytes::from(command.encode())) {
             Ok(index) => {
                 let term = self.raw.term();

@@ -204,10 +204,10 @@ impl Election for ElectionService {
                     Response::Group(_) => Ok(Outcome::Local(applied.output.revision)),
                     other => Err(unexpected(other)),
                 },
-                |channel, timeout| {
+                |channel, ctx| {
                     let message = message.clone();
                     Box::pin(async move {
-                        let request = Api::forwarded_request(message, timeout);
+                        let request = Api::forwarded_request(message, &ctx);
                         Ok(Outcome::Forwarded(
                             ElectionClient::new(channel).campaign(request).await?,
                         ))
@@ -305,10 +305,10 @@ impl Election for ElectionService {
                     }),
                     other => Err(unexpected(other)),
                 },
-                |channel, timeout| {
+                |channel, ctx| {
                     let message = message.clone();
                     Box::pin(async move {
-                        let request = Api::forwarded_request(message, timeout);
+                        let request = Api::forwarded_request(message, &ctx);
                         Ok(ElectionClient::new(channel)
                             .resign(request)
                             .await?
@@ -343,10 +343,10 @@ impl Election for ElectionService {
                     }),
                     other => Err(unexpected(other)),
                 },
-                |channel, timeout| {
+                |channel, ctx| {
                     let message = message.clone();
                     Box::pin(async move {
-                        let request = Api::forwarded_request(message, timeout);
+                        let request = Api::forwarded_request(message, &ctx);
                         Ok(ElectionClient::new(channel)
                             .proclaim(request)
                             .await?
@@ -685,10 +685,10 @@ async fn ack(
             }),
             other => Err(unexpected(other)),
         },
-        |channel, timeout| {
+        |channel, ctx| {
             let message = message.clone();
             Box::pin(async move {
-                let request = Api::forwarded_request(message, timeout);
+                let request = Api::forwarded_request(message, &ctx);
                 Ok(TopicClient::new(channel).ack(request).await?.into_inner())
             })
         },
@@ -723,10 +723,10 @@ impl Topic for TopicService {
                     }),
                     other => Err(unexpected(other)),
                 },
-                |channel, timeout| {
+                |channel, ctx| {
                     let message = message.clone();
                     Box::pin(async move {
-                        let request = Api::forwarded_request(message, timeout);
+                        let request = Api::forwarded_request(message, &ctx);
                         Ok(TopicClient::new(channel)
                             .publish(request)
                             .await?

@@ -91,10 +91,10 @@ impl Election for ElectionService {
                     }
                     other => Err(unexpected(other)),
                 },
-                |channel, timeout| {
+                |channel, ctx| {
                     let message = message.clone();
                     Box::pin(async move {
-                        let request = Api::forwarded_request(message, timeout);
+                        let request = Api::forwarded_request(message, &ctx);
                         Ok(Outcome::Forwarded(
                             ElectionClient::new(channel).campaign(request).await?,
                         ))
@@ -148,10 +148,10 @@ impl Election for ElectionService {
                     }),
                     other => Err(unexpected(other)),
                 },
-                |channel, timeout| {
+                |channel, ctx| {
                     let message = message.clone();
                     Box::pin(async move {
-                        let request = Api::forwarded_request(message, timeout);
+                        let request = Api::forwarded_request(message, &ctx);
                         Ok(ElectionClient::new(channel)
                             .proclaim(request)
                             .await?
@@ -266,10 +266,10 @@ impl Election for ElectionService {
                     }),
                     other => Err(unexpected(other)),
                 },
-                |channel, timeout| {
+                |channel, ctx| {
                     let message = message.clone();
                     Box::pin(async move {
-                        let request = Api::forwarded_request(message, timeout);
+                        let request = Api::forwarded_request(message, &ctx);
                         Ok(ElectionClient::new(channel)
                             .resign(request)
                             .await?

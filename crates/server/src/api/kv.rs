@@ -83,10 +83,10 @@ impl Kv for KvService {
                     )),
                     other => Err(unexpected(other)),
                 },
-                |channel, timeout| {
+                |channel, ctx| {
                     let message = message.clone();
                     Box::pin(async move {
-                        let request = Api::forwarded_request(message, timeout);
+                        let request = Api::forwarded_request(message, &ctx);
                         Ok(KvClient::new(channel).put(request).await?.into_inner())
                     })
                 },
@@ -115,10 +115,10 @@ impl Kv for KvService {
                     )),
                     other => Err(unexpected(other)),
                 },
-                |channel, timeout| {
+                |channel, ctx| {
                     let message = message.clone();
                     Box::pin(async move {
-                        let request = Api::forwarded_request(message, timeout);
+                        let request = Api::forwarded_request(message, &ctx);
                         Ok(KvClient::new(channel)
                             .delete_range(request)
                             .await?
@@ -150,10 +150,10 @@ impl Kv for KvService {
                     )),
                     other => Err(unexpected(other)),
                 },
-                |channel, timeout| {
+                |channel, ctx| {
                     let message = message.clone();
                     Box::pin(async move {
-                        let request = Api::forwarded_request(message, timeout);
+                        let request = Api::forwarded_request(message, &ctx);
                         Ok(KvClient::new(channel).txn(request).await?.into_inner())
                     })
                 },
@@ -182,9 +182,9 @@ impl Kv for KvService {
                     }),
                     other => Err(unexpected(other)),
                 },
-                |channel, timeout| {
+                |channel, ctx| {
                     Box::pin(async move {
-                        let request = Api::forwarded_request(message, timeout);
+                        let request = Api::forwarded_request(message, &ctx);
                         Ok(KvClient::new(channel).compact(request).await?.into_inner())
                     })
                 },

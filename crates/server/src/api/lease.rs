@@ -350,9 +350,9 @@ impl Lease for LeaseService {
                     }),
                     other => Err(unexpected(other)),
                 },
-                |channel, timeout| {
+                |channel, ctx| {
                     Box::pin(async move {
-                        let request = Api::forwarded_request(message, timeout);
+                        let request = Api::forwarded_request(message, &ctx);
                         Ok(LeaseClient::new(channel)
                             .lease_grant(request)
                             .await?
@@ -383,9 +383,9 @@ impl Lease for LeaseService {
                     }),
                     other => Err(unexpected(other)),
                 },
-                |channel, timeout| {
+                |channel, ctx| {
                     Box::pin(async move {
-                        let request = Api::forwarded_request(message, timeout);
+                        let request = Api::forwarded_request(message, &ctx);
                         Ok(LeaseClient::new(channel)
                             .lease_revoke(request)
                             .await?
@@ -416,6 +416,7 @@ impl Lease for LeaseService {
                     deadline: Instant::now()
                         + Duration::from_millis(shared.api.config.request_timeout_ms),
                     forwarded,
+                    session: None,
                 };
                 let answer = shared
                     .keep_alive_once(&ctx, &mut upstream, message.id)
@@ -443,7 +444,7 @@ impl Lease for LeaseService {
                 Ok(None) => shared.time_to_live_here(&ctx, &message).await,
                 Ok(Some(leader)) => match shared.channel(leader) {
                     Ok(channel) => {
-                        let request = Api::forwarded_request(message, ctx.remaining());
+                        let request = Api::forwarded_request(message, &ctx);
                         LeaseClient::new(channel)
                             .lease_time_to_live(request)
                             .await

@@ -174,7 +174,7 @@ pub(crate) async fn fenced_delete(
             Response::Unlocked { released } => Ok(*released),
             other => Err(unexpected(other)),
         },
-        |channel, timeout| {
+        |channel, ctx| {
             let key = key.clone();
             Box::pin(async move {
                 // The same fenced delete as a Txn, which every member serves.
@@ -197,7 +197,7 @@ pub(crate) async fn fenced_delete(
                     }],
                     failure: vec![],
                 };
-                let request = Api::forwarded_request(txn, timeout);
+                let request = Api::forwarded_request(txn, &ctx);
                 Ok(KvClient::new(channel)
                     .txn(request)
                     .await?
@@ -248,6 +248,7 @@ impl Drop for QueueGuard {
             let ctx = CallContext {
                 deadline: Instant::now() + Duration::from_millis(api.config.request_timeout_ms),
                 forwarded: false,
+                session: None,
             };
             if let Err(status) = fenced_delete(&api, &ctx, key, fence).await {
                 tracing::debug!(%status, "abandoned queue key not removed; its lease will");
@@ -308,10 +309,10 @@ impl Lock for LockService {
                     }
                     other => Err(unexpected(other)),
                 },
-                |channel, timeout| {
+                |channel, ctx| {
                     let message = message.clone();
                     Box::pin(async move {
-                        let request = Api::forwarded_request(message, timeout);
+                        let request = Api::forwarded_request(message, &ctx);
                         Ok(Outcome::Forwarded(
                             LockClient::new(channel).lock(request).await?,
                         ))
@@ -371,10 +372,10 @@ impl Lock for LockService {
                     }
                     other => Err(unexpected(other)),
                 },
-                |channel, timeout| {
+                |channel, ctx| {
                     let message = message.clone();
                     Box::pin(async move {
-                        let mut request = Api::forwarded_request(message, timeout);
+                        let mut request = Api::forwarded_request(message, &ctx);
                         if let Some(fence) = fence
                             && let Ok(value) = MetadataValue::try_from(fence.to_string())
                         {

@@ -27,6 +27,7 @@ use std::time::Duration;
 
 use conclave_proto::etcdserverpb::ResponseHeader;
 use conclave_raft::NodeId;
+use conclave_state::SessionSeq;
 use tokio::time::Instant;
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Status};
@@ -37,6 +38,11 @@ use crate::node::{Applied, NodeHandle};
 
 /// Metadata key marking a request a follower forwarded, so the receiver never forwards again.
 pub const FORWARDED_HEADER: &str = "conclave-forwarded";
+/// Metadata keys of an exactly-once client session: the client id `OpenSession` returned and
+/// the request's sequence number in that session. A write carrying them is applied at most
+/// once however often it is retried (the state machine replays its cached answer).
+pub const SESSION_CLIENT_HEADER: &str = "conclave-session-client";
+pub const SESSION_SEQ_HEADER: &str = "conclave-session-seq";
 /// Answers are sent this long before the client's own deadline, so the client sees our error
 /// ("no leader") rather than its own "deadline exceeded".
 const DEADLINE_MARGIN_MS: u64 = 50;
@@ -50,6 +56,8 @@ pub struct CallContext {
     pub deadline: Instant,
     /// The request came from a follower; do not forward it again.
     pub forwarded: bool,
+    /// The client's exactly-once session position, when it sent one.
+    pub session: Option<SessionSeq>,
 }
 
 impl CallContext {
@@ -67,12 +75,23 @@ impl CallContext {
         CallContext {
             deadline: Instant::now() + timeout,
             forwarded: metadata.get(FORWARDED_HEADER).is_some(),
+            session: session_from_metadata(metadata),
         }
     }
 
     pub fn remaining(&self) -> Duration {
         self.deadline.saturating_duration_since(Instant::now())
     }
+}
+
+/// The session position of a request. Both keys must be present and numeric; anything else
+/// means no session (the request is then applied like an etcd request, at least once).
+fn session_from_metadata(metadata: &tonic::metadata::MetadataMap) -> Option<SessionSeq> {
+    let number = |key: &str| -> Option<u64> { metadata.get(key)?.to_str().ok()?.parse().ok() };
+    Some(SessionSeq {
+        client_id: number(SESSION_CLIENT_HEADER)?,
+        seq: number(SESSION_SEQ_HEADER)?,
+    })
 }
 
 /// Parses gRPC's `grpc-timeout` header: up to 8 digits and a unit (H, M, S, m, u, n).
@@ -184,12 +203,14 @@ impl Api {
         ctx: &CallContext,
         request: conclave_state::Request,
         local: impl Fn(Applied) -> Result<R, Status>,
-        forward: impl Fn(Channel, Duration) -> ForwardFuture<R>,
+        forward: impl Fn(Channel, CallContext) -> ForwardFuture<R>,
     ) -> Result<R, Status> {
         loop {
             let outcome = match self.route(ctx).await? {
                 Route::Local => {
-                    let proposal = self.node.propose(request.clone());
+                    // A retry in this loop reuses the session position, so the leader that
+                    // applied the first attempt answers the second from its cache.
+                    let proposal = self.node.propose_in_session(request.clone(), ctx.session);
                     match tokio::time::timeout(ctx.remaining(), proposal).await {
                         Err(_) => return Err(to_status(Error::Timeout)),
                         Ok(Ok(applied)) => return local(applied),
@@ -198,9 +219,7 @@ impl Api {
                 }
                 Route::Forward(leader) => {
                     let channel = self.channel(leader)?;
-                    match tokio::time::timeout(ctx.remaining(), forward(channel, ctx.remaining()))
-                        .await
-                    {
+                    match tokio::time::timeout(ctx.remaining(), forward(channel, *ctx)).await {
                         Err(_) => return Err(to_status(Error::Timeout)),
                         Ok(result) => result,
                     }
@@ -247,15 +266,20 @@ impl Api {
         }
     }
 
-    /// Copies the call's remaining deadline and the forwarded mark onto a request for the
-    /// leader.
-    pub fn forwarded_request<T>(message: T, timeout: Duration) -> tonic::Request<T> {
+    /// Copies the call's remaining deadline, its session position and the forwarded mark onto
+    /// a request for the leader.
+    pub fn forwarded_request<T>(message: T, ctx: &CallContext) -> tonic::Request<T> {
         let mut request = tonic::Request::new(message);
-        request.set_timeout(timeout);
-        request.metadata_mut().insert(
+        request.set_timeout(ctx.remaining());
+        let metadata = request.metadata_mut();
+        metadata.insert(
             FORWARDED_HEADER,
             tonic::metadata::MetadataValue::from_static("1"),
         );
+        if let Some(session) = ctx.session {
+            metadata.insert(SESSION_CLIENT_HEADER, session.client_id.into());
+            metadata.insert(SESSION_SEQ_HEADER, session.seq.into());
+        }
         request
     }
 }
@@ -331,6 +355,35 @@ mod tests {
         assert_eq!(parse_grpc_timeout("10m"), Some(Duration::from_millis(10)));
         assert_eq!(parse_grpc_timeout("x"), None);
         assert_eq!(parse_grpc_timeout(""), None);
+    }
+
+    #[test]
+    fn session_position_needs_both_numeric_keys() {
+        let mut request = tonic::Request::new(());
+        assert_eq!(CallContext::new(&request, 1000).session, None);
+        request
+            .metadata_mut()
+            .insert(SESSION_CLIENT_HEADER, 7u64.into());
+        assert_eq!(CallContext::new(&request, 1000).session, None);
+        request
+            .metadata_mut()
+            .insert(SESSION_SEQ_HEADER, "x".parse().unwrap());
+        assert_eq!(CallContext::new(&request, 1000).session, None);
+        request
+            .metadata_mut()
+            .insert(SESSION_SEQ_HEADER, 3u64.into());
+        let ctx = CallContext::new(&request, 1000);
+        assert_eq!(
+            ctx.session,
+            Some(SessionSeq {
+                client_id: 7,
+                seq: 3
+            })
+        );
+        // A forwarded copy carries the same position to the leader.
+        let forwarded = Api::forwarded_request((), &ctx);
+        assert_eq!(CallContext::new(&forwarded, 1000).session, ctx.session);
+        assert!(CallContext::new(&forwarded, 1000).forwarded);
     }
 
     #[test]
