@@ -7,11 +7,13 @@
 //! - [`api`]: etcd's KV, Maintenance and Cluster services; forwarding to the leader.
 //! - [`server`]: [`server::run`], which wires listeners, transport, driver and services.
 //! - [`transport`]: the peer transport (framed TCP).
+//! - [`authority`]: repairs a URL-valued HTTP/2 `:authority` on client connections.
 //! - [`error`]: the crate's [`Error`].
 //!
 //! See `docs/server.md` for running a cluster.
 
 pub mod api;
+pub mod authority;
 pub mod config;
 pub mod error;
 pub mod node;

@@ -24,6 +24,7 @@ use crate::api::cluster::ClusterService;
 use crate::api::kv::KvService;
 use crate::api::maintenance::MaintenanceService;
 use crate::api::watch::WatchService;
+use crate::authority::ClientStream;
 use crate::config::{GRPC_DECODE_SLACK_BYTES, GRPC_RESPONSE_BYTES_MAX, ServerConfig};
 use crate::error::Error;
 use crate::node;
@@ -128,13 +129,16 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> Re
 /// Accepted client connections with `TCP_NODELAY` set: tonic applies its own nodelay default
 /// only to listeners it binds itself, and without it a response written in two parts waits
 /// for the client's delayed ACK (about 40 ms per small read on Linux).
+///
+/// Each is wrapped in a [`ClientStream`], which repairs the URL-valued `:authority` etcdctl
+/// sends when it dials a member's advertised client URL.
 fn client_connections(
     listener: tokio::net::TcpListener,
-) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
+) -> impl tokio_stream::Stream<Item = std::io::Result<ClientStream>> {
     use tokio_stream::StreamExt;
     tokio_stream::wrappers::TcpListenerStream::new(listener).map(|accepted| {
         let stream = accepted?;
         stream.set_nodelay(true)?;
-        Ok(stream)
+        Ok(ClientStream::new(stream))
     })
 }

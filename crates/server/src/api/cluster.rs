@@ -23,6 +23,9 @@ use crate::config::Member;
 use crate::error::Error;
 use crate::node::NodeStatus;
 
+/// etcd's Cluster responses carry the member, cluster and term but no revision.
+const NO_REVISION: i64 = 0;
+
 /// How often a change refused as "in progress" is retried, and how often we look for its
 /// effect on the configuration.
 const CHANGE_POLL_MS: u64 = 20;
@@ -196,7 +199,7 @@ impl ClusterService {
         self.settle(ctx, |conf| conf.contains(id)).await;
         let conf = self.api.node.status().conf_state;
         Ok(pb::MemberAddResponse {
-            header: Some(self.api.read_header()),
+            header: Some(self.api.header(NO_REVISION)),
             member: Some(self.to_pb(&member, &conf)),
             members: self.members(),
         })
@@ -277,7 +280,7 @@ impl Cluster for ClusterService {
             .await?;
         self.settle(&ctx, |conf| !conf.contains(id)).await;
         Ok(tonic::Response::new(pb::MemberRemoveResponse {
-            header: Some(self.api.read_header()),
+            header: Some(self.api.header(NO_REVISION)),
             members: self.members(),
         }))
     }
@@ -287,7 +290,7 @@ impl Cluster for ClusterService {
         _request: tonic::Request<pb::MemberListRequest>,
     ) -> Result<tonic::Response<pb::MemberListResponse>, Status> {
         Ok(tonic::Response::new(pb::MemberListResponse {
-            header: Some(self.api.read_header()),
+            header: Some(self.api.header(NO_REVISION)),
             members: self.members(),
         }))
     }
@@ -312,7 +315,7 @@ impl Cluster for ClusterService {
         self.settle(&ctx, |conf| conf.voters.contains(&id) && !conf.is_joint())
             .await;
         Ok(tonic::Response::new(pb::MemberPromoteResponse {
-            header: Some(self.api.read_header()),
+            header: Some(self.api.header(NO_REVISION)),
             members: self.members(),
         }))
     }

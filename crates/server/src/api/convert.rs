@@ -180,18 +180,23 @@ pub fn txn_from_pb(r: pb::TxnRequest) -> Result<state::TxnRequest, Status> {
 
 pub fn txn_to_pb(r: state::TxnResponse, header: pb::ResponseHeader) -> pb::TxnResponse {
     use pb::response_op::Response as R;
+    // etcd puts a header in every nested response too, but one with only the revision set:
+    // the member, cluster and term are the outer header's.
+    let nested = pb::ResponseHeader {
+        revision: header.revision,
+        ..Default::default()
+    };
     let responses = r
         .responses
         .into_iter()
         .map(|op| pb::ResponseOp {
-            // etcd puts a header in every nested response too.
             response: Some(match op {
-                state::ResponseOp::Range(x) => R::ResponseRange(range_to_pb(x, header)),
-                state::ResponseOp::Put(x) => R::ResponsePut(put_to_pb(x, header)),
+                state::ResponseOp::Range(x) => R::ResponseRange(range_to_pb(x, nested)),
+                state::ResponseOp::Put(x) => R::ResponsePut(put_to_pb(x, nested)),
                 state::ResponseOp::DeleteRange(x) => {
-                    R::ResponseDeleteRange(delete_to_pb(x, header))
+                    R::ResponseDeleteRange(delete_to_pb(x, nested))
                 }
-                state::ResponseOp::Txn(x) => R::ResponseTxn(txn_to_pb(x, header)),
+                state::ResponseOp::Txn(x) => R::ResponseTxn(txn_to_pb(x, nested)),
             }),
         })
         .collect();

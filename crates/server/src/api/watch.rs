@@ -193,8 +193,12 @@ fn start_watch(
         let history = match history {
             Ok(history) => history,
             Err(conclave_state::Error::Compacted { compact_revision }) => {
+                // etcd's cancellation for compaction carries no revision in its header.
                 let compacted = pb::WatchResponse {
-                    header: Some(header),
+                    header: Some(pb::ResponseHeader {
+                        revision: 0,
+                        ..header
+                    }),
                     watch_id: id,
                     canceled: true,
                     compact_revision,
