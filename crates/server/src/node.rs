@@ -97,6 +97,26 @@ pub enum NodeRequest {
         steps: Vec<ConfChangeStep>,
         reply: oneshot::Sender<Result<(), Error>>,
     },
+    /// Graceful shutdown's first step: a leader starts handing over to its most up-to-date
+    /// voter and goes on serving as a follower. Answers whether a transfer began.
+    HandOff {
+        reply: oneshot::Sender<Result<bool, Error>>,
+    },
+    /// How far the leader has replicated to `peer`; see [`PeerMatch`]. Leader only; `None`
+    /// when `peer` is not in the configuration.
+    PeerMatch {
+        peer: NodeId,
+        reply: oneshot::Sender<Result<Option<PeerMatch>, Error>>,
+    },
+}
+
+/// A peer's replication progress as its leader sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeerMatch {
+    /// The highest log index known to be on the peer.
+    pub matched: u64,
+    /// The leader's own last log index.
+    pub leader_last: u64,
 }
 
 /// A keepalive the leader accepted.
@@ -214,6 +234,17 @@ impl NodeHandle {
     /// Proposes a membership change; see [`NodeRequest::ChangeMembership`].
     pub async fn change_membership(&self, steps: Vec<ConfChangeStep>) -> Result<(), Error> {
         self.ask(|reply| NodeRequest::ChangeMembership { steps, reply })
+            .await
+    }
+
+    /// Starts a graceful hand-over of leadership; see [`NodeRequest::HandOff`].
+    pub async fn hand_off(&self) -> Result<bool, Error> {
+        self.ask(|reply| NodeRequest::HandOff { reply }).await
+    }
+
+    /// The leader's view of `peer`'s log; see [`NodeRequest::PeerMatch`].
+    pub async fn peer_match(&self, peer: NodeId) -> Result<Option<PeerMatch>, Error> {
+        self.ask(|reply| NodeRequest::PeerMatch { peer, reply })
             .await
     }
 
@@ -689,6 +720,22 @@ impl Driver {
             }
             NodeRequest::ChangeMembership { steps, reply } => {
                 self.propose_tracked(Reply::Done(reply), |raw| raw.propose_conf_change(steps));
+            }
+            NodeRequest::HandOff { reply } => {
+                let _ = reply.send(Ok(self.begin_handoff()));
+            }
+            NodeRequest::PeerMatch { peer, reply } => {
+                let answer = if self.raw.role() == Role::Leader {
+                    Ok(self.raw.peer_progress(peer).map(|(matched, _)| PeerMatch {
+                        matched,
+                        leader_last: self.raw.last_index(),
+                    }))
+                } else {
+                    Err(Error::NotLeader {
+                        leader: self.raw.leader(),
+                    })
+                };
+                let _ = reply.send(answer);
             }
         }
     }

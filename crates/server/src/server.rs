@@ -6,7 +6,8 @@
 //!    bind client + peer listeners (fail fast, one sentence)
 //!    PeerTransport (dial peers) + serve_peers (accept) ──► driver thread (node::spawn)
 //!    tonic: KV, Watch, Maintenance, Cluster ──► Api ──► NodeHandle
-//!  shutdown: driver hands leadership over and stops ─► gRPC stops ─► peer listener stops
+//!  shutdown: leader hands over (still serving) ─► gRPC drains (accepted requests finish,
+//!            streams end) ─► driver stops ─► peer listener stops
 //! ```
 
 use std::future::Future;
@@ -32,6 +33,9 @@ use crate::transport::{PeerTransport, TransportConfig, bind_peer_listener, serve
 
 /// A client connection that sends nothing for this long gets an HTTP/2 ping.
 const CLIENT_KEEPALIVE_INTERVAL_MS: u64 = 30_000;
+/// A graceful shutdown waits for accepted client requests at most their longest deadline
+/// (`request_timeout_ms`) plus this, then stops the driver, which ends whatever is left.
+const DRAIN_MARGIN_MS: u64 = 500;
 
 /// Runs one node until `shutdown` resolves (then shuts down gracefully) or a fatal error
 /// stops it. Returns that error, if any.
@@ -82,7 +86,7 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> Re
         .max_decoding_message_size(decode_max)
         .max_encoding_message_size(GRPC_RESPONSE_BYTES_MAX);
     let (stop_grpc, grpc_stopped) = oneshot::channel::<()>();
-    let grpc = tokio::spawn(
+    let mut grpc = tokio::spawn(
         tonic::transport::Server::builder()
             .http2_keepalive_interval(Some(Duration::from_millis(CLIENT_KEEPALIVE_INTERVAL_MS)))
             .add_service(kv)
@@ -109,20 +113,67 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> Re
     tokio::pin!(shutdown);
     let driver_result = tokio::select! {
         _ = &mut shutdown => {
+            hand_off(&api, config.shutdown_transfer_timeout_ms).await;
+            // Drain: no new connections, a GOAWAY on open ones (clients send new requests
+            // elsewhere), and every request already accepted finishes, through the successor
+            // if it is a write. The driver runs on as a follower meanwhile. Streams end now.
+            api.begin_drain();
+            let _ = stop_grpc.send(());
+            let drain_ms = config.request_timeout_ms + DRAIN_MARGIN_MS;
+            let drained = tokio::time::timeout(Duration::from_millis(drain_ms), &mut grpc).await;
             let _ = stop_driver.send(());
-            (&mut driver).await
+            let result = (&mut driver).await;
+            match drained {
+                Ok(served) => log_grpc_end(served),
+                Err(_) => {
+                    tracing::warn!(drain_ms, "client requests outlived the drain; stopped anyway");
+                    log_grpc_end((&mut grpc).await);
+                }
+            }
+            result
         }
-        result = &mut driver => result,
+        result = &mut driver => {
+            let _ = stop_grpc.send(());
+            log_grpc_end((&mut grpc).await);
+            result
+        }
     };
-    let _ = stop_grpc.send(());
     let _ = stop_peers.send(());
-    if let Ok(Err(error)) = grpc.await {
-        tracing::warn!(%error, "gRPC server ended with an error");
-    }
     let _ = peers.await;
     match driver_result {
         Ok(result) => result,
         Err(join_error) => Err(Error::RaftStart(format!("driver task: {join_error}"))),
+    }
+}
+
+fn log_grpc_end(served: Result<Result<(), tonic::transport::Error>, tokio::task::JoinError>) {
+    match served {
+        Ok(Ok(())) => {}
+        Ok(Err(error)) => tracing::warn!(%error, "gRPC server ended with an error"),
+        Err(error) => tracing::warn!(%error, "gRPC server task failed"),
+    }
+}
+
+/// On shutdown a leader hands over to its most up-to-date follower and waits (up to
+/// `timeout_ms`) until it no longer leads, still serving: requests that reach it meanwhile are
+/// forwarded to the successor or retried there, not refused.
+async fn hand_off(api: &Api, timeout_ms: u64) {
+    match api.node.hand_off().await {
+        Ok(true) => {}
+        // Not a leader, nobody to hand over to, or the driver is gone: nothing to wait for.
+        Ok(false) | Err(_) => return,
+    }
+    let mut status = api.node.status.clone();
+    let handed_over =
+        status.wait_for(|s| s.stopped.is_some() || s.role != Some(conclave_raft::Role::Leader));
+    if tokio::time::timeout(Duration::from_millis(timeout_ms), handed_over)
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            timeout_ms,
+            "leadership not handed over in time; stopping as leader"
+        );
     }
 }
 

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use conclave_proto::etcdserverpb::kv_client::KvClient;
 use conclave_proto::etcdserverpb::maintenance_client::MaintenanceClient;
-use conclave_proto::etcdserverpb::{PutRequest, StatusRequest};
+use conclave_proto::etcdserverpb::{PutRequest, StatusRequest, StatusResponse};
 use tonic::transport::Channel;
 
 /// How long a cluster may take to elect its first leader.
@@ -197,6 +197,40 @@ impl Cluster {
         }
         panic!(
             "no leader within {timeout:?}; logs in {}",
+            self.root.display()
+        );
+    }
+
+    /// Maintenance.Status of node `id`, or `None` when it does not answer within a second.
+    pub async fn status(&self, id: u64) -> Option<StatusResponse> {
+        let mut request = tonic::Request::new(StatusRequest {});
+        request.set_timeout(Duration::from_secs(1));
+        let mut client = self.maintenance(id).await;
+        match tokio::time::timeout(Duration::from_secs(1), client.status(request)).await {
+            Ok(Ok(response)) => Some(response.into_inner()),
+            _ => None,
+        }
+    }
+
+    /// Waits until node `id` knows a leader and has applied everything the leader had
+    /// committed when the wait began, so it can take its share of the load again.
+    pub async fn wait_caught_up(&self, id: u64, timeout: Duration) {
+        let start = Instant::now();
+        let leader = self.wait_for_leader(timeout).await;
+        let mut target = None;
+        while start.elapsed() < timeout {
+            if target.is_none() {
+                target = self.status(leader).await.map(|s| s.raft_index);
+            }
+            if let (Some(target), Some(status)) = (target, self.status(id).await) {
+                if status.leader != 0 && status.raft_applied_index >= target {
+                    return;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        panic!(
+            "node {id} did not catch up within {timeout:?}; logs in {}",
             self.root.display()
         );
     }

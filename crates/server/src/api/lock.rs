@@ -82,12 +82,15 @@ pub(crate) fn touches_prefix(batch: &AppliedEvents, prefix: &[u8]) -> bool {
         .any(|event| matches!(event, Event::Kv(e) if e.kv.key.starts_with(prefix)))
 }
 
-/// Resolves once the node's driver has stopped, so waits and streams end and the gRPC
-/// server's graceful shutdown is not held up by them.
+/// Resolves once the node's driver has stopped or a graceful shutdown drains the client API,
+/// so waits and streams end and the gRPC server's graceful shutdown is not held up by them.
 pub(crate) async fn node_stopped(api: &Api) {
     let mut status = api.node.status.clone();
-    // An error means the driver's status sender is gone: stopped as well.
-    let _ = status.wait_for(|s| s.stopped.is_some()).await;
+    tokio::select! {
+        // An error means the driver's status sender is gone: stopped as well.
+        _ = status.wait_for(|s| s.stopped.is_some()) => {}
+        _ = api.draining() => {}
+    }
 }
 
 /// Runs `check` on the applied state now and again after every applied batch `relevant`

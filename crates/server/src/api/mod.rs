@@ -119,6 +119,9 @@ pub struct Api {
     pub cluster_id: u64,
     /// Lazily connected channels to other members' client addresses.
     channels: Mutex<HashMap<NodeId, Channel>>,
+    /// Set when a graceful shutdown starts draining the client API: long waits and streams
+    /// end then, so they cannot hold the drain up, while ordinary requests finish.
+    draining: tokio::sync::watch::Sender<bool>,
 }
 
 /// Where a request goes.
@@ -134,7 +137,20 @@ impl Api {
             node,
             config,
             channels: Mutex::new(HashMap::new()),
+            draining: tokio::sync::watch::Sender::new(false),
         })
+    }
+
+    /// Graceful shutdown: from now on streams and long waits end (see `lock::node_stopped`).
+    pub fn begin_drain(&self) {
+        self.draining.send_replace(true);
+    }
+
+    /// Resolves once [`Api::begin_drain`] was called.
+    pub async fn draining(&self) {
+        let mut draining = self.draining.subscribe();
+        // The sender lives as long as `self`, so the wait cannot fail while we are borrowed.
+        let _ = draining.wait_for(|&draining| draining).await;
     }
 
     /// etcd's response header: who answered, at which revision and term.
@@ -184,8 +200,15 @@ impl Api {
             match current.leader {
                 Some(leader) if leader == self.config.id => return Ok(Route::Local),
                 Some(leader) if !ctx.forwarded => return Ok(Route::Forward(leader)),
-                // A forwarded request that reached a non-leader: wait for leadership to settle.
-                _ => {}
+                // A forwarded request that reached a member which knows another leader (this
+                // one just handed over): the forwarding member routes it again at once.
+                Some(leader) => {
+                    return Err(to_status(Error::NotLeader {
+                        leader: Some(leader),
+                    }));
+                }
+                // No leader known: wait for one, which may turn out to be this node.
+                None => {}
             }
             let remaining = ctx.remaining();
             if remaining.is_zero() {
@@ -244,6 +267,9 @@ impl Api {
             // Without a leader the read cannot be confirmed; wait for one (or the deadline).
             let mut status = self.node.status.clone();
             while status.borrow_and_update().leader.is_none() {
+                if status.borrow().stopped.is_some() {
+                    return Err(to_status(Error::Stopped));
+                }
                 let remaining = ctx.remaining();
                 if remaining.is_zero() {
                     return Err(to_status(Error::NoLeader));
@@ -291,6 +317,9 @@ fn is_retriable(status: &Status) -> bool {
         && (message == Error::LeaderChanged.to_string()
             || message == Error::NoLeader.to_string()
             || message.starts_with("etcdserver: not leader")
+            // The leader refuses proposals while it hands over (graceful shutdown,
+            // MoveLeader); its successor takes them moments later.
+            || message.starts_with("etcdserver: leadership transfer to node")
             // Transport failures reaching a leader that just died.
             || !message.starts_with("etcdserver:"))
 }
@@ -402,6 +431,13 @@ mod tests {
         let status = state_status(&conclave_state::Error::EmptyKey);
         assert_eq!(status.code(), Code::InvalidArgument);
         assert!(is_retriable(&to_status(Error::LeaderChanged)));
+        assert!(is_retriable(&to_status(Error::Raft(
+            conclave_raft::Error::TransferInProgress { target: 2 }
+        ))));
+        assert!(is_retriable(&to_status(Error::NotLeader {
+            leader: Some(2)
+        })));
+        assert!(!is_retriable(&to_status(Error::Stopped)));
         assert!(!is_retriable(&state_status(
             &conclave_state::Error::EmptyKey
         )));
