@@ -84,6 +84,8 @@ pub struct ClientStream {
     state: State,
     input: BytesMut,
     output: BytesMut,
+    /// Where socket reads land (kept, so a read does not zero a fresh buffer each time).
+    scratch: Box<[u8]>,
     eof: bool,
 }
 
@@ -94,6 +96,7 @@ impl ClientStream {
             state: State::Preface { matched: 0 },
             input: BytesMut::new(),
             output: BytesMut::new(),
+            scratch: vec![0; READ_CHUNK_BYTES].into_boxed_slice(),
             eof: false,
         }
     }
@@ -138,8 +141,7 @@ impl AsyncRead for ClientStream {
                 }
                 continue;
             }
-            let mut chunk = [0u8; READ_CHUNK_BYTES];
-            let mut read = ReadBuf::new(&mut chunk);
+            let mut read = ReadBuf::new(&mut this.scratch);
             match Pin::new(&mut this.inner).poll_read(cx, &mut read) {
                 Poll::Pending => return Poll::Pending,
                 Poll::Ready(Err(error)) => return Poll::Ready(Err(error)),
