@@ -5,6 +5,7 @@
 //!  Election.Observe  ─► CURRENT, then the group's events from the apply path
 //!  Topic.Publish/Ack ─► log          Topic.Read/Inbox ─► linearizable read of the state
 //!  Topic.Subscribe   ─► backlog from the topic log, then each publish (apply path events)
+//!  Session.Open/Close ─► log (positions of later writes travel as metadata, see `api`)
 //!  Status.ClusterStatus ─► Maintenance.Status of every member, gathered concurrently
 //! ```
 //!
@@ -18,6 +19,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use conclave_proto::conclave::v1::election_server::{Election, ElectionServer};
+use conclave_proto::conclave::v1::session_client::SessionClient;
+use conclave_proto::conclave::v1::session_server::{Session as SessionApi, SessionServer};
 use conclave_proto::conclave::v1::status_server::{Status as StatusApi, StatusServer};
 use conclave_proto::conclave::v1::topic_server::{Topic, TopicServer};
 use conclave_proto::conclave::v1::{
@@ -830,7 +833,11 @@ impl Topic for TopicService {
             }
         }
         if message.ack {
-            // One ack per topic, at the last message returned (cursors never move back).
+            // One ack per topic, at the last message returned (cursors never move back). The
+            // acks are separate writes, so they cannot share one session position: they go
+            // without it (an ack is idempotent anyway).
+            let mut ack_ctx = ctx;
+            ack_ctx.session = None;
             let mut last: Vec<(String, u64)> = Vec::new();
             for m in &pending {
                 match last.iter_mut().find(|(topic, _)| *topic == m.topic) {
@@ -841,7 +848,7 @@ impl Topic for TopicService {
             for (topic, seq) in last {
                 let acked = ack(
                     api,
-                    &ctx,
+                    &ack_ctx,
                     cv1::AckRequest {
                         consumer: message.consumer.clone(),
                         topic,
@@ -934,6 +941,95 @@ async fn subscribe_topic(
                 }
             }
         }
+    }
+}
+
+// ---- Session ----------------------------------------------------------------------------
+
+/// Exactly-once client sessions over the shared [`Api`]. The positions themselves travel as
+/// metadata on each write (see [`super::SESSION_CLIENT_HEADER`]); this service only opens and
+/// closes sessions.
+pub struct SessionService {
+    pub api: Arc<Api>,
+}
+
+/// `conclave.v1.Session`, ready for the gRPC router.
+pub fn session_server(api: &Arc<Api>) -> SessionServer<SessionService> {
+    SessionServer::new(SessionService { api: api.clone() })
+}
+
+#[async_trait]
+impl SessionApi for SessionService {
+    async fn open_session(
+        &self,
+        request: tonic::Request<cv1::OpenSessionRequest>,
+    ) -> Result<tonic::Response<cv1::OpenSessionResponse>, Status> {
+        let mut ctx = CallContext::new(&request, self.api.config.request_timeout_ms);
+        // Opening is not itself part of a session (a repeated open makes a second session,
+        // which expires unused).
+        ctx.session = None;
+        let message = request.into_inner();
+        let api = &self.api;
+        let session_ttl_ms = api.node.read_state(|state| state.config().session_ttl_ms);
+        let response = api
+            .write(
+                &ctx,
+                Request::OpenSession,
+                |applied| match answer(&applied)? {
+                    Response::SessionOpened { client_id } => Ok(cv1::OpenSessionResponse {
+                        header: Some(header(api, applied.output.revision)),
+                        client_id: *client_id,
+                        session_ttl_ms,
+                    }),
+                    other => Err(unexpected(other)),
+                },
+                |channel, ctx| {
+                    Box::pin(async move {
+                        let request = Api::forwarded_request(message, &ctx);
+                        Ok(SessionClient::new(channel)
+                            .open_session(request)
+                            .await?
+                            .into_inner())
+                    })
+                },
+            )
+            .await?;
+        Ok(tonic::Response::new(response))
+    }
+
+    async fn close_session(
+        &self,
+        request: tonic::Request<cv1::CloseSessionRequest>,
+    ) -> Result<tonic::Response<cv1::CloseSessionResponse>, Status> {
+        let mut ctx = CallContext::new(&request, self.api.config.request_timeout_ms);
+        ctx.session = None;
+        let message = request.into_inner();
+        let api = &self.api;
+        let command = Request::CloseSession {
+            client_id: message.client_id,
+        };
+        let response = api
+            .write(
+                &ctx,
+                command,
+                |applied| match answer(&applied)? {
+                    Response::SessionClosed => Ok(cv1::CloseSessionResponse {
+                        header: Some(header(api, applied.output.revision)),
+                    }),
+                    other => Err(unexpected(other)),
+                },
+                |channel, ctx| {
+                    Box::pin(async move {
+                        let request = Api::forwarded_request(message, &ctx);
+                        Ok(SessionClient::new(channel)
+                            .close_session(request)
+                            .await?
+                            .into_inner())
+                    })
+                },
+            )
+            .await?;
+        Ok(tonic::Response::new(response))
     }
 }
 
