@@ -320,3 +320,124 @@ async fn ctrl_c_withdraws_a_waiting_locker_and_releases_a_holder() {
         .expect("acquired line");
     assert!(first["data"]["fence"].as_u64().is_some_and(|f| f > fence));
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_preempting_candidate_gets_the_seat_at_once_after_the_incumbent_stops_its_command() {
+    // A TTL far longer than the test's bound, so only the handoff can move the seat in time.
+    const LONG_TTL: &str = "60s";
+    let cluster = Cluster::start(3).await;
+    let eps = cluster.endpoints();
+    let eps = eps.as_str();
+    let stopped = cluster.root.join("low-stopped");
+    let seen_by_high = cluster.root.join("high-saw");
+    let low_script = format!(
+        "trap 'echo stopped > {}; exit 0' TERM; while true; do sleep 0.1; done",
+        stopped.display()
+    );
+    let mut low = Streaming::start(
+        eps,
+        &[
+            "elect",
+            "campaign",
+            "seat",
+            "--id",
+            "low",
+            "--priority",
+            "1",
+            "--ttl",
+            LONG_TTL,
+            "--json",
+            "--",
+            "sh",
+            "-c",
+            &low_script,
+        ],
+    );
+    let (_, first) = elected(&low, LINE_TIMEOUT);
+    assert_eq!(first["leader"], "low");
+    assert!(first["handoff_to"].is_null(), "{first}");
+    // Give CMD time to install its trap.
+    std::thread::sleep(Duration::from_millis(300));
+
+    // The challenger's CMD records whether the incumbent's CMD had already stopped when it
+    // started: the old leader must be out before the new one acts.
+    let high_script = format!(
+        "if [ -f {0} ]; then echo after > {1}; else echo before > {1}; fi; exec sleep 600",
+        stopped.display(),
+        seen_by_high.display()
+    );
+    let launched = Instant::now();
+    let high = Streaming::start(
+        eps,
+        &[
+            "elect",
+            "campaign",
+            "seat",
+            "--id",
+            "high",
+            "--priority",
+            "9",
+            "--preempt",
+            "--ttl",
+            LONG_TTL,
+            "--json",
+            "--",
+            "sh",
+            "-c",
+            &high_script,
+        ],
+    );
+    let (at, second) = elected(&high, LINE_TIMEOUT);
+    let handoff = at.duration_since(launched);
+    eprintln!(
+        "preemption: challenger launched -> elected in {handoff:?} (incumbent TTL {LONG_TTL})"
+    );
+    assert!(
+        handoff < Duration::from_secs(10),
+        "the seat moved only after {handoff:?}"
+    );
+    assert_eq!(second["leader"], "high");
+    let fence = |v: &Value| v["fence"].as_u64().expect("fence");
+    assert!(fence(&second) > fence(&first), "{first} then {second}");
+    assert!(second["term"].as_u64() > first["term"].as_u64());
+
+    assert_eq!(
+        low.wait_code(LINE_TIMEOUT),
+        Some(8),
+        "the incumbent exits with leadership_lost's code"
+    );
+    let (_, line) = low.next_json(LINE_TIMEOUT).expect("the loss document");
+    assert_eq!(line["status"], "error", "{line}");
+    assert_eq!(line["code"], "leadership_lost", "{line}");
+    let message = line["message"].as_str().unwrap_or("");
+    assert!(message.contains("handed over to high"), "{message}");
+    assert_eq!(
+        std::fs::read_to_string(&stopped).ok().as_deref(),
+        Some("stopped\n"),
+        "the incumbent's CMD got SIGTERM"
+    );
+    let start = Instant::now();
+    let saw = loop {
+        match std::fs::read_to_string(&seen_by_high) {
+            Ok(text) if !text.is_empty() => break text,
+            _ if start.elapsed() > LINE_TIMEOUT => panic!("the challenger's CMD did not start"),
+            _ => std::thread::sleep(Duration::from_millis(20)),
+        }
+    };
+    assert_eq!(
+        saw, "after\n",
+        "the incumbent's CMD stopped before the challenger's started"
+    );
+
+    let leader = run(eps, &["elect", "leader", "seat", "--json"]).data();
+    assert_eq!(leader["leader"], "high");
+    assert_eq!(leader["fence"], second["fence"]);
+    // The incumbent resigned and left: it is no longer a candidate.
+    let candidates = run(eps, &["elect", "candidates", "seat", "--json"]).data();
+    let ids: Vec<&str> = candidates["candidates"]
+        .as_array()
+        .map(|list| list.iter().filter_map(|c| c["id"].as_str()).collect())
+        .unwrap_or_default();
+    assert_eq!(ids, ["high"]);
+    drop(high);
+}

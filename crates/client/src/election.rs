@@ -56,6 +56,9 @@ pub struct LeaderInfo {
     /// Fencing token: strictly increasing over the group's leaderships.
     pub fence: u64,
     pub elected_revision: i64,
+    /// A higher-priority candidate that asked for the seat (`preempt`) and waits for this
+    /// leader to resign; `None` when no handoff is pending.
+    pub handoff_to: Option<Candidate>,
 }
 
 impl From<cv1::Leadership> for LeaderInfo {
@@ -66,6 +69,7 @@ impl From<cv1::Leadership> for LeaderInfo {
             term: l.term,
             fence: l.fence,
             elected_revision: l.elected_revision,
+            handoff_to: l.handoff_to.map(Candidate::from),
         }
     }
 }
@@ -78,7 +82,9 @@ pub struct CampaignOptions {
     /// Campaign under an existing lease instead; the client still sends keepalives for it
     /// (it needs acknowledgements to know how long it may lead) but does not revoke it.
     pub lease: Option<LeaseId>,
-    /// Depose a lower-priority leader instead of waiting for it to go.
+    /// Ask a lower-priority leader for the seat instead of waiting for it to go: the leader
+    /// is told ([`Leadership::handoff_requested`]) and the seat moves when it resigns (or its
+    /// lease ends).
     pub preempt: bool,
     /// Give up waiting after this long ([`Error::Timeout`]); `None` waits for ever.
     pub timeout: Option<Duration>,
@@ -125,6 +131,10 @@ pub enum ElectionEventKind {
     CandidateLeft,
     /// The first event of every observe stream (and after each reconnect): the state then.
     Current,
+    /// A higher-priority candidate (`candidate`) asked the leader for the seat.
+    HandoffRequested,
+    /// The pending handoff is off (the challenger left or lost its edge).
+    HandoffCancelled,
     Unknown,
 }
 
@@ -152,6 +162,8 @@ impl From<cv1::ElectionEvent> for ElectionEvent {
             Ok(Kind::CandidateJoined) => ElectionEventKind::CandidateJoined,
             Ok(Kind::CandidateLeft) => ElectionEventKind::CandidateLeft,
             Ok(Kind::Current) => ElectionEventKind::Current,
+            Ok(Kind::HandoffRequested) => ElectionEventKind::HandoffRequested,
+            Ok(Kind::HandoffCancelled) => ElectionEventKind::HandoffCancelled,
             Ok(Kind::Unspecified) | Err(_) => ElectionEventKind::Unknown,
         };
         ElectionEvent {
@@ -179,6 +191,14 @@ pub(crate) fn loss_from_event(fence: u64, event: &ElectionEvent) -> Option<LossR
             },
         }),
     }
+}
+
+/// What an event says about a handoff of the leadership with fence `fence`: `Some(Some(c))`
+/// while challenger `c` waits for the seat, `Some(None)` when none is pending, `None` when the
+/// event is about another leadership (or says nothing about one).
+pub(crate) fn handoff_from_event(fence: u64, event: &ElectionEvent) -> Option<Option<Candidate>> {
+    let current = event.leadership.as_ref().filter(|l| l.fence == fence)?;
+    Some(current.handoff_to.clone())
 }
 
 /// Priority election groups.
@@ -552,6 +572,8 @@ pub struct Leadership {
     info: LeaderInfo,
     keeper: Option<LeaseKeepAlive>,
     lost_tx: watch::Sender<Option<LossReason>>,
+    /// The challenger waiting for the seat, as the group's events last said.
+    handoff_tx: watch::Sender<Option<Candidate>>,
     monitor: JoinHandle<()>,
 }
 
@@ -563,6 +585,7 @@ impl Leadership {
         keeper: LeaseKeepAlive,
     ) -> Self {
         let (lost_tx, _) = watch::channel(None);
+        let (handoff_tx, _) = watch::channel(info.handoff_to.clone());
         let monitor = tokio::spawn(monitor(
             client.inner.clone(),
             info.group.clone(),
@@ -570,6 +593,7 @@ impl Leadership {
             info.elected_revision,
             keeper.subscribe(),
             lost_tx.clone(),
+            handoff_tx.clone(),
         ));
         Leadership {
             client,
@@ -577,6 +601,7 @@ impl Leadership {
             info,
             keeper: Some(keeper),
             lost_tx,
+            handoff_tx,
             monitor,
         }
     }
@@ -668,6 +693,32 @@ impl Leadership {
         }
     }
 
+    /// The higher-priority candidate waiting for this seat, if a handoff is pending.
+    pub fn handoff(&self) -> Option<Candidate> {
+        self.handoff_tx.borrow().clone()
+    }
+
+    /// Resolves with the challenger when a higher-priority candidate asks for the seat with
+    /// preemption (at once if one already has). The seat stays ours until we resign or the
+    /// lease ends, so this is the moment to stop the work guarded by the fence and call
+    /// [`Leadership::resign`]; [`Leadership::lost`] fires when the seat is gone. A handoff
+    /// that is called off before this resolves (the challenger left) is not reported.
+    /// Safe to call many times; does not borrow `self`.
+    pub fn handoff_requested(&self) -> impl Future<Output = Candidate> + Send + 'static {
+        let mut handoff = self.handoff_tx.subscribe();
+        async move {
+            loop {
+                if let Some(challenger) = handoff.borrow_and_update().clone() {
+                    return challenger;
+                }
+                if handoff.changed().await.is_err() {
+                    // The leadership handle is gone: no handoff will ever be reported.
+                    return std::future::pending().await;
+                }
+            }
+        }
+    }
+
     /// Publishes a new value for this leadership (refused with `leadership_lost` when the
     /// fence is stale).
     pub async fn proclaim(&self, value: impl Into<Vec<u8>>) -> Result<()> {
@@ -741,7 +792,15 @@ async fn monitor(
     elected_revision: i64,
     mut lease: watch::Receiver<LeaseState>,
     lost: watch::Sender<Option<LossReason>>,
+    handoff: watch::Sender<Option<Candidate>>,
 ) {
+    let note_handoff = |pending: Option<Candidate>| {
+        handoff.send_if_modified(|slot| {
+            let changed = *slot != pending;
+            *slot = pending;
+            changed
+        });
+    };
     let lease_view = lease.clone();
     let observing = async {
         let client = Client {
@@ -756,6 +815,9 @@ async fn monitor(
                             Ok(event) => {
                                 if let Some(reason) = loss_from_event(fence, &event) {
                                     return reason;
+                                }
+                                if let Some(pending) = handoff_from_event(fence, &event) {
+                                    note_handoff(pending);
                                 }
                             }
                             Err(_) => break,
@@ -772,7 +834,7 @@ async fn monitor(
                 _ => Duration::from_secs(1),
             };
             match client.election().leader(&group).await {
-                Ok(Some(current)) if current.fence == fence => {}
+                Ok(Some(current)) if current.fence == fence => note_handoff(current.handoff_to),
                 Ok(current) => {
                     return LossReason::Deposed {
                         new_leader: current,
@@ -812,6 +874,7 @@ mod tests {
             term: fence,
             fence,
             elected_revision: fence as i64,
+            handoff_to: None,
         }
     }
 
@@ -856,6 +919,47 @@ mod tests {
             loss_from_event(mine, &event(Resigned, None)),
             Some(LossReason::Deposed { new_leader: None })
         );
+    }
+
+    #[test]
+    fn events_decide_handoff() {
+        use ElectionEventKind::*;
+        let challenger = Candidate {
+            candidate_id: "high".into(),
+            priority: 9,
+            ..Default::default()
+        };
+        let mut asked = leadership(10, "a");
+        asked.handoff_to = Some(challenger.clone());
+        assert_eq!(
+            handoff_from_event(10, &event(HandoffRequested, Some(asked.clone()))),
+            Some(Some(challenger.clone()))
+        );
+        // Any later event of our leadership repeats it, and a fresh CURRENT carries it.
+        assert_eq!(
+            handoff_from_event(10, &event(Current, Some(asked.clone()))),
+            Some(Some(challenger))
+        );
+        assert_eq!(
+            handoff_from_event(10, &event(HandoffCancelled, Some(leadership(10, "a")))),
+            Some(None)
+        );
+        // Another leadership's handoff is not ours.
+        assert_eq!(
+            handoff_from_event(10, &event(HandoffRequested, Some(leadership(7, "b")))),
+            None
+        );
+        assert_eq!(handoff_from_event(10, &event(Resigned, None)), None);
+        // A handoff request is not a loss: the seat is still ours.
+        assert_eq!(
+            loss_from_event(10, &event(HandoffRequested, Some(asked))),
+            None
+        );
+        let wire = cv1::ElectionEvent {
+            kind: cv1::election_event::Kind::HandoffRequested as i32,
+            ..Default::default()
+        };
+        assert_eq!(ElectionEvent::from(wire).kind, HandoffRequested);
     }
 
     #[test]

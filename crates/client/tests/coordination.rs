@@ -240,3 +240,88 @@ async fn topics_publish_read_subscribe_inbox_ack() {
         .expect_err("ack beyond the end");
     assert_eq!(beyond.code(), "invalid_argument", "{beyond}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_preempting_challenger_is_announced_to_the_leader_and_seated_when_it_resigns() {
+    let cluster = Cluster::start(3);
+    let client = cluster.client().await;
+    let election = client.election();
+    // Leases far longer than the test's bounds: only the handoff can move the seat in time.
+    let options = CampaignOptions {
+        ttl: Duration::from_secs(60),
+        timeout: Some(Duration::from_secs(20)),
+        ..Default::default()
+    };
+    let low = supported(
+        election.campaign("p", "low", 1, "l", options.clone()).await,
+        "conclave.v1.Election/Campaign",
+    );
+    assert_eq!(low.handoff(), None);
+    let asked = low.handoff_requested();
+    let lost = low.lost();
+
+    // A higher priority without preempt waits for the next election and asks nothing.
+    let patient = {
+        let election = client.election();
+        let options = options.clone();
+        tokio::spawn(async move { election.campaign("p", "mid", 5, "m", options).await })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(low.handoff(), None, "no handoff without preempt");
+
+    let started = tokio::time::Instant::now();
+    let challenger = {
+        let election = client.election();
+        let options = CampaignOptions {
+            preempt: true,
+            ..options.clone()
+        };
+        tokio::spawn(async move { election.campaign("p", "high", 9, "h", options).await })
+    };
+    let wanted = tokio::time::timeout(Duration::from_secs(10), asked)
+        .await
+        .expect("the leader is told about the handoff");
+    let told = started.elapsed();
+    assert_eq!((wanted.candidate_id.as_str(), wanted.priority), ("high", 9));
+    assert_eq!(low.handoff().map(|c| c.candidate_id), Some("high".into()));
+    // Told, but still leading: the seat moves only when the incumbent lets go.
+    let seated = election
+        .leader("p")
+        .await
+        .expect("leader")
+        .expect("a leader");
+    assert_eq!(seated.fence, low.fence());
+    assert_eq!(
+        seated.handoff_to.map(|c| c.candidate_id),
+        Some("high".into())
+    );
+    assert!(
+        !challenger.is_finished(),
+        "no second leader while the first leads"
+    );
+
+    let old_fence = low.fence();
+    assert!(low.resign().await.expect("resign"));
+    assert_eq!(lost.await, LossReason::Resigned);
+    let high = tokio::time::timeout(Duration::from_secs(10), challenger)
+        .await
+        .expect("the challenger is elected once the incumbent resigned")
+        .expect("task")
+        .expect("campaign");
+    let moved = started.elapsed();
+    eprintln!(
+        "preemption (library): leader told after {told:?}, challenger seated after {moved:?}"
+    );
+    assert!(high.fence() > old_fence && high.term() > 1);
+    assert_eq!(high.handoff(), None);
+    assert!(moved < Duration::from_secs(15));
+
+    // The seat went to the challenger, not to the higher-ranked-than-low bystander.
+    let now = election
+        .leader("p")
+        .await
+        .expect("leader")
+        .expect("a leader");
+    assert_eq!(now.leader.candidate_id, "high");
+    patient.abort();
+}

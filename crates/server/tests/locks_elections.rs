@@ -545,6 +545,13 @@ async fn priority_campaign_stability_preemption_wait_proclaim_and_observe_on_thr
         !asked.elected,
         "handoff: the incumbent stays until it resigns"
     );
+    let pending = asked.leadership.expect("the incumbent's leadership");
+    assert_eq!(pending.leader.expect("leader").candidate_id, "low");
+    assert_eq!(
+        pending.handoff_to.map(|c| c.candidate_id).as_deref(),
+        Some("high"),
+        "the leadership says who waits for the seat"
+    );
     let resigned = groups
         .resign(cv1::ResignRequest {
             group: "workers".into(),
@@ -620,6 +627,7 @@ async fn priority_campaign_stability_preemption_wait_proclaim_and_observe_on_thr
     // The observer saw the story in order.
     use cv1::election_event::Kind;
     let mut seen = Vec::new();
+    let mut handoffs = Vec::new();
     while !seen.contains(&(Kind::Elected as i32, "mid".to_string())) {
         let response = tokio::time::timeout(Duration::from_secs(5), observer.next())
             .await
@@ -627,6 +635,16 @@ async fn priority_campaign_stability_preemption_wait_proclaim_and_observe_on_thr
             .expect("stream open")
             .expect("ok");
         for event in response.events {
+            if event.kind == Kind::HandoffRequested as i32 {
+                handoffs.push((
+                    event.candidate.as_ref().map(|c| c.candidate_id.clone()),
+                    event
+                        .leadership
+                        .as_ref()
+                        .and_then(|l| l.handoff_to.as_ref())
+                        .map(|c| c.candidate_id.clone()),
+                ));
+            }
             let who = event
                 .leadership
                 .and_then(|l| l.leader)
@@ -643,6 +661,19 @@ async fn priority_campaign_stability_preemption_wait_proclaim_and_observe_on_thr
     assert_eq!(elected, ["low", "high", "mid"], "{seen:?}");
     assert!(seen.contains(&(Kind::Proclaimed as i32, "high".to_string())));
     assert!(seen.iter().any(|(kind, _)| *kind == Kind::Resigned as i32));
+    // The incumbent's observers were told who asked for the seat, before it moved.
+    let asked_at = seen
+        .iter()
+        .position(|(kind, who)| *kind == Kind::HandoffRequested as i32 && who == "low");
+    let high_at = seen
+        .iter()
+        .position(|e| *e == (Kind::Elected as i32, "high".to_string()));
+    assert!(asked_at.is_some() && asked_at < high_at, "{seen:?}");
+    assert_eq!(
+        handoffs,
+        [(Some("high".to_string()), Some("high".to_string()))],
+        "{seen:?}"
+    );
 
     let status = StatusClient::new(channel.clone())
         .cluster_status(cv1::ClusterStatusRequest {})

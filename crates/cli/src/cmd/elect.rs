@@ -42,8 +42,8 @@ pub struct CampaignArgs {
     /// TTL of the candidacy's lease: how long a dead leader keeps the seat.
     #[arg(long, default_value = "10s", allow_hyphen_values = true)]
     pub ttl: String,
-    /// Ask for the seat from a lower-priority leader (it moves when that leader resigns or its
-    /// lease ends).
+    /// Ask a lower-priority leader for the seat: it is told, stops its command and resigns
+    /// (a leader that ignores the request keeps the seat until its lease ends).
     #[arg(long)]
     pub preempt: bool,
     /// Campaign under this existing lease (hex id) instead of granting one.
@@ -82,6 +82,7 @@ fn leader_json(info: &LeaderInfo) -> Value {
         "fence": info.fence,
         "lease": lease_hex(info.leader.lease),
         "elected_revision": info.elected_revision,
+        "handoff_to": info.handoff_to.as_ref().map(|c| c.candidate_id.clone()),
     })
 }
 
@@ -111,6 +112,8 @@ fn event_name(kind: ElectionEventKind) -> &'static str {
         ElectionEventKind::CandidateJoined => "candidate_joined",
         ElectionEventKind::CandidateLeft => "candidate_left",
         ElectionEventKind::Current => "current",
+        ElectionEventKind::HandoffRequested => "handoff_requested",
+        ElectionEventKind::HandoffCancelled => "handoff_cancelled",
         ElectionEventKind::Unknown => "unknown",
     }
 }
@@ -354,6 +357,7 @@ async fn campaign(ctx: &Ctx, args: CampaignArgs) -> CmdResult {
         }
     };
     let lost = leadership.lost();
+    let handoff = leadership.handoff_requested();
     let exited = async {
         match running.as_mut() {
             Some(child) => child.wait().await.ok(),
@@ -362,15 +366,33 @@ async fn campaign(ctx: &Ctx, args: CampaignArgs) -> CmdResult {
     };
     enum End {
         Lost(LossReason),
+        HandedOver(Candidate),
         Exited(Option<std::process::ExitStatus>),
         Interrupted,
     }
     let end = tokio::select! {
         reason = lost => End::Lost(reason),
+        challenger = handoff => End::HandedOver(challenger),
         status = exited => End::Exited(status),
         _ = super::interrupted() => End::Interrupted,
     };
     match end {
+        End::HandedOver(challenger) => {
+            // CMD stops before the seat moves, so the challenger never leads while our
+            // command still acts on the old fence; resigning then moves the seat at once.
+            if let Some(child) = running.as_mut() {
+                child::stop(child, grace).await;
+            }
+            let _ = leadership.resign().await;
+            revoke(client.clone()).await;
+            Err(Failure::new(
+                "leadership_lost",
+                format!(
+                    "lost the lead of {} (fence {}): handed over to {} (priority {}), which asked for it with --preempt",
+                    args.group, info.fence, challenger.candidate_id, challenger.priority
+                ),
+            ))
+        }
         End::Lost(reason) => {
             if let Some(child) = running.as_mut() {
                 child::stop(child, grace).await;

@@ -9,6 +9,9 @@
 //!  Status.ClusterStatus ─► Maintenance.Status of every member, gathered concurrently
 //! ```
 //!
+//! A preempting challenger puts the seat into handoff; Observe streams tell the leader
+//! (HANDOFF_REQUESTED, and `handoff_to` on every leadership) so it can stop and resign.
+//!
 //! Streams use bounded queues. A stream that falls behind the apply path catches up from the
 //! state (topics re-read their retained log, observers get a fresh CURRENT); a topic
 //! subscriber that fell behind retention is cancelled, so memory never grows with a slow
@@ -115,12 +118,22 @@ fn leadership_of(state: &StateMachine, group: &str, seat: &Seat) -> cv1::Leaders
             candidate_id: seat.leader.clone(),
             ..Default::default()
         });
+    let handoff_to = seat.handoff.as_ref().map(|handoff| {
+        registered
+            .and_then(|g| g.candidates.get(&handoff.challenger))
+            .map(candidate_to_pb)
+            .unwrap_or_else(|| cv1::Candidate {
+                candidate_id: handoff.challenger.clone(),
+                ..Default::default()
+            })
+    });
     cv1::Leadership {
         group: group.to_string(),
         leader: Some(leader),
         term: registered.map_or(0, |g| g.term),
         fence: u64::try_from(seat.fence).unwrap_or(0),
         elected_revision: seat.fence,
+        handoff_to,
     }
 }
 
@@ -503,6 +516,7 @@ impl GroupView {
                     term: event.term,
                     fence: u64::try_from(*fence).unwrap_or(0),
                     elected_revision: *fence,
+                    handoff_to: None,
                 };
                 self.ousted(state, group, Some(new.clone()), event, out);
                 out.push(make(Kind::Elected, Some(new.clone()), None));
@@ -546,10 +560,37 @@ impl GroupView {
                 }
                 self.candidates = now;
             }
-            // Handoffs are the incumbent's business (it sees them in its own state); the
-            // API reports the change of leader when it happens.
-            ElectionEventKind::HandoffRequested { .. }
-            | ElectionEventKind::HandoffCancelled { .. } => {}
+            // The incumbent learns from these that it should finish up and resign; the
+            // change of leader itself is reported when it happens.
+            ElectionEventKind::HandoffRequested {
+                challenger,
+                challenger_priority,
+                ..
+            } => {
+                let challenger = lookup(challenger).unwrap_or_else(|| cv1::Candidate {
+                    candidate_id: challenger.clone(),
+                    priority: *challenger_priority,
+                    ..Default::default()
+                });
+                if let Some(current) = &mut self.leader {
+                    current.handoff_to = Some(challenger.clone());
+                    out.push(make(
+                        Kind::HandoffRequested,
+                        Some(current.clone()),
+                        Some(challenger),
+                    ));
+                }
+            }
+            ElectionEventKind::HandoffCancelled { .. } => {
+                if let Some(current) = &mut self.leader {
+                    let challenger = current.handoff_to.take();
+                    out.push(make(
+                        Kind::HandoffCancelled,
+                        Some(current.clone()),
+                        challenger,
+                    ));
+                }
+            }
         }
         self.revision = event.revision;
     }
