@@ -99,6 +99,11 @@ pub enum Error {
     #[error("etcdserver: server stopped")]
     Stopped,
 
+    /// The replicated machine refused the committed entry's bytes (every member skips it
+    /// alike); only a proposer that encodes badly can cause it.
+    #[error("entry {index} was rejected by the replicated machine: {reason}")]
+    EntryRejected { index: u64, reason: String },
+
     // ---- Fatal errors ----
     /// A configuration value is out of range.
     #[error("invalid transport configuration: {reason}")]
@@ -147,7 +152,8 @@ impl Error {
             | Error::Timeout
             | Error::TooManyRequests
             | Error::Raft(_)
-            | Error::Stopped => false,
+            | Error::Stopped
+            | Error::EntryRejected { .. } => false,
             Error::UnknownPeer { .. }
             | Error::PeerQueueFull { .. }
             | Error::FrameTooLarge { .. }

@@ -1,0 +1,77 @@
+//! The seam between the Raft runtime and what it replicates.
+//!
+//! The driver ([`crate::node`]) owns everything about agreeing on a log: the Raft core, the
+//! write-ahead log, the peer transport, ReadIndex, proposal waiters, membership and snapshot
+//! compaction. What the log *means* is a [`ReplicatedMachine`]: the driver hands it every
+//! committed entry's bytes in log order, asks it for a snapshot every `snapshot_entries`
+//! entries, and gives a snapshot back to a node that restarts or falls behind. Conclave's
+//! coordination state machine (`conclave_state::StateMachine`) is one implementation; an
+//! embedding program supplies its own (see [`crate::embed`] and `examples/embedded_counter.rs`).
+
+/// Why a machine refused an entry or a snapshot image. Any error type converts into it, so
+/// `?` works inside [`ReplicatedMachine::apply`] and [`ReplicatedMachine::restore`].
+pub type MachineError = Box<dyn std::error::Error + Send + Sync>;
+
+/// A deterministic state machine the cluster replicates.
+///
+/// Every member applies the same entries in the same order, so every method that changes the
+/// state must depend on its arguments and the current state only: no clock, no randomness, no
+/// iteration over hash-ordered maps. Whatever only the leader knows (its clock, say) goes into
+/// the entry in [`ReplicatedMachine::encode`], which runs on the leader when it proposes.
+///
+/// ```
+/// use conclave_server::{MachineError, ReplicatedMachine};
+///
+/// /// A replicated counter: commands add to it, the output is the new value.
+/// #[derive(Default)]
+/// struct Counter { value: i64 }
+///
+/// impl ReplicatedMachine for Counter {
+///     type Command = i64;
+///     type Output = i64;
+///
+///     fn encode(delta: i64) -> Vec<u8> {
+///         delta.to_be_bytes().to_vec()
+///     }
+///     fn apply(&mut self, _index: u64, entry: &[u8]) -> Result<i64, MachineError> {
+///         let delta = i64::from_be_bytes(entry.try_into()?);
+///         self.value = self.value.wrapping_add(delta);
+///         Ok(self.value)
+///     }
+///     fn snapshot(&self) -> Vec<u8> {
+///         self.value.to_be_bytes().to_vec()
+///     }
+///     fn restore(&mut self, image: &[u8]) -> Result<(), MachineError> {
+///         self.value = i64::from_be_bytes(image.try_into()?);
+///         Ok(())
+///     }
+/// }
+/// ```
+pub trait ReplicatedMachine: Send + Sync + 'static {
+    /// What a caller proposes.
+    type Command: Send + 'static;
+    /// What applying one command answers to its proposer.
+    type Output: Send + 'static;
+
+    /// Turns a command into the bytes of its log entry. Runs on the leader at the moment it
+    /// proposes; any bytes are allowed (the driver frames them so they cannot be mistaken for
+    /// its own entries).
+    fn encode(command: Self::Command) -> Vec<u8>;
+
+    /// Applies the committed entry at `index`. Called exactly once per entry and index on
+    /// every member, in log order (after a restart, from the last snapshot on). An `Err` means
+    /// the bytes are not a command (every member decides that alike, so the entry is skipped
+    /// everywhere); its proposer gets [`crate::Error::EntryRejected`]. Errors of the command
+    /// itself (a failed compare-and-swap, say) belong in `Output`.
+    fn apply(&mut self, index: u64, entry: &[u8]) -> Result<Self::Output, MachineError>;
+
+    /// An image of the whole state, from which [`ReplicatedMachine::restore`] rebuilds it.
+    /// Taken on the driver thread every `snapshot_entries` applied entries; the log below it
+    /// is then dropped.
+    fn snapshot(&self) -> Vec<u8>;
+
+    /// Replaces the state with the one `image` describes: at start from the newest snapshot
+    /// on disk, or when the leader sends one to a member that fell behind its log. A machine
+    /// that was never snapshotted starts as the value given to the node.
+    fn restore(&mut self, image: &[u8]) -> Result<(), MachineError>;
+}

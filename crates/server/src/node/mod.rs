@@ -1,0 +1,56 @@
+//! The node runtime: the one task that drives the Raft core, generic over the replicated
+//! machine ([`crate::ReplicatedMachine`]).
+//!
+//! ```text
+//!  ticker (tick_ms) ─────────┐
+//!  peers ─ serve_peers ─ mpsc ┼─► Driver ─ RawNode::ready ─┬─ 1. WAL append + hard state, fsync
+//!  handle ─ NodeRequest ─ mpsc┘   (one OS thread,          ├─ 2. PeerTransport::send
+//!                                  group commit: drains     ├─ 3. machine.apply ─► waiters
+//!                                  every queue, then one    ├─ 4. read states ─► read waiters
+//!                                  Ready, one fsync)        └─ 5. advance; maybe snapshot
+//!  NodeStatus (watch) ◄── role, leader, term, commit, applied
+//! ```
+//!
+//! The driver runs on its own OS thread with a current-thread runtime, so an fsync blocks
+//! only Raft, never the gRPC server. A proposal's waiter is keyed by (index, term): if the entry
+//! applied at that index carries another term, a new leader overwrote it and the waiter gets
+//! [`Error::LeaderChanged`](crate::Error::LeaderChanged) instead of hanging.
+//!
+//! # Modules
+//! - `driver`: the generic driver: Raft core, WAL, transport, ReadIndex, proposal waiters,
+//!   membership and snapshots; the `Duties` seam for what one machine adds beside itself.
+//! - `coordination`: Conclave's coordination machine on it (leader clock stamping, the lease
+//!   duty, watch events) and the [`NodeHandle`] the etcd and `conclave.v1` services use.
+//! - `entries`: how member records and machine bytes share the log and the snapshots.
+//!
+//! An embedding program uses [`crate::embed::Node`] instead.
+
+use std::path::Path;
+
+mod coordination;
+pub(crate) mod driver;
+mod entries;
+
+pub use coordination::{
+    APPLIED_EVENTS_BUFFER_MAX, AppliedEvents, LeaseRenewal, NodeHandle, Proposal, open_storage,
+    spawn, state_config,
+};
+pub use driver::{NodeStatus, PeerMatch};
+
+/// What a committed coordination command produced: the state machine's answer and the term.
+pub type Applied = driver::Applied<conclave_state::ApplyOutput>;
+
+/// The size of everything under `dir`, for Maintenance.Status's `dbSize`.
+pub fn dir_size_bytes(dir: &Path) -> u64 {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .map(|entry| match entry.metadata() {
+            Ok(meta) if meta.is_dir() => dir_size_bytes(&entry.path()),
+            Ok(meta) => meta.len(),
+            Err(_) => 0,
+        })
+        .sum()
+}
