@@ -686,7 +686,10 @@ impl Leadership {
                     }
                 }
             };
+            // Biased: `resign` records its reason before it stops the keepalive task, so when
+            // both are ready the recorded reason is the true one.
             tokio::select! {
+                biased;
                 reason = recorded => reason,
                 reason = lease_expired => LossReason::LeaseExpired { reason },
             }
