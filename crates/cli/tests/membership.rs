@@ -9,9 +9,11 @@ use std::time::{Duration, Instant};
 
 use common::{Cluster, Node};
 use conclave_proto::etcdserverpb::cluster_client::ClusterClient;
+use conclave_proto::conclave::v1::PublishAttributesRequest;
+use conclave_proto::conclave::v1::membership_client::MembershipClient;
 use conclave_proto::etcdserverpb::{
     Member, MemberAddRequest, MemberListRequest, MemberPromoteRequest, MemberRemoveRequest,
-    RangeRequest,
+    MoveLeaderRequest, PutRequest, RangeRequest,
 };
 use tonic::Code;
 use tonic::transport::Channel;
@@ -307,4 +309,93 @@ async fn the_leader_can_be_removed() {
         wait_for_members(&cluster, id, &remaining).await;
     }
     write_and_check(&cluster, "after-leader-removal", 20).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_member_added_later_leads_and_the_founders_forward_to_it() {
+    let cluster = cluster_with_promoted_fourth().await;
+    let newcomer = &cluster.nodes[3];
+    let client_url = format!("http://{}", newcomer.client);
+    // The newcomer published its name and client address into the replicated records, so
+    // every founder lists them (MemberAdd knew only the peer address).
+    for id in 1..=3 {
+        let start = Instant::now();
+        loop {
+            let listed = members(&cluster, id).await;
+            let fourth = listed.iter().find(|m| m.id == 4).expect("member 4 listed");
+            if fourth.client_ur_ls == vec![client_url.clone()] && fourth.name == "node4" {
+                break;
+            }
+            assert!(
+                start.elapsed() < CATCH_UP_TIMEOUT,
+                "member {id} lists member 4 as {fourth:?}; logs in {}",
+                cluster.root.display()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    // Make the newcomer lead, then write through each founder: they forward to it.
+    let leader = cluster.wait_for_leader(WRITE_TIMEOUT).await;
+    if leader != 4 {
+        cluster
+            .maintenance(leader)
+            .await
+            .move_leader(MoveLeaderRequest { target_id: 4 })
+            .await
+            .expect("move the leadership to member 4");
+    }
+    assert_eq!(cluster.wait_for_leader(WRITE_TIMEOUT).await, 4);
+    for id in 1..=3 {
+        let mut kv = cluster.kv(id).await;
+        let mut request = tonic::Request::new(PutRequest {
+            key: format!("through-{id}").into(),
+            value: "v".into(),
+            ..Default::default()
+        });
+        request.set_timeout(WRITE_TIMEOUT);
+        let answer = kv
+            .put(request)
+            .await
+            .unwrap_or_else(|e| {
+                panic!(
+                    "a write through founder {id} to leader 4 failed: {e}; logs in {}",
+                    cluster.root.display()
+                )
+            })
+            .into_inner();
+        assert_eq!(
+            answer.header.expect("header").member_id,
+            4,
+            "the leader answered"
+        );
+    }
+    for id in 1..=4 {
+        wait_for_value(&cluster, id, "through-3", "v").await;
+    }
+
+    // Publishing is checked: an unknown member and a malformed address are refused.
+    let channel = tonic::transport::Channel::from_shared(cluster.endpoint(1))
+        .expect("valid endpoint")
+        .connect_lazy();
+    let mut membership = MembershipClient::new(channel);
+    let unknown = membership
+        .publish_attributes(PublishAttributesRequest {
+            id: 99,
+            name: "ghost".into(),
+            client_address: "127.0.0.1:1".into(),
+        })
+        .await
+        .expect_err("no such member");
+    assert_eq!(unknown.code(), Code::NotFound);
+    assert_eq!(unknown.message(), "etcdserver: member not found");
+    let malformed = membership
+        .publish_attributes(PublishAttributesRequest {
+            id: 4,
+            name: "node4".into(),
+            client_address: "http://127.0.0.1:1/x".into(),
+        })
+        .await
+        .expect_err("not host:port");
+    assert_eq!(malformed.code(), Code::InvalidArgument);
 }

@@ -100,10 +100,12 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> Re
             .add_service(crate::api::conclave::topic_server(&api, decode_max))
             .add_service(crate::api::conclave::session_server(&api))
             .add_service(crate::api::conclave::status_server(&api))
+            .add_service(crate::api::cluster::membership_server(&api))
             .serve_with_incoming_shutdown(client_connections(client_listener), async move {
                 let _ = grpc_stopped.await;
             }),
     );
+    tokio::spawn(crate::api::cluster::publish_own_attributes(api.clone()));
     tracing::info!(
         id = config.id,
         client = %config.listen_client,

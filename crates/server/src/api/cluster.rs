@@ -11,17 +11,20 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use conclave_proto::conclave::v1::membership_client::MembershipClient;
+use conclave_proto::conclave::v1::membership_server::{Membership, MembershipServer};
+use conclave_proto::conclave::v1::{self as cv1};
 use conclave_proto::etcdserverpb::{
     self as pb, cluster_client::ClusterClient, cluster_server::Cluster,
 };
 use conclave_raft::{ConfChangeStep, ConfState, NodeId};
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 use tonic::{Status, async_trait};
 
 use super::{Api, CallContext, FORWARDED_HEADER, to_status};
 use crate::config::Member;
 use crate::error::Error;
-use crate::node::NodeStatus;
+use crate::node::{MEMBER_FIELD_BYTES_MAX, NodeStatus};
 
 /// etcd's Cluster responses carry the member, cluster and term but no revision.
 const NO_REVISION: i64 = 0;
@@ -96,27 +99,9 @@ impl ClusterService {
         &self,
         ctx: &CallContext,
     ) -> Result<Option<ClusterClient<Channel>>, Status> {
-        let mut watch = self.api.node.status.clone();
-        loop {
-            let status = watch.borrow_and_update().clone();
-            match status.leader {
-                Some(leader) if leader == self.api.config.id => return Ok(None),
-                Some(leader) if !ctx.forwarded => {
-                    let address = client_address(&status, &self.api, leader)
-                        .ok_or_else(|| to_status(Error::NoLeader))?;
-                    let channel = Endpoint::from_shared(format!("http://{address}"))
-                        .map_err(|_| to_status(Error::NoLeader))?
-                        .connect_lazy();
-                    return Ok(Some(ClusterClient::new(channel)));
-                }
-                _ => {}
-            }
-            if ctx.remaining().is_zero() {
-                return Err(to_status(Error::NoLeader));
-            }
-            let wait = ctx.remaining().min(Duration::from_millis(CHANGE_POLL_MS));
-            let _ = tokio::time::timeout(wait, watch.changed()).await;
-        }
+        Ok(leader_channel(&self.api, ctx)
+            .await?
+            .map(ClusterClient::new))
     }
 
     /// Proposes `steps` and waits until they are applied, retrying while another change is
@@ -229,14 +214,23 @@ fn parse_peer_url(url: &str) -> Option<String> {
     Some(rest.to_string())
 }
 
-/// Where member `id` serves clients: its record, else the founding list.
-fn client_address(status: &NodeStatus, api: &Api, id: NodeId) -> Option<String> {
-    status
-        .members
-        .iter()
-        .find(|m| m.id == id && !m.client_addr.is_empty())
-        .map(|m| m.client_addr.clone())
-        .or_else(|| api.config.member(id).map(|m| m.client_addr.clone()))
+/// `None` when this node leads; otherwise a channel to the leader's client API. Waits for a
+/// leader until the deadline.
+async fn leader_channel(api: &Api, ctx: &CallContext) -> Result<Option<Channel>, Status> {
+    let mut watch = api.node.status.clone();
+    loop {
+        let leader = watch.borrow_and_update().leader;
+        match leader {
+            Some(leader) if leader == api.config.id => return Ok(None),
+            Some(leader) if !ctx.forwarded => return api.channel(leader).map(Some),
+            _ => {}
+        }
+        if ctx.remaining().is_zero() {
+            return Err(to_status(Error::NoLeader));
+        }
+        let wait = ctx.remaining().min(Duration::from_millis(CHANGE_POLL_MS));
+        let _ = tokio::time::timeout(wait, watch.changed()).await;
+    }
 }
 
 /// Marks a request forwarded and bounds it by what is left of ours.
@@ -318,5 +312,154 @@ impl Cluster for ClusterService {
             header: Some(self.api.header(NO_REVISION)),
             members: self.members(),
         }))
+    }
+}
+
+// ---- Published member attributes -----------------------------------------------------------
+
+/// How long a member waits before publishing its attributes again after a failure, and at
+/// most for its own record to show a successful publication.
+const PUBLISH_RETRY_MS: u64 = 500;
+
+/// `conclave.v1.Membership`, ready for the gRPC router.
+pub fn membership_server(api: &Arc<Api>) -> MembershipServer<MembershipService> {
+    MembershipServer::new(MembershipService { api: api.clone() })
+}
+
+/// Members publishing their own name and client address into the replicated records.
+pub struct MembershipService {
+    pub api: Arc<Api>,
+}
+
+impl MembershipService {
+    /// On the leader: records what `request` publishes, unless the record already says it.
+    async fn publish_local(
+        &self,
+        ctx: &CallContext,
+        request: cv1::PublishAttributesRequest,
+    ) -> Result<cv1::PublishAttributesResponse, Status> {
+        let status = self.api.node.status();
+        let record = status
+            .members
+            .iter()
+            .find(|m| m.id == request.id && status.conf_state.contains(m.id))
+            .ok_or_else(|| Status::not_found(ERR_MEMBER_NOT_FOUND))?;
+        if record.name != request.name || record.client_addr != request.client_address {
+            let member = Member {
+                id: record.id,
+                name: request.name,
+                peer_addr: record.peer_addr.clone(),
+                client_addr: request.client_address,
+            };
+            match tokio::time::timeout(ctx.remaining(), self.api.node.propose_member(member)).await
+            {
+                Err(_) => return Err(to_status(Error::Timeout)),
+                Ok(Err(error)) => return Err(to_status(error)),
+                Ok(Ok(())) => {}
+            }
+        }
+        let etcd = self.api.header(NO_REVISION);
+        Ok(cv1::PublishAttributesResponse {
+            header: Some(cv1::ResponseHeader {
+                cluster_id: etcd.cluster_id,
+                member_id: etcd.member_id,
+                revision: etcd.revision,
+                raft_term: etcd.raft_term,
+                leader_id: self.api.node.status.borrow().leader.unwrap_or(0),
+            }),
+        })
+    }
+}
+
+/// One sentence for a request the records cannot take.
+fn check_attributes(request: &cv1::PublishAttributesRequest) -> Result<(), Status> {
+    if request.name.is_empty() || request.name.len() > MEMBER_FIELD_BYTES_MAX {
+        return Err(Status::invalid_argument(format!(
+            "conclave: a member name must be 1 to {MEMBER_FIELD_BYTES_MAX} bytes"
+        )));
+    }
+    let address_ok = request.client_address.len() <= MEMBER_FIELD_BYTES_MAX
+        && parse_peer_url(&request.client_address).as_deref()
+            == Some(request.client_address.as_str());
+    if !address_ok {
+        return Err(Status::invalid_argument(format!(
+            "conclave: client address {:?} is not host:port",
+            request.client_address
+        )));
+    }
+    Ok(())
+}
+
+#[async_trait]
+impl Membership for MembershipService {
+    async fn publish_attributes(
+        &self,
+        request: tonic::Request<cv1::PublishAttributesRequest>,
+    ) -> Result<tonic::Response<cv1::PublishAttributesResponse>, Status> {
+        let ctx = CallContext::new(&request, self.api.config.request_timeout_ms);
+        let inner = request.into_inner();
+        check_attributes(&inner)?;
+        match leader_channel(&self.api, &ctx).await? {
+            Some(channel) => {
+                MembershipClient::new(channel)
+                    .publish_attributes(forwarded(&ctx, inner))
+                    .await
+            }
+            None => self
+                .publish_local(&ctx, inner)
+                .await
+                .map(tonic::Response::new),
+        }
+    }
+}
+
+/// Runs for the node's life: whenever its own record lacks a name or client address (a member
+/// added by MemberAdd, whose record has only the peer address) and a leader is known, publish
+/// them from this node's configuration, so the others can forward requests to it when it
+/// leads. Ends when the node drains or stops.
+pub async fn publish_own_attributes(api: Arc<Api>) {
+    let Some(me) = api.config.this_member().cloned() else {
+        return;
+    };
+    let service = MembershipService { api: api.clone() };
+    let mut status = api.node.status.clone();
+    let incomplete = |s: &NodeStatus| {
+        s.members
+            .iter()
+            .any(|m| m.id == me.id && (m.name.is_empty() || m.client_addr.is_empty()))
+    };
+    loop {
+        let needed = async {
+            status
+                .wait_for(|s| s.stopped.is_some() || (s.leader.is_some() && incomplete(s)))
+                .await
+                .map(|s| s.stopped.is_none())
+                .unwrap_or(false)
+        };
+        let go = tokio::select! {
+            go = needed => go,
+            _ = api.draining() => false,
+        };
+        if !go {
+            return;
+        }
+        let mut request = tonic::Request::new(cv1::PublishAttributesRequest {
+            id: me.id,
+            name: me.name.clone(),
+            client_address: me.client_addr.clone(),
+        });
+        request.set_timeout(Duration::from_millis(api.config.request_timeout_ms));
+        let retry = Duration::from_millis(PUBLISH_RETRY_MS);
+        match service.publish_attributes(request).await {
+            Ok(_) => {
+                tracing::info!(name = %me.name, client = %me.client_addr, "member attributes published");
+                // The record changes here once this node applies the entry.
+                let _ = tokio::time::timeout(retry, status.wait_for(|s| !incomplete(s))).await;
+            }
+            Err(error) => {
+                tracing::debug!(%error, "member attributes not published yet");
+                tokio::time::sleep(retry).await;
+            }
+        }
     }
 }

@@ -14,8 +14,7 @@
 //! below the minimum (1.5 × the election timeout) rounded up, as etcd does; remaining TTLs are
 //! truncated, as etcd reports them.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use conclave_proto::etcdserverpb::{
@@ -27,10 +26,10 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 use tonic::{Code, Status, Streaming, async_trait};
 
-use super::{Api, CallContext, FORWARDED_HEADER, state_status, to_status};
+use super::{Api, CallContext, FORWARDED_HEADER, MemberChannels, state_status, to_status};
 use crate::error::Error;
 use crate::node::{Applied, state_config};
 
@@ -48,7 +47,7 @@ pub fn server(api: &Arc<Api>, decode_max_bytes: usize) -> LeaseServer<LeaseServi
     LeaseServer::new(LeaseService {
         shared: Arc::new(Shared {
             api: api.clone(),
-            channels: Mutex::new(HashMap::new()),
+            channels: MemberChannels::default(),
         }),
     })
     .max_decoding_message_size(decode_max_bytes)
@@ -61,7 +60,7 @@ pub struct LeaseService {
 struct Shared {
     api: Arc<Api>,
     /// Lazily connected channels to other members' client addresses, for forwarding.
-    channels: Mutex<HashMap<NodeId, Channel>>,
+    channels: MemberChannels,
 }
 
 /// The leader's stream a follower forwards one client's keepalives on.
@@ -110,24 +109,7 @@ impl Shared {
     }
 
     fn channel(&self, id: NodeId) -> Result<Channel, Status> {
-        let mut channels = self
-            .channels
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        if let Some(channel) = channels.get(&id) {
-            return Ok(channel.clone());
-        }
-        let member = self
-            .api
-            .config
-            .member(id)
-            .ok_or_else(|| to_status(Error::NoLeader))?;
-        let endpoint = Endpoint::from_shared(format!("http://{}", member.client_addr))
-            .map_err(|e| Status::internal(format!("bad client address of member {id}: {e}")))?
-            .connect_timeout(Duration::from_millis(self.api.config.request_timeout_ms));
-        let channel = endpoint.connect_lazy();
-        channels.insert(id, channel.clone());
-        Ok(channel)
+        self.channels.get(&self.api, id)
     }
 
     /// The leader: `None` when it is this node, else its id. Waits for one until the deadline.

@@ -118,10 +118,41 @@ pub struct Api {
     pub config: ServerConfig,
     pub cluster_id: u64,
     /// Lazily connected channels to other members' client addresses.
-    channels: Mutex<HashMap<NodeId, Channel>>,
+    channels: MemberChannels,
     /// Set when a graceful shutdown starts draining the client API: long waits and streams
     /// end then, so they cannot hold the drain up, while ordinary requests finish.
     draining: tokio::sync::watch::Sender<bool>,
+}
+
+/// Lazily connected channels to members' client addresses, by member id. A channel is made
+/// again when the member's address changes (a published record replaces a guessed one).
+#[derive(Default)]
+pub struct MemberChannels {
+    channels: Mutex<HashMap<NodeId, (String, Channel)>>,
+}
+
+impl MemberChannels {
+    pub fn get(&self, api: &Api, id: NodeId) -> Result<Channel, Status> {
+        // Without an address the leader cannot be reached: as good as no leader.
+        let address = api
+            .client_address(id)
+            .ok_or_else(|| to_status(Error::NoLeader))?;
+        let mut channels = self
+            .channels
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some((known, channel)) = channels.get(&id)
+            && *known == address
+        {
+            return Ok(channel.clone());
+        }
+        let endpoint = Endpoint::from_shared(format!("http://{address}"))
+            .map_err(|e| Status::internal(format!("bad client address of member {id}: {e}")))?
+            .connect_timeout(Duration::from_millis(api.config.request_timeout_ms));
+        let channel = endpoint.connect_lazy();
+        channels.insert(id, (address, channel.clone()));
+        Ok(channel)
+    }
 }
 
 /// Where a request goes.
@@ -136,7 +167,7 @@ impl Api {
             cluster_id: config.cluster_id(),
             node,
             config,
-            channels: Mutex::new(HashMap::new()),
+            channels: MemberChannels::default(),
             draining: tokio::sync::watch::Sender::new(false),
         })
     }
@@ -169,24 +200,29 @@ impl Api {
         self.header(revision)
     }
 
-    fn channel(&self, id: NodeId) -> Result<Channel, Status> {
-        let mut channels = self
-            .channels
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        if let Some(channel) = channels.get(&id) {
-            return Ok(channel.clone());
-        }
-        let member = self
-            .config
-            .member(id)
-            .ok_or_else(|| Status::unavailable(Error::NoLeader.to_string()))?;
-        let endpoint = Endpoint::from_shared(format!("http://{}", member.client_addr))
-            .map_err(|e| Status::internal(format!("bad client address of member {id}: {e}")))?
-            .connect_timeout(Duration::from_millis(self.config.request_timeout_ms));
-        let channel = endpoint.connect_lazy();
-        channels.insert(id, channel.clone());
-        Ok(channel)
+    /// Where member `id` serves clients: its replicated member record (a member added at run
+    /// time publishes its own, see `cluster::publish_own_attributes`), else the startup
+    /// configuration. `None` when neither knows.
+    pub fn client_address(&self, id: NodeId) -> Option<String> {
+        let recorded = self
+            .node
+            .status
+            .borrow()
+            .members
+            .iter()
+            .find(|m| m.id == id && !m.client_addr.is_empty())
+            .map(|m| m.client_addr.clone());
+        recorded.or_else(|| {
+            self.config
+                .member(id)
+                .filter(|m| !m.client_addr.is_empty())
+                .map(|m| m.client_addr.clone())
+        })
+    }
+
+    /// A channel to member `id`'s client API, for forwarding.
+    pub fn channel(&self, id: NodeId) -> Result<Channel, Status> {
+        self.channels.get(self, id)
     }
 
     /// Waits until a leader is known (or the deadline), then says where the request goes.

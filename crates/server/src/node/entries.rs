@@ -25,7 +25,7 @@ pub(crate) const MACHINE_ENTRY_ESCAPE: &[u8] = b"\x00conclave-machine\x01";
 /// Starts a snapshot whose member records precede the state machine's image.
 pub(crate) const SNAPSHOT_MEMBERS_MAGIC: &[u8] = b"CNCLMEMB";
 /// Bounds a member record's strings, so a corrupt length cannot ask for gigabytes.
-const MEMBER_FIELD_BYTES_MAX: usize = 4096;
+pub(crate) const MEMBER_FIELD_BYTES_MAX: usize = 4096;
 
 /// What a committed normal entry holds.
 #[derive(Debug, PartialEq, Eq)]

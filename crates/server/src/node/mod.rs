@@ -36,6 +36,7 @@ pub use coordination::{
     spawn, state_config,
 };
 pub use driver::{NodeStatus, PeerMatch};
+pub(crate) use entries::MEMBER_FIELD_BYTES_MAX;
 
 /// What a committed coordination command produced: the state machine's answer and the term.
 pub type Applied = driver::Applied<conclave_state::ApplyOutput>;
