@@ -8,9 +8,9 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{Cluster, Node};
-use conclave_proto::etcdserverpb::cluster_client::ClusterClient;
 use conclave_proto::conclave::v1::PublishAttributesRequest;
 use conclave_proto::conclave::v1::membership_client::MembershipClient;
+use conclave_proto::etcdserverpb::cluster_client::ClusterClient;
 use conclave_proto::etcdserverpb::{
     Member, MemberAddRequest, MemberListRequest, MemberPromoteRequest, MemberRemoveRequest,
     MoveLeaderRequest, PutRequest, RangeRequest,
@@ -110,7 +110,13 @@ async fn write_and_check(cluster: &Cluster, prefix: &str, count: usize) {
 /// Adds a learner through member `via` and starts it with an empty data directory and
 /// `--initial-cluster-state existing`. Returns its id.
 async fn add_and_start_learner(cluster: &mut Cluster, via: u64) -> u64 {
-    let client_port = free_port();
+    let (id, peer) = add_learner(cluster, via).await;
+    start_joining_node(cluster, id, peer);
+    id
+}
+
+/// Adds a learner through member `via` (no process yet). Returns its id and peer address.
+async fn add_learner(cluster: &Cluster, via: u64) -> (u64, String) {
     let peer_port = free_port();
     let peer = format!("127.0.0.1:{peer_port}");
     let added = cluster_client(cluster, via)
@@ -130,7 +136,12 @@ async fn add_and_start_learner(cluster: &mut Cluster, via: u64) -> u64 {
         "ids continue after the founders"
     );
     assert!(added.members.iter().any(|m| m.id == id));
+    (id, peer)
+}
 
+/// Starts the node MemberAdd made `id`, on `peer`, joining the running cluster.
+fn start_joining_node(cluster: &mut Cluster, id: u64, peer: String) {
+    let client_port = free_port();
     let founders: Vec<String> = cluster
         .nodes
         .iter()
@@ -171,7 +182,6 @@ async fn add_and_start_learner(cluster: &mut Cluster, via: u64) -> u64 {
         data_dir,
         child: Some(child),
     });
-    id
 }
 
 /// A free loopback port from the same range the harness uses (above its own picks).
@@ -398,4 +408,64 @@ async fn a_member_added_later_leads_and_the_founders_forward_to_it() {
         .await
         .expect_err("not host:port");
     assert_eq!(malformed.code(), Code::InvalidArgument);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_learner_is_promoted_only_once_it_has_caught_up() {
+    let mut cluster = Cluster::start(3).await;
+    write_and_check(&cluster, "before", 30).await;
+    let leader = cluster.wait_for_leader(WRITE_TIMEOUT).await;
+    let via = if leader == 1 { 2 } else { 1 };
+    // Added but not started: it has none of the log.
+    let (id, peer) = add_learner(&cluster, via).await;
+    let refused = cluster_client(&cluster, via)
+        .member_promote(MemberPromoteRequest { id })
+        .await
+        .expect_err("a learner with an empty log cannot be promoted");
+    assert_eq!(refused.code(), Code::FailedPrecondition);
+    assert_eq!(
+        refused.message(),
+        "etcdserver: can only promote a learner member which is in sync with leader"
+    );
+    wait_for_members(
+        &cluster,
+        via,
+        &[(1, false), (2, false), (3, false), (id, true)],
+    )
+    .await;
+
+    // Started, it catches up by snapshot and the log; then the promotion goes through.
+    start_joining_node(&mut cluster, id, peer);
+    wait_for_value(&cluster, id, "before-29", "before-29").await;
+    let start = Instant::now();
+    loop {
+        match cluster_client(&cluster, via)
+            .member_promote(MemberPromoteRequest { id })
+            .await
+        {
+            Ok(_) => break,
+            // The leader may not have heard from the learner since it caught up.
+            Err(status)
+                if status.message().ends_with("in sync with leader")
+                    && start.elapsed() < CATCH_UP_TIMEOUT =>
+            {
+                tokio::time::sleep(Duration::from_millis(50)).await
+            }
+            Err(status) => panic!(
+                "promoting the caught-up learner failed: {status}; logs in {}",
+                cluster.root.display()
+            ),
+        }
+    }
+    println!(
+        "learner {id} promoted {} ms after it had applied the last write",
+        start.elapsed().as_millis()
+    );
+    wait_for_members(
+        &cluster,
+        via,
+        &[(1, false), (2, false), (3, false), (id, false)],
+    )
+    .await;
+    write_and_check(&cluster, "promoted", 10).await;
 }

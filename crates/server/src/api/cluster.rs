@@ -24,7 +24,7 @@ use tonic::{Status, async_trait};
 use super::{Api, CallContext, FORWARDED_HEADER, to_status};
 use crate::config::Member;
 use crate::error::Error;
-use crate::node::{MEMBER_FIELD_BYTES_MAX, NodeStatus};
+use crate::node::{MEMBER_FIELD_BYTES_MAX, NodeStatus, PeerMatch};
 
 /// etcd's Cluster responses carry the member, cluster and term but no revision.
 const NO_REVISION: i64 = 0;
@@ -36,6 +36,12 @@ const CHANGE_POLL_MS: u64 = 20;
 const ERR_MEMBER_NOT_FOUND: &str = "etcdserver: member not found";
 const ERR_PEER_URL_EXISTS: &str = "etcdserver: Peer URLs already exists";
 const ERR_NOT_LEARNER: &str = "etcdserver: can only promote a learner member";
+const ERR_LEARNER_NOT_READY: &str =
+    "etcdserver: can only promote a learner member which is in sync with leader";
+/// A learner is promoted only once its log reaches this share of the leader's (etcd's
+/// threshold): a voter far behind would slow every commit, or stall the cluster when it is
+/// needed for a quorum.
+const LEARNER_READY_PERCENT: u64 = 90;
 const ERR_BAD_URLS: &str = "etcdserver: given member URLs are invalid";
 
 pub struct ClusterService {
@@ -200,6 +206,13 @@ impl ClusterService {
     }
 }
 
+/// Whether a learner's log is close enough to the leader's to make it a voter.
+fn learner_ready(progress: PeerMatch) -> bool {
+    // In u128, so no index is too large for the product.
+    u128::from(progress.matched) * 100
+        >= u128::from(progress.leader_last) * u128::from(LEARNER_READY_PERCENT)
+}
+
 /// `http://host:port` (or bare `host:port`) to `host:port`; `None` when it is not one.
 fn parse_peer_url(url: &str) -> Option<String> {
     let rest = url
@@ -303,6 +316,11 @@ impl Cluster for ClusterService {
         let conf = self.existing(id)?;
         if !conf.learners.contains(&id) {
             return Err(Status::failed_precondition(ERR_NOT_LEARNER));
+        }
+        match self.api.node.peer_match(id).await {
+            Ok(Some(progress)) if learner_ready(progress) => {}
+            Ok(_) => return Err(Status::failed_precondition(ERR_LEARNER_NOT_READY)),
+            Err(error) => return Err(to_status(error)),
         }
         self.change(&ctx, vec![ConfChangeStep::AddVoter(id)])
             .await?;
@@ -461,5 +479,42 @@ pub async fn publish_own_attributes(api: Arc<Api>) {
                 tokio::time::sleep(retry).await;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_learner_is_ready_at_ninety_percent_of_the_leaders_log() {
+        let at = |matched, leader_last| {
+            learner_ready(PeerMatch {
+                matched,
+                leader_last,
+            })
+        };
+        assert!(!at(0, 10));
+        assert!(!at(89, 100));
+        assert!(at(90, 100));
+        assert!(at(100, 100));
+        assert!(at(u64::MAX, u64::MAX));
+        assert!(!at(u64::MAX / 2, u64::MAX));
+    }
+
+    #[test]
+    fn published_attributes_must_be_a_name_and_host_port() {
+        let request = |name: &str, address: &str| cv1::PublishAttributesRequest {
+            id: 4,
+            name: name.into(),
+            client_address: address.into(),
+        };
+        assert!(check_attributes(&request("node4", "127.0.0.1:2385")).is_ok());
+        assert!(check_attributes(&request("", "127.0.0.1:2385")).is_err());
+        assert!(check_attributes(&request("node4", "http://127.0.0.1:2385")).is_err());
+        assert!(check_attributes(&request("node4", "127.0.0.1")).is_err());
+        assert!(check_attributes(&request("node4", "127.0.0.1:0")).is_err());
+        let long = "x".repeat(MEMBER_FIELD_BYTES_MAX + 1);
+        assert!(check_attributes(&request(&long, "127.0.0.1:2385")).is_err());
     }
 }
