@@ -5,6 +5,8 @@ use std::future::Future;
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use conclave_proto::conclave::v1 as cv1;
+use conclave_proto::conclave::v1::session_client::SessionClient;
 use conclave_proto::etcdserverpb::cluster_client::ClusterClient;
 use conclave_proto::etcdserverpb::maintenance_client::MaintenanceClient;
 use conclave_proto::etcdserverpb::{MemberListRequest, StatusRequest};
@@ -13,6 +15,7 @@ use tonic::transport::{Channel, Endpoint};
 
 use crate::error::{Error, ErrorContext, Result};
 use crate::lease::LeaseSafety;
+use crate::session::{Position, Session, SessionPool, session_gone};
 
 /// Exponential backoff with a cap and jitter, used between retries of one request and between
 /// reconnects of streams.
@@ -77,6 +80,10 @@ pub struct ClientOptions {
     pub backoff: Backoff,
     /// How conservatively a lease holder judges its own lease (see [`LeaseSafety`]).
     pub lease_safety: LeaseSafety,
+    /// Send writes that must not apply twice (put, delete, txn, publish, lease grant, ...) in
+    /// an exactly-once client session, so they can be retried after a leader change or an
+    /// unavailable member. Off: they are retried only when nothing was sent.
+    pub exactly_once: bool,
 }
 
 impl Default for ClientOptions {
@@ -86,6 +93,7 @@ impl Default for ClientOptions {
             connect_timeout: Duration::from_secs(2),
             backoff: Backoff::default(),
             lease_safety: LeaseSafety::default(),
+            exactly_once: true,
         }
     }
 }
@@ -98,7 +106,8 @@ pub(crate) enum Retry {
     /// identity): retried on any transient error until the deadline.
     Idempotent,
     /// Writes whose repetition could apply twice (put, delete, txn, publish, lease grant):
-    /// retried only when nothing was sent (no endpoint could be reached).
+    /// retried only when nothing was sent (no endpoint could be reached). Such writes go
+    /// through [`Inner::call_in_session`], which retries them safely when it can.
     AtMostOnce,
 }
 
@@ -122,6 +131,8 @@ pub(crate) struct Inner {
     active: RwLock<Option<Active>>,
     /// Serialises reconnects.
     reconnecting: tokio::sync::Mutex<u64>,
+    /// Exactly-once sessions not in use by a write right now.
+    sessions: SessionPool,
 }
 
 /// Adds `http://` when the endpoint has no scheme (`127.0.0.1:2379` as etcdctl accepts).
@@ -162,6 +173,7 @@ impl Inner {
             options,
             active: RwLock::new(None),
             reconnecting: tokio::sync::Mutex::new(0),
+            sessions: SessionPool::default(),
         })
     }
 
@@ -387,6 +399,152 @@ impl Inner {
             tokio::time::sleep(pause).await;
             attempt = attempt.saturating_add(1);
         }
+    }
+
+    /// Runs a write that must not apply twice in an exactly-once session: every attempt
+    /// carries the same position, so it is retried on any transient error until `timeout`
+    /// and the state machine answers a repeat from its cache. Without sessions (turned off,
+    /// or a server that has none) the write is sent with the `fallback` policy.
+    pub(crate) async fn call_in_session<T, F, Fut>(
+        &self,
+        fallback: Retry,
+        context: ErrorContext,
+        timeout: Duration,
+        mut call: F,
+    ) -> Result<T>
+    where
+        F: FnMut(Channel, Duration, Position) -> Fut,
+        Fut: Future<Output = std::result::Result<T, tonic::Status>>,
+    {
+        let deadline = Instant::now() + timeout;
+        let mut renewed = false;
+        loop {
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            let session = if self.options.exactly_once && !self.sessions.unsupported() {
+                match self.sessions.take() {
+                    Some(session) => Some(session),
+                    None => self.open_session(remaining).await?,
+                }
+            } else {
+                None
+            };
+            let Some(mut session) = session else {
+                return self
+                    .call(fallback, context, remaining, |channel, timeout| {
+                        call(channel, timeout, Position::NONE)
+                    })
+                    .await;
+            };
+            let position = session.advance();
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            let mut sent = 0u32;
+            let result = self
+                .call(Retry::Idempotent, context, remaining, |channel, timeout| {
+                    sent = sent.saturating_add(1);
+                    call(channel, timeout, position)
+                })
+                .await;
+            match result {
+                // The server forgot the session (idle past its TTL, evicted, closed). It checks
+                // the session first, so the attempt that heard this applied nothing: when it
+                // was the only one sent, a new session may try again.
+                Err(error) if session_gone(&error) => {
+                    if sent <= 1 && !renewed {
+                        renewed = true;
+                        continue;
+                    }
+                    return Err(Error::Unavailable(format!(
+                        "the client session ended while the write was being retried, so whether \
+                         it was applied is unknown ({error})"
+                    )));
+                }
+                // Applied, refused, or given up on (a late copy of this position is then
+                // refused as older than the next one): the session goes on.
+                result => {
+                    if let Some(extra) = self.sessions.put_back(session) {
+                        self.close_later(extra);
+                    }
+                    return result;
+                }
+            }
+        }
+    }
+
+    /// Opens a session; `None` when the server has no Session service (etcd).
+    async fn open_session(&self, timeout: Duration) -> Result<Option<Session>> {
+        // A repeated open leaves an unused session behind, which the server forgets by itself.
+        let opened = self
+            .call(
+                Retry::Idempotent,
+                ErrorContext::default(),
+                timeout,
+                |channel, timeout| async move {
+                    let answer = SessionClient::new(channel)
+                        .open_session(request(cv1::OpenSessionRequest {}, timeout))
+                        .await;
+                    match answer {
+                        Err(status) if status.code() == tonic::Code::Unimplemented => Ok(None),
+                        answer => answer.map(|a| Some(a.into_inner())),
+                    }
+                },
+            )
+            .await?;
+        match opened {
+            Some(opened) => Ok(Some(Session::opened(
+                opened.client_id,
+                Duration::from_millis(opened.session_ttl_ms),
+            ))),
+            None => {
+                tracing::debug!("the server has no client sessions; writes are sent at most once");
+                self.sessions.mark_unsupported();
+                Ok(None)
+            }
+        }
+    }
+
+    /// Closes a session the pool has no room for, in the background (best effort: an
+    /// unclosed session expires by itself).
+    fn close_later(&self, session: Session) {
+        let (Some(active), Ok(runtime)) = (self.current(), tokio::runtime::Handle::try_current())
+        else {
+            return;
+        };
+        let timeout = self.options.request_timeout;
+        runtime.spawn(async move {
+            let message = cv1::CloseSessionRequest {
+                client_id: session.client_id,
+            };
+            let _ = SessionClient::new(active.channel)
+                .close_session(request(message, timeout))
+                .await;
+        });
+    }
+
+    /// Closes every idle session now.
+    pub(crate) async fn close_sessions(&self) -> Result<()> {
+        for session in self.sessions.drain() {
+            let message = cv1::CloseSessionRequest {
+                client_id: session.client_id,
+            };
+            let closed = self
+                .call(
+                    Retry::Idempotent,
+                    ErrorContext::default(),
+                    self.options.request_timeout,
+                    |channel, timeout| async move {
+                        SessionClient::new(channel)
+                            .close_session(request(message, timeout))
+                            .await
+                    },
+                )
+                .await;
+            match closed {
+                // Already forgotten (expired or closed by a retry): nothing left to close.
+                Ok(_) | Err(Error::NotFound(_)) => {}
+                Err(error) => return Err(error),
+            }
+        }
+        Ok(())
     }
 
     /// Drops the connection of `generation` so the next call picks an endpoint afresh.

@@ -265,18 +265,18 @@ impl Election {
                     "not elected in group {group:?} within the campaign timeout"
                 )));
             }
-            let call = self.inner().call(
+            let call = self.inner().call_in_session(
                 Retry::Idempotent,
                 ErrorContext {
                     lease_id: keeper.id(),
                     revision: 0,
                 },
                 slice,
-                |channel, timeout| {
+                |channel, timeout, at| {
                     let message = message.clone();
                     async move {
                         election_client(channel)
-                            .campaign(request(message, timeout))
+                            .campaign(at.request(message, timeout))
                             .await
                     }
                 },
@@ -334,11 +334,11 @@ impl Election {
         };
         let answer = self
             .client
-            .call(Retry::Idempotent, context, |channel, timeout| {
+            .call_in_session(Retry::Idempotent, context, |channel, timeout, at| {
                 let message = message.clone();
                 async move {
                     election_client(channel)
-                        .campaign(request(message, timeout))
+                        .campaign(at.request(message, timeout))
                         .await
                 }
             })
@@ -426,14 +426,14 @@ async fn resign(client: &Client, group: &str, candidate_id: &str, fence: u64) ->
         fence,
     };
     let answer = client
-        .call(
+        .call_in_session(
             Retry::Idempotent,
             ErrorContext::default(),
-            |channel, timeout| {
+            |channel, timeout, at| {
                 let message = message.clone();
                 async move {
                     election_client(channel)
-                        .resign(request(message, timeout))
+                        .resign(at.request(message, timeout))
                         .await
                 }
             },
@@ -735,14 +735,14 @@ impl Leadership {
             value: value.into().into(),
         };
         self.client
-            .call(
+            .call_in_session(
                 Retry::Idempotent,
                 ErrorContext::default(),
-                |channel, timeout| {
+                |channel, timeout, at| {
                     let message = message.clone();
                     async move {
                         election_client(channel)
-                            .proclaim(request(message, timeout))
+                            .proclaim(at.request(message, timeout))
                             .await
                     }
                 },

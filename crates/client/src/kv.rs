@@ -503,8 +503,8 @@ impl Client {
         Ok(answer.into_inner().into())
     }
 
-    /// Writes a key. Retried only when nothing was sent: a repeated put would create another
-    /// revision and could overwrite a later writer.
+    /// Writes a key. In an exactly-once session: a retry after an ambiguous failure never
+    /// creates a second revision or overwrites a later writer.
     pub async fn put(
         &self,
         key: impl Into<Vec<u8>>,
@@ -517,15 +517,19 @@ impl Client {
             revision: 0,
         };
         let answer = self
-            .call(Retry::AtMostOnce, context, |channel, timeout| {
+            .call_in_session(Retry::AtMostOnce, context, |channel, timeout, at| {
                 let message = message.clone();
-                async move { KvClient::new(channel).put(request(message, timeout)).await }
+                async move {
+                    KvClient::new(channel)
+                        .put(at.request(message, timeout))
+                        .await
+                }
             })
             .await?;
         Ok(answer.into_inner().into())
     }
 
-    /// Deletes a key, a prefix or a range.
+    /// Deletes a key, a prefix or a range (in an exactly-once session).
     pub async fn delete(
         &self,
         key: impl Into<Vec<u8>>,
@@ -533,14 +537,14 @@ impl Client {
     ) -> Result<DeleteResponse> {
         let message = delete_request(key.into(), &options);
         let answer = self
-            .call(
+            .call_in_session(
                 Retry::AtMostOnce,
                 ErrorContext::default(),
-                |channel, timeout| {
+                |channel, timeout, at| {
                     let message = message.clone();
                     async move {
                         KvClient::new(channel)
-                            .delete_range(request(message, timeout))
+                            .delete_range(at.request(message, timeout))
                             .await
                     }
                 },
@@ -549,17 +553,22 @@ impl Client {
         Ok(answer.into_inner().into())
     }
 
-    /// Runs a transaction.
+    /// Runs a transaction (in an exactly-once session: a retry gets the first answer).
     pub async fn txn(&self, txn: Txn) -> Result<TxnResponse> {
         self.txn_with(txn, Retry::AtMostOnce).await
     }
 
-    pub(crate) async fn txn_with(&self, txn: Txn, retry: Retry) -> Result<TxnResponse> {
+    /// [`Client::txn`], sent with `fallback` when the server has no sessions.
+    pub(crate) async fn txn_with(&self, txn: Txn, fallback: Retry) -> Result<TxnResponse> {
         let message = txn.into_request();
         let answer = self
-            .call(retry, ErrorContext::default(), |channel, timeout| {
+            .call_in_session(fallback, ErrorContext::default(), |channel, timeout, at| {
                 let message = message.clone();
-                async move { KvClient::new(channel).txn(request(message, timeout)).await }
+                async move {
+                    KvClient::new(channel)
+                        .txn(at.request(message, timeout))
+                        .await
+                }
             })
             .await?;
         Ok(answer.into_inner().into())

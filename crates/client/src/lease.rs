@@ -131,20 +131,18 @@ impl Client {
     /// Grants a lease of at least `ttl` (rounded up to whole seconds).
     pub async fn lease_grant(&self, ttl: Duration) -> Result<LeaseGrant> {
         let ttl_s = ttl_seconds(ttl)?;
-        let mut sent_at = Instant::now();
-        // A retried grant could create a second lease; the orphan would expire by itself,
-        // but we still only retry when nothing was sent.
+        // In an exactly-once session a retry cannot grant a second lease. The answer to a
+        // retry may be the first attempt's grant, whose TTL started when that attempt was
+        // applied: so the lease is dated from before the first attempt, not the last.
+        let sent_at = Instant::now();
         let answer = self
-            .call(
+            .call_in_session(
                 Retry::AtMostOnce,
                 ErrorContext::default(),
-                |channel, timeout| {
-                    sent_at = Instant::now();
-                    async move {
-                        LeaseClient::new(channel)
-                            .lease_grant(request(LeaseGrantRequest { ttl: ttl_s, id: 0 }, timeout))
-                            .await
-                    }
+                |channel, timeout, at| async move {
+                    LeaseClient::new(channel)
+                        .lease_grant(at.request(LeaseGrantRequest { ttl: ttl_s, id: 0 }, timeout))
+                        .await
                 },
             )
             .await?
@@ -165,11 +163,16 @@ impl Client {
             lease_id: id,
             revision: 0,
         };
-        self.call(Retry::Idempotent, context, |channel, timeout| async move {
-            LeaseClient::new(channel)
-                .lease_revoke(request(LeaseRevokeRequest { id }, timeout))
-                .await
-        })
+        // In a session, so a retry after the revoke applied answers success, not "not found".
+        self.call_in_session(
+            Retry::Idempotent,
+            context,
+            |channel, timeout, at| async move {
+                LeaseClient::new(channel)
+                    .lease_revoke(at.request(LeaseRevokeRequest { id }, timeout))
+                    .await
+            },
+        )
         .await?;
         Ok(())
     }

@@ -18,8 +18,10 @@
 //! ```
 //!
 //! Requests that can safely be repeated (reads, fenced or self-keyed writes) are retried on
-//! "no leader" and unavailable members with capped backoff until the request deadline; other
-//! writes are retried only when nothing was sent. See `docs/client.md`.
+//! "no leader" and unavailable members with capped backoff until the request deadline. Writes
+//! that could apply twice (put, delete, txn, publish, lease grant) travel in an exactly-once
+//! client session, so they are retried the same way and still applied once. See
+//! `docs/client.md`.
 
 mod conn;
 mod election;
@@ -28,6 +30,7 @@ mod etcd_election;
 mod kv;
 mod lease;
 mod lock;
+mod session;
 mod topic;
 mod watch;
 
@@ -48,6 +51,7 @@ pub use kv::{
 };
 pub use lease::{LeaseGrant, LeaseId, LeaseKeepAlive, LeaseSafety, LeaseState, LeaseTimeToLive};
 pub use lock::{LockGuard, LockOptions, Mutex};
+pub use session::SESSIONS_IDLE_MAX;
 pub use topic::{InboxOptions, ReadResponse, TopicMessage, TopicSubscription, Topics};
 pub use watch::{EventType, WatchEvent, WatchOptions, Watcher};
 
@@ -55,6 +59,7 @@ use conclave_proto::etcdserverpb::cluster_client::ClusterClient;
 use conclave_proto::etcdserverpb::maintenance_client::MaintenanceClient;
 use conclave_proto::etcdserverpb::{Member, MemberListRequest, StatusRequest, StatusResponse};
 use conn::{Inner, Retry, Shared, request};
+use session::Position;
 
 /// A connection to a Conclave cluster. Cheap to clone; clones share the connection.
 #[derive(Clone)]
@@ -156,6 +161,30 @@ impl Client {
     /// Topics and consumer inboxes (`conclave.v1.Topic`).
     pub fn topics(&self) -> Topics {
         Topics::new(self.clone())
+    }
+
+    /// Closes the client's idle exactly-once sessions at once instead of leaving them to
+    /// expire on the server (after its `session_ttl_ms`, 1 h by default). Later writes open
+    /// new ones.
+    pub async fn close_sessions(&self) -> Result<()> {
+        self.inner.close_sessions().await
+    }
+
+    /// A write that must not apply twice, in an exactly-once session, with the default
+    /// deadline; see [`Inner::call_in_session`].
+    async fn call_in_session<T, F, Fut>(
+        &self,
+        fallback: Retry,
+        context: ErrorContext,
+        call: F,
+    ) -> Result<T>
+    where
+        F: FnMut(tonic::transport::Channel, Duration, Position) -> Fut,
+        Fut: Future<Output = std::result::Result<T, tonic::Status>>,
+    {
+        self.inner
+            .call_in_session(fallback, context, self.inner.options.request_timeout, call)
+            .await
     }
 
     /// One request with the default deadline.

@@ -79,7 +79,9 @@ impl Mutex {
                     "lock {name:?} not acquired within the lock timeout"
                 )));
             }
-            // Locking again with the same lease is idempotent (same key, same fence).
+            // Locking again with the same lease is idempotent (same key, same fence). Not in a
+            // session: the server removes the queue key of a Lock call dropped while waiting,
+            // and a retry must put it back, not replay the first answer.
             let call =
                 self.client
                     .inner
@@ -143,7 +145,8 @@ async fn release(client: &Client, key: Vec<u8>, fence: i64) -> Result<bool> {
             fence,
         )])
         .and_then([Op::delete(key, DeleteOptions::default())]);
-    // Fenced, so repeating it is harmless.
+    // Fenced, so repeating it is harmless; in a session a retry also reports the first
+    // attempt's release instead of "not held".
     Ok(client.txn_with(txn, Retry::Idempotent).await?.succeeded)
 }
 

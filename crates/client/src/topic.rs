@@ -75,8 +75,8 @@ impl Topics {
         Topics { client }
     }
 
-    /// Appends a message and answers its sequence number. Not retried once sent: a retry
-    /// could publish it twice.
+    /// Appends a message and answers its sequence number. In an exactly-once session, so a
+    /// retry after a leader change never publishes it twice.
     pub async fn publish(&self, topic: &str, data: impl Into<Vec<u8>>) -> Result<u64> {
         let message = cv1::PublishRequest {
             topic: topic.to_string(),
@@ -84,14 +84,14 @@ impl Topics {
         };
         let answer = self
             .client
-            .call(
+            .call_in_session(
                 Retry::AtMostOnce,
                 ErrorContext::default(),
-                |channel, timeout| {
+                |channel, timeout, at| {
                     let message = message.clone();
                     async move {
                         topic_client(channel)
-                            .publish(request(message, timeout))
+                            .publish(at.request(message, timeout))
                             .await
                     }
                 },
@@ -144,7 +144,8 @@ impl Topics {
             ack: options.ack,
             wait_ms: u32::try_from(options.wait.as_millis()).unwrap_or(u32::MAX),
         };
-        // Reading without acknowledging is a pure read; with `ack` a retry could skip a batch.
+        // Reading without acknowledging is a pure read; with `ack` a retry could skip a batch
+        // (the read and its acks are several steps, which one session position cannot cover).
         let retry = if options.ack {
             Retry::AtMostOnce
         } else {
@@ -182,12 +183,16 @@ impl Topics {
         };
         let answer = self
             .client
-            .call(
+            .call_in_session(
                 Retry::Idempotent,
                 ErrorContext::default(),
-                |channel, timeout| {
+                |channel, timeout, at| {
                     let message = message.clone();
-                    async move { topic_client(channel).ack(request(message, timeout)).await }
+                    async move {
+                        topic_client(channel)
+                            .ack(at.request(message, timeout))
+                            .await
+                    }
                 },
             )
             .await?;
