@@ -754,6 +754,9 @@ impl Leadership {
     /// Resigns this leadership (fenced: a stale fence changes nothing) and leaves the group;
     /// answers whether we were still leading.
     pub async fn resign(mut self) -> Result<bool> {
+        // The seat change our resignation causes is not a deposition: stop watching first, so
+        // `lost()` says `Resigned` (unless a loss was already recorded before this call).
+        self.monitor.abort();
         let was_leader = resign(
             &self.client,
             &self.info.group,
@@ -763,8 +766,14 @@ impl Leadership {
         .await;
         // Leave the group even if the fence is stale, so we do not get elected again later.
         let _ = resign(&self.client, &self.info.group, &self.candidate_id, 0).await;
-        let _ = self.lost_tx.send(Some(LossReason::Resigned));
-        self.monitor.abort();
+        self.lost_tx.send_if_modified(|slot| {
+            if slot.is_none() {
+                *slot = Some(LossReason::Resigned);
+                true
+            } else {
+                false
+            }
+        });
         if let Some(keeper) = self.keeper.take() {
             drop(keeper);
         }
