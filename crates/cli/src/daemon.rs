@@ -27,11 +27,39 @@ const POLL: Duration = Duration::from_millis(50);
 #[derive(Subcommand, Debug)]
 pub enum DaemonCommand {
     /// Start `conclave serve` in the background with these serve flags.
-    Start(ServeArgs),
+    Start(StartArgs),
     /// Stop the daemon of a data directory (SIGTERM, SIGKILL after 15 s).
     Stop(DirArgs),
     /// Whether the daemon of a data directory runs.
     Status(DirArgs),
+}
+
+/// `daemon start` takes every flag `serve` takes (tests compare the two `--help` texts).
+#[derive(Args, Debug)]
+pub struct StartArgs {
+    #[command(flatten)]
+    pub serve: ServeArgs,
+    /// `new` founds a cluster; `existing` joins a running one after `member add` (start with
+    /// an empty data directory and the flags `member add` printed).
+    #[arg(
+        long,
+        env = "CONCLAVE_INITIAL_CLUSTER_STATE",
+        default_value = "new",
+        value_parser = ["new", "existing"]
+    )]
+    pub initial_cluster_state: String,
+}
+
+impl StartArgs {
+    /// The `serve` command line that reproduces these flags.
+    fn to_args(&self) -> Vec<OsString> {
+        let mut args = self.serve.to_args();
+        args.extend([
+            "--initial-cluster-state".into(),
+            self.initial_cluster_state.clone().into(),
+        ]);
+        args
+    }
 }
 
 #[derive(Args, Debug)]
@@ -114,7 +142,8 @@ pub async fn run(json: bool, command: DaemonCommand) -> i32 {
     }
 }
 
-async fn start(out: &Output, args: ServeArgs) -> CmdResult {
+async fn start(out: &Output, start: StartArgs) -> CmdResult {
+    let args = &start.serve;
     // Refuse bad flags here, with the same sentence serve would print.
     args.to_config()
         .map_err(|e| Failure::invalid(e.to_string()))?;
@@ -140,7 +169,7 @@ async fn start(out: &Output, args: ServeArgs) -> CmdResult {
         .map_err(|e| Failure::io(format!("cannot find the conclave binary: {e}")))?;
     let mut command = std::process::Command::new(exe);
     command
-        .args(args.to_args())
+        .args(start.to_args())
         .stdin(Stdio::null())
         .stdout(Stdio::from(log))
         .stderr(Stdio::from(log_err));
@@ -193,6 +222,7 @@ async fn start(out: &Output, args: ServeArgs) -> CmdResult {
             "log": log_path.display().to_string(),
             "pid_file": pid_path.display().to_string(),
             "listen_client": args.listen_client,
+            "initial_cluster_state": start.initial_cluster_state,
         }),
         || {
             format!(

@@ -25,7 +25,7 @@ const TEST_PORT_SPAN: u32 = 12_000;
 static NEXT_PORT: AtomicU32 = AtomicU32::new(0);
 
 /// A port nothing listens on right now, unique within this test process.
-fn free_port() -> u16 {
+pub fn free_port() -> u16 {
     // Spread concurrent test processes apart by their pid.
     let start = (std::process::id() * 97) % TEST_PORT_SPAN;
     loop {
