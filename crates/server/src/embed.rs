@@ -319,7 +319,7 @@ pub struct Node<M: ReplicatedMachine> {
 /// What a running node owns besides its handle.
 struct Running {
     stop_driver: oneshot::Sender<()>,
-    driver: std::thread::JoinHandle<Result<(), Error>>,
+    driver: driver::DriverThread,
     stop_peers: oneshot::Sender<()>,
     peers: tokio::task::JoinHandle<()>,
     callbacks: tokio::task::JoinHandle<()>,

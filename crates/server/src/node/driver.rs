@@ -343,6 +343,9 @@ struct Driver<M: ReplicatedMachine, D> {
     duties: D,
 }
 
+/// The driver's thread; joining it gives the driver's exit.
+pub(crate) type DriverThread = std::thread::JoinHandle<Result<(), Error>>;
+
 /// Starts the driver thread over `machine` (the state before the first entry; restored from
 /// the newest snapshot if there is one). Returns the handle and a join handle whose result is
 /// the driver's exit: `Ok` after a clean shutdown, the fatal error otherwise.
@@ -353,13 +356,7 @@ pub(crate) fn spawn<M: ReplicatedMachine, D: Duties<M>>(
     transport: PeerTransport,
     inbound: mpsc::Receiver<InboundMessage>,
     shutdown: oneshot::Receiver<()>,
-) -> Result<
-    (
-        Handle<M, D::Request>,
-        std::thread::JoinHandle<Result<(), Error>>,
-    ),
-    Error,
-> {
+) -> Result<(Handle<M, D::Request>, DriverThread), Error> {
     config.validate()?;
     let (store, machine, members) = open_storage(&config, machine)?;
     let mut raft_config = RaftConfig::new(config.id);
