@@ -18,6 +18,8 @@ const SETTLE_TIMEOUT: Duration = Duration::from_secs(20);
 const SNAPSHOT_ENTRIES: u64 = 5;
 /// Increments in each phase.
 const INCREMENTS: i64 = 30;
+/// How many times a node start may retry binding its peer port.
+const START_ATTEMPTS: u32 = 10;
 
 static NEXT_PORT: AtomicU32 = AtomicU32::new(0);
 
@@ -132,11 +134,33 @@ impl Cluster {
         self.root.join(format!("node-{id}"))
     }
 
+    /// Starts node `id`. Its peer port was chosen free, but something may hold it for a
+    /// moment (a connection's source port); binding is retried briefly before giving up.
     async fn start(&mut self, id: u64) {
+        let mut attempt = 1;
+        loop {
+            match self.try_start(id).await {
+                Ok(node) => {
+                    self.nodes[id as usize - 1] = Some(node);
+                    return;
+                }
+                Err(error @ conclave_server::Error::PeerListen { .. })
+                    if attempt < START_ATTEMPTS =>
+                {
+                    eprintln!("node {id} start attempt {attempt}: {error}; retrying");
+                    attempt += 1;
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+                Err(error) => panic!("node {id} did not start: {error}"),
+            }
+        }
+    }
+
+    async fn try_start(&self, id: u64) -> Result<Node<Tally>, conclave_server::Error> {
         let mut config = NodeConfig::new(id, self.data_dir(id), self.peers.clone());
         config.snapshot_entries = SNAPSHOT_ENTRIES;
         let (leader_log, follower_log) = (self.calls.clone(), self.calls.clone());
-        let node = Node::builder(config, Tally::default())
+        Node::builder(config, Tally::default())
             .on_leader(move |term| {
                 leader_log
                     .lock()
@@ -151,8 +175,6 @@ impl Cluster {
             })
             .start()
             .await
-            .unwrap_or_else(|e| panic!("node {id} did not start: {e}"));
-        self.nodes[id as usize - 1] = Some(node);
     }
 
     fn node(&self, id: u64) -> &Node<Tally> {

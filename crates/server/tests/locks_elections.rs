@@ -29,6 +29,8 @@ use tonic::transport::Channel;
 
 /// How long a cluster may take to elect its first leader.
 const STARTUP_TIMEOUT: Duration = Duration::from_secs(15);
+/// How many times a cluster start may begin again on fresh ports.
+const START_ATTEMPTS: u32 = 3;
 /// Long enough to be sure a waiter is still waiting (the apply path answers in milliseconds).
 const STILL_WAITING: Duration = Duration::from_millis(400);
 /// The fence metadata key (see `api::lock::FENCE_METADATA`).
@@ -57,7 +59,22 @@ struct Cluster {
 }
 
 impl Cluster {
+    /// Starts `size` in-process nodes and waits until each knows a leader. A node that stops
+    /// during start-up (its port was taken between choosing and binding it) makes the whole
+    /// cluster start over on fresh ports, a few times at most.
     async fn start(size: u64) -> Cluster {
+        for attempt in 1..=START_ATTEMPTS {
+            let cluster = Cluster::start_once(size);
+            if cluster.wait_for_leader().await {
+                return cluster;
+            }
+            eprintln!("cluster start attempt {attempt} lost a node; starting over on new ports");
+            cluster.stop().await;
+        }
+        panic!("no cluster of {size} started in {START_ATTEMPTS} attempts");
+    }
+
+    fn start_once(size: u64) -> Cluster {
         let root = std::env::temp_dir().join(format!(
             "conclave-locks-test-{}-{}",
             std::process::id(),
@@ -98,7 +115,6 @@ impl Cluster {
                 }
             }));
         }
-        cluster.wait_for_leader().await;
         cluster
     }
 
@@ -110,9 +126,13 @@ impl Cluster {
             .expect("connect to the node")
     }
 
-    async fn wait_for_leader(&self) {
+    /// True once every member reports a leader; false as soon as a node has stopped.
+    async fn wait_for_leader(&self) -> bool {
         let deadline = tokio::time::Instant::now() + STARTUP_TIMEOUT;
         loop {
+            if self.tasks.iter().any(|task| task.is_finished()) {
+                return false;
+            }
             let mut all = true;
             for index in 0..self.clients.len() {
                 let ok = match Channel::from_shared(format!("http://{}", self.clients[index]))
@@ -129,7 +149,7 @@ impl Cluster {
                 all &= ok;
             }
             if all {
-                return;
+                return true;
             }
             assert!(
                 tokio::time::Instant::now() < deadline,

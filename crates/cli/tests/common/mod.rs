@@ -23,6 +23,8 @@ static NEXT_DIR: AtomicU32 = AtomicU32::new(0);
 const TEST_PORT_FIRST: u32 = 20_000;
 const TEST_PORT_SPAN: u32 = 12_000;
 static NEXT_PORT: AtomicU32 = AtomicU32::new(0);
+/// How many times a cluster start may begin again on fresh ports.
+const START_ATTEMPTS: u32 = 3;
 
 /// A port nothing listens on right now, unique within this test process.
 pub fn free_port() -> u16 {
@@ -52,8 +54,24 @@ pub struct Cluster {
 }
 
 impl Cluster {
-    /// Starts `size` nodes and waits until one of them leads.
+    /// Starts `size` nodes and waits until one of them leads. A node that exits during
+    /// start-up (its port was taken between choosing and binding it) makes the whole cluster
+    /// start over on fresh ports, a few times at most.
     pub async fn start(size: u64) -> Cluster {
+        for attempt in 1..=START_ATTEMPTS {
+            let mut cluster = Cluster::start_once(size);
+            if cluster.wait_for_start(STARTUP_TIMEOUT).await {
+                return cluster;
+            }
+            eprintln!(
+                "cluster start attempt {attempt} lost a node (logs in {}); starting over on new ports",
+                cluster.root.display()
+            );
+        }
+        panic!("no cluster of {size} started in {START_ATTEMPTS} attempts");
+    }
+
+    fn start_once(size: u64) -> Cluster {
         let root = std::env::temp_dir().join(format!(
             "conclave-cli-test-{}-{}",
             std::process::id(),
@@ -83,8 +101,35 @@ impl Cluster {
         for id in 1..=size {
             cluster.spawn(id);
         }
-        cluster.wait_for_leader(STARTUP_TIMEOUT).await;
         cluster
+    }
+
+    /// True once a node leads; false as soon as a node's process has exited.
+    async fn wait_for_start(&mut self, timeout: Duration) -> bool {
+        let start = Instant::now();
+        while start.elapsed() < timeout {
+            let exited = self.nodes.iter_mut().any(|node| {
+                node.child
+                    .as_mut()
+                    .is_some_and(|child| !matches!(child.try_wait(), Ok(None)))
+            });
+            if exited {
+                return false;
+            }
+            for id in self.live_ids() {
+                if let Some(status) = self.status(id).await {
+                    let member = status.header.map(|h| h.member_id).unwrap_or(0);
+                    if status.leader == member && member != 0 {
+                        return true;
+                    }
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        panic!(
+            "no leader within {timeout:?}; logs in {}",
+            self.root.display()
+        );
     }
 
     fn node(&self, id: u64) -> &Node {

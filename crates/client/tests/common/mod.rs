@@ -59,6 +59,8 @@ pub fn server_binary() -> PathBuf {
 const TEST_PORT_FIRST: u32 = 20_000;
 const TEST_PORT_SPAN: u32 = 12_000;
 static NEXT_PORT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+/// How many times a cluster start may begin again on fresh ports.
+const START_ATTEMPTS: u32 = 3;
 
 /// A port nothing listens on right now, unique within this test process.
 pub fn free_port() -> u16 {
@@ -125,7 +127,56 @@ pub struct Cluster {
 }
 
 impl Cluster {
+    /// Starts `n` nodes and waits until each listens. A node that exits first (its port was
+    /// taken between choosing and binding it) makes the whole cluster start over on fresh
+    /// ports, a few times at most.
     pub fn start(n: usize) -> Cluster {
+        for attempt in 1..=START_ATTEMPTS {
+            let mut cluster = Cluster::start_once(n);
+            if cluster.wait_listening() {
+                return cluster;
+            }
+            eprintln!("cluster start attempt {attempt} lost a node; starting over on new ports");
+        }
+        panic!("no cluster of {n} started in {START_ATTEMPTS} attempts");
+    }
+
+    /// True once every node accepts connections on its client and peer ports; false as soon
+    /// as a node's process has exited.
+    fn wait_listening(&mut self) -> bool {
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let exited = self.nodes.iter_mut().any(|node| {
+                node.child
+                    .as_mut()
+                    .is_some_and(|child| !matches!(child.try_wait(), Ok(None)))
+            });
+            if exited {
+                return false;
+            }
+            let listening = self.nodes.iter().all(|node| {
+                [&node.client_addr, &node.peer_addr].iter().all(|addr| {
+                    addr.parse()
+                        .ok()
+                        .and_then(|addr| {
+                            std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(200))
+                                .ok()
+                        })
+                        .is_some()
+                })
+            });
+            if listening {
+                return true;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the cluster's nodes did not listen within 20 s"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn start_once(n: usize) -> Cluster {
         let root = std::env::temp_dir().join(format!(
             "conclave-client-test-{}-{}",
             std::process::id(),
