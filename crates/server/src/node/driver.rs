@@ -801,6 +801,11 @@ impl<M: ReplicatedMachine> Core<M> {
                 self.sync_peers();
             }
             self.snapshot_index = snapshot.meta.index;
+            tracing::info!(
+                index = snapshot.meta.index,
+                term = snapshot.meta.term,
+                "snapshot from the leader installed"
+            );
             // Proposals at or below the snapshot can no longer be matched to their entry.
             let lost: Vec<u64> = self
                 .proposals
