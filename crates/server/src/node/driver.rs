@@ -9,8 +9,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use conclave_raft::{
-    ConfChange, ConfChangeStep, ConfState, Config as RaftConfig, EntryKind, NodeId, RawNode, Ready,
-    Role, Snapshot, Storage,
+    ConfChange, ConfChangeStep, ConfState, Config as RaftConfig, EntryKind, Message, MessageBody,
+    NodeId, RawNode, Ready, Role, Snapshot, Storage,
 };
 use conclave_storage::{OsDisk, StorageOptions, WalStorage};
 use tokio::sync::{mpsc, oneshot, watch};
@@ -773,6 +773,18 @@ impl<M: ReplicatedMachine> Core<M> {
             }
             duties.role_changed(soft.role, soft.leader, soft.term);
         }
+        // A leader's appends go out before its own write, so the followers' fsyncs overlap
+        // the leader's instead of following it: the Ready contract allows it, as the core
+        // counts the leader's copy toward a quorum only once `advance` reports it durable
+        // (the simulator crashes leaders in that window).
+        let leader = self.raw.role() == Role::Leader;
+        let sent_early =
+            |message: &Message| leader && matches!(message.body, MessageBody::Append { .. });
+        for message in ready.messages.iter().filter(|m| sent_early(m)) {
+            if let Err(error) = self.transport.send(message.clone()) {
+                tracing::debug!(%error, "peer message not sent");
+            }
+        }
         // 1. Persist: snapshot, entries, hard state; fsync when asked.
         let store = self.raw.store_mut();
         if let Some(snapshot) = &ready.snapshot {
@@ -788,7 +800,7 @@ impl<M: ReplicatedMachine> Core<M> {
             store.sync()?;
         }
         // 2. Send: everything a message depends on is durable now.
-        for message in &ready.messages {
+        for message in ready.messages.iter().filter(|m| !sent_early(m)) {
             if let Err(error) = self.transport.send(message.clone()) {
                 tracing::debug!(%error, "peer message not sent");
             }
