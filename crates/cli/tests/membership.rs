@@ -384,6 +384,25 @@ async fn a_member_added_later_leads_and_the_founders_forward_to_it() {
         wait_for_value(&cluster, id, "through-3", "v").await;
     }
 
+    // ClusterStatus through a founder probes every current member, the newcomer included.
+    let channel = tonic::transport::Channel::from_shared(cluster.endpoint(1))
+        .expect("valid endpoint")
+        .connect_lazy();
+    let status = conclave_proto::conclave::v1::status_client::StatusClient::new(channel)
+        .cluster_status(conclave_proto::conclave::v1::ClusterStatusRequest {})
+        .await
+        .expect("cluster status through member 1")
+        .into_inner();
+    assert_eq!(status.leader_id, 4);
+    let fourth = status
+        .members
+        .iter()
+        .find(|m| m.id == 4)
+        .unwrap_or_else(|| panic!("member 4 missing from {:?}", status.members));
+    assert_eq!(fourth.name, "node4");
+    assert!(fourth.healthy, "member 4 probed healthy: {fourth:?}");
+    assert_eq!(status.members.len(), 4, "{:?}", status.members);
+
     // Publishing is checked: an unknown member and a malformed address are refused.
     let channel = tonic::transport::Channel::from_shared(cluster.endpoint(1))
         .expect("valid endpoint")

@@ -59,44 +59,8 @@ impl ClusterService {
     }
 
     fn members(&self) -> Vec<pb::Member> {
-        let status = self.api.node.status();
-        let conf = &status.conf_state;
-        status
-            .members
-            .iter()
-            // A joining node that has no configuration yet shows what it was told.
-            .filter(|m| conf.contains(m.id) || conf.members().is_empty())
-            .map(|m| self.to_pb(m, conf))
-            .collect()
-    }
-
-    fn to_pb(&self, member: &Member, conf: &ConfState) -> pb::Member {
-        // A record made by MemberAdd has no name or client address; the member's own
-        // configuration (and the founding list) may know them.
-        let known = self
-            .api
-            .config
-            .member(member.id)
-            .filter(|m| m.peer_addr == member.peer_addr);
-        let name = match known {
-            Some(k) if member.name.is_empty() => k.name.clone(),
-            _ => member.name.clone(),
-        };
-        let client = match known {
-            Some(k) if member.client_addr.is_empty() => k.client_addr.clone(),
-            _ => member.client_addr.clone(),
-        };
-        pb::Member {
-            id: member.id,
-            name,
-            peer_ur_ls: vec![format!("http://{}", member.peer_addr)],
-            client_ur_ls: if client.is_empty() {
-                Vec::new()
-            } else {
-                vec![format!("http://{client}")]
-            },
-            is_learner: conf.learners.contains(&member.id),
-        }
+        let (members, conf) = current_members(&self.api);
+        members.iter().map(|m| to_pb(m, &conf)).collect()
     }
 
     /// `None` when this node leads; otherwise a client for the leader. Waits for a leader
@@ -191,7 +155,7 @@ impl ClusterService {
         let conf = self.api.node.status().conf_state;
         Ok(pb::MemberAddResponse {
             header: Some(self.api.header(NO_REVISION)),
-            member: Some(self.to_pb(&member, &conf)),
+            member: Some(to_pb(&member, &conf)),
             members: self.members(),
         })
     }
@@ -338,6 +302,52 @@ impl Cluster for ClusterService {
 /// How long a member waits before publishing its attributes again after a failure, and at
 /// most for its own record to show a successful publication.
 const PUBLISH_RETRY_MS: u64 = 500;
+
+fn to_pb(member: &Member, conf: &ConfState) -> pb::Member {
+    pb::Member {
+        id: member.id,
+        name: member.name.clone(),
+        peer_ur_ls: vec![format!("http://{}", member.peer_addr)],
+        client_ur_ls: if member.client_addr.is_empty() {
+            Vec::new()
+        } else {
+            vec![format!("http://{}", member.client_addr)]
+        },
+        is_learner: conf.learners.contains(&member.id),
+    }
+}
+
+/// The members of the current configuration from the replicated member records, with the
+/// configuration it runs under. A record made by MemberAdd has no name or client address until
+/// the member publishes them; this node's own configuration (and the founding list) may
+/// already know them.
+pub(crate) fn current_members(api: &Api) -> (Vec<Member>, ConfState) {
+    let status = api.node.status();
+    let conf = status.conf_state;
+    let members = status
+        .members
+        .iter()
+        // A joining node that has no configuration yet shows what it was told.
+        .filter(|m| conf.contains(m.id) || conf.members().is_empty())
+        .map(|member| {
+            let known = api
+                .config
+                .member(member.id)
+                .filter(|k| k.peer_addr == member.peer_addr);
+            let mut resolved = member.clone();
+            if let Some(known) = known {
+                if resolved.name.is_empty() {
+                    resolved.name = known.name.clone();
+                }
+                if resolved.client_addr.is_empty() {
+                    resolved.client_addr = known.client_addr.clone();
+                }
+            }
+            resolved
+        })
+        .collect();
+    (members, conf)
+}
 
 /// `conclave.v1.Membership`, ready for the gRPC router.
 pub fn membership_server(api: &Arc<Api>) -> MembershipServer<MembershipService> {

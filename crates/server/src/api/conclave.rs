@@ -1112,14 +1112,19 @@ impl StatusApi for StatusService {
     ) -> Result<tonic::Response<cv1::ClusterStatusResponse>, Status> {
         let api = &self.api;
         let status = api.node.status();
-        let probes = api.config.members.iter().map(|member| {
+        // Every member of the current configuration, members added at run time included.
+        let (current, conf) = super::cluster::current_members(api);
+        let probes = current.iter().map(|member| {
             let address = member.client_addr.clone();
-            async move { probe(address).await }
+            async move {
+                if address.is_empty() {
+                    return Err("its client address is not known yet".to_string());
+                }
+                probe(address).await
+            }
         });
         let answers = futures_join_all(probes.collect()).await;
-        let members = api
-            .config
-            .members
+        let members = current
             .iter()
             .zip(answers)
             .map(|(member, answer)| {
@@ -1128,7 +1133,7 @@ impl StatusApi for StatusService {
                     name: member.name.clone(),
                     peer_urls: vec![format!("http://{}", member.peer_addr)],
                     client_urls: vec![format!("http://{}", member.client_addr)],
-                    learner: status.conf_state.learners.contains(&member.id),
+                    learner: conf.learners.contains(&member.id),
                     version: ETCD_VERSION.to_string(),
                     ..Default::default()
                 };
