@@ -379,8 +379,7 @@ impl MembershipService {
                 peer_addr: record.peer_addr.clone(),
                 client_addr: request.client_address,
             };
-            match tokio::time::timeout(ctx.remaining(), self.api.node.propose_member(member)).await
-            {
+            match tokio::time::timeout(ctx.remaining(), self.api.node.update_member(member)).await {
                 Err(_) => return Err(to_status(Error::Timeout)),
                 Ok(Err(error)) => return Err(to_status(error)),
                 Ok(Ok(())) => {}

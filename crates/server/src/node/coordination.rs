@@ -159,6 +159,10 @@ impl NodeHandle {
         self.node.propose_member(member).await
     }
 
+    pub async fn update_member(&self, member: Member) -> Result<(), Error> {
+        self.node.update_member(member).await
+    }
+
     /// Proposes one membership change; answered once its entry is applied here. Leader only.
     pub async fn change_membership(&self, steps: Vec<ConfChangeStep>) -> Result<(), Error> {
         self.node.change_membership(steps).await

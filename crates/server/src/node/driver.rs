@@ -74,6 +74,8 @@ pub(crate) enum NodeRequest<M: ReplicatedMachine, R> {
     /// once applied here. Leader only.
     ProposeMember {
         member: Member,
+        /// Changes an existing record (ignored if its member is gone) rather than creating one.
+        update: bool,
         reply: oneshot::Sender<Result<(), Error>>,
     },
     /// Propose one membership change; answered once its entry is applied here. Leader only.
@@ -191,8 +193,23 @@ impl<M: ReplicatedMachine, R> Handle<M, R> {
     }
 
     pub async fn propose_member(&self, member: Member) -> Result<(), Error> {
-        self.ask(|reply| NodeRequest::ProposeMember { member, reply })
-            .await
+        self.ask(|reply| NodeRequest::ProposeMember {
+            member,
+            update: false,
+            reply,
+        })
+        .await
+    }
+
+    /// Proposes a change to an existing member record; once applied, the record holds it
+    /// unless the member was removed first.
+    pub async fn update_member(&self, member: Member) -> Result<(), Error> {
+        self.ask(|reply| NodeRequest::ProposeMember {
+            member,
+            update: true,
+            reply,
+        })
+        .await
     }
 
     pub async fn change_membership(&self, steps: Vec<ConfChangeStep>) -> Result<(), Error> {
@@ -538,8 +555,16 @@ impl<M: ReplicatedMachine, D: Duties<M>> Driver<M, D> {
                 let result = core.raw.transfer_leader(target).map_err(raft_error);
                 let _ = reply.send(result);
             }
-            NodeRequest::ProposeMember { member, reply } => {
-                let data = Bytes::from(entries::member_entry(&member));
+            NodeRequest::ProposeMember {
+                member,
+                update,
+                reply,
+            } => {
+                let data = Bytes::from(if update {
+                    entries::member_update_entry(&member)
+                } else {
+                    entries::member_entry(&member)
+                });
                 core.propose_tracked(Reply::Done(reply), |raw| raw.propose(data));
             }
             NodeRequest::ChangeMembership { steps, reply } => {
@@ -888,7 +913,22 @@ impl<M: ReplicatedMachine> Core<M> {
                         members_changed = true;
                         Outcome::Done
                     }
-                    EntryBody::Member(None) => {
+                    EntryBody::MemberUpdate(Some(member)) => {
+                        let present = self.members.contains_key(&member.id)
+                            && !self.removals.contains(&member.id)
+                            && self.raw.conf_state().contains(member.id);
+                        if present {
+                            self.members.insert(member.id, member);
+                            members_changed = true;
+                        } else {
+                            tracing::info!(
+                                id = member.id,
+                                "update of a member no longer in the configuration ignored"
+                            );
+                        }
+                        Outcome::Done
+                    }
+                    EntryBody::Member(None) | EntryBody::MemberUpdate(None) => {
                         tracing::error!(index = entry.index, "bad member record skipped");
                         Outcome::Done
                     }

@@ -4,7 +4,9 @@
 //!
 //! A log entry is one of
 //! - empty: a new leader's no-op;
-//! - [`MEMBER_ENTRY_MAGIC`] + a member record;
+//! - [`MEMBER_ENTRY_MAGIC`] + a member record (MemberAdd creates it);
+//! - [`MEMBER_UPDATE_ENTRY_MAGIC`] + a member record that changes an existing one (a member
+//!   publishing its name and client address), ignored once its member is gone;
 //! - [`MACHINE_ENTRY_ESCAPE`] + machine bytes, for machine bytes that are empty or start with
 //!   either magic (the coordination machine's commands never do, so its entries carry no
 //!   extra byte);
@@ -19,6 +21,9 @@ use crate::config::Member;
 /// coordination command's encoding cannot start with it (leader time 0, then an invalid option
 /// tag).
 pub(crate) const MEMBER_ENTRY_MAGIC: &[u8] = b"\x00conclave-member\x01";
+/// Starts a log entry that updates an existing member record. Apart from a creating record, so
+/// that an update committed after its member's removal cannot bring the record back.
+pub(crate) const MEMBER_UPDATE_ENTRY_MAGIC: &[u8] = b"\x00conclave-member\x02";
 /// Starts a log entry whose remaining bytes go to the machine unchanged, used only when the
 /// machine's bytes could be mistaken for a no-op or another framed entry.
 pub(crate) const MACHINE_ENTRY_ESCAPE: &[u8] = b"\x00conclave-machine\x01";
@@ -32,8 +37,10 @@ pub(crate) const MEMBER_FIELD_BYTES_MAX: usize = 4096;
 pub(crate) enum EntryBody<'a> {
     /// A leader's no-op.
     Empty,
-    /// A member record; `None` when its bytes are malformed.
+    /// A member record to create; `None` when its bytes are malformed.
     Member(Option<Member>),
+    /// A member record to update, if its member is still there; `None` when malformed.
+    MemberUpdate(Option<Member>),
     /// Bytes for the replicated machine.
     Machine(&'a [u8]),
 }
@@ -42,6 +49,7 @@ pub(crate) enum EntryBody<'a> {
 pub(crate) fn machine_entry(bytes: Vec<u8>) -> Vec<u8> {
     let ambiguous = bytes.is_empty()
         || bytes.starts_with(MEMBER_ENTRY_MAGIC)
+        || bytes.starts_with(MEMBER_UPDATE_ENTRY_MAGIC)
         || bytes.starts_with(MACHINE_ENTRY_ESCAPE);
     if !ambiguous {
         return bytes;
@@ -59,6 +67,13 @@ pub(crate) fn member_entry(member: &Member) -> Vec<u8> {
     out
 }
 
+/// The log entry that updates an existing member record.
+pub(crate) fn member_update_entry(member: &Member) -> Vec<u8> {
+    let mut out = MEMBER_UPDATE_ENTRY_MAGIC.to_vec();
+    encode_member_into(&mut out, member);
+    out
+}
+
 /// Tells what a committed normal entry's bytes are.
 pub(crate) fn entry_body(data: &[u8]) -> EntryBody<'_> {
     if data.is_empty() {
@@ -66,6 +81,9 @@ pub(crate) fn entry_body(data: &[u8]) -> EntryBody<'_> {
     }
     if let Some(mut record) = data.strip_prefix(MEMBER_ENTRY_MAGIC) {
         return EntryBody::Member(decode_member(&mut record));
+    }
+    if let Some(mut record) = data.strip_prefix(MEMBER_UPDATE_ENTRY_MAGIC) {
+        return EntryBody::MemberUpdate(decode_member(&mut record));
     }
     EntryBody::Machine(data.strip_prefix(MACHINE_ENTRY_ESCAPE).unwrap_or(data))
 }
@@ -149,6 +167,7 @@ mod tests {
         let tricky = [
             Vec::new(),
             member_entry(&member(3)),
+            member_update_entry(&member(3)),
             machine_entry(b"x".to_vec()),
             [MACHINE_ENTRY_ESCAPE, b"rest"].concat(),
             b"\x00plain".to_vec(),
@@ -167,6 +186,10 @@ mod tests {
         assert_eq!(
             entry_body(&member_entry(&member(2))[..MEMBER_ENTRY_MAGIC.len() + 3]),
             EntryBody::Member(None)
+        );
+        assert_eq!(
+            entry_body(&member_update_entry(&member(2))),
+            EntryBody::MemberUpdate(Some(member(2)))
         );
     }
 
