@@ -1018,13 +1018,22 @@ impl<M: ReplicatedMachine> Core<M> {
         if applied < self.snapshot_index + self.config.snapshot_entries {
             return Ok(());
         }
+        let started = Instant::now();
         let image = self.machine().snapshot();
         let data = entries::snapshot_bytes(self.members.values(), &image);
+        let encoded = started.elapsed();
+        let bytes = data.len();
         let conf_state = self.raw.conf_state().clone();
         self.raw
             .store_mut()
             .create_snapshot(applied, conf_state, Bytes::from(data))?;
-        tracing::info!(index = applied, "snapshot taken, log compacted");
+        tracing::info!(
+            index = applied,
+            bytes,
+            encode_ms = encoded.as_secs_f64() * 1e3,
+            total_ms = started.elapsed().as_secs_f64() * 1e3,
+            "snapshot taken, log compacted"
+        );
         self.snapshot_index = applied;
         Ok(())
     }
