@@ -1,42 +1,73 @@
-//! `conclave dev`: a local cluster for trying Conclave out.
+//! `conclave dev`: a local cluster of real `conclave serve` processes, with a live status.
 //!
 //! Node i (from 1) gets client port `base + 2(i-1)` and peer port `base + 2(i-1) + 1`, so the
-//! first node is on etcd's ports 2379/2380 and `etcdctl` works without flags. One node runs in
-//! this process; more run as child `conclave serve` processes, logging to `<data-dir>/node<i>.log`,
-//! and are stopped with SIGTERM on Ctrl-C.
+//! first node is on etcd's ports 2379/2380 and `etcdctl` works without flags. Every node is a
+//! child process logging to `<data-dir>/node<i>.log`. About once a second `dev` asks each node
+//! for its own status (the probe `conclave status` uses) and shows it: redrawn in place on a
+//! terminal when `dev` runs in the foreground, otherwise one plain line whenever the leader or
+//! the set of answering nodes changes, so scripts and tests can follow it. A node that exits is shown as down and is not
+//! restarted. SIGINT (Ctrl-C) or SIGTERM stops them all: SIGTERM, then SIGKILL after a grace
+//! period (or at once on a second Ctrl-C).
 
-use std::path::PathBuf;
-use std::process::Stdio;
-use std::time::Duration;
+use std::io::{IsTerminal, Read, Seek, SeekFrom, Write};
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::{Path, PathBuf};
+use std::process::{ExitStatus, Stdio};
+use std::time::{Duration, Instant};
 
 use clap::Args;
+use conclave_proto::etcdserverpb::StatusResponse;
 
 use crate::cluster_spec::CliError;
-use crate::{ServeArgs, termination_signal};
+use crate::cmd::Output;
+use crate::cmd::cluster::{probe, reported_leader};
+use crate::termination_signal;
 
 /// Most nodes `dev` starts: a development cluster, not a deployment.
 const DEV_NODES_MAX: u16 = 9;
-/// How long stopped children get to hand over leadership and exit before SIGKILL.
+/// Three nodes: the smallest cluster that survives losing one, so a failover can be watched.
+const DEV_NODES_DEFAULT: u16 = 3;
+/// How long stopped children get, all together, to hand over leadership and exit before
+/// SIGKILL.
 const CHILD_STOP_GRACE_MS: u64 = 5_000;
+/// How often the nodes are asked for their status (and the screen redrawn).
+const STATUS_INTERVAL_MS: u64 = 1_000;
+/// How long one status probe may take: below the interval, so a hung node cannot stall the
+/// others' rows.
+const PROBE_TIMEOUT_MS: u64 = 700;
+/// Longest error text in a screen cell, so each node keeps one line.
+const SCREEN_ERROR_CHARS_MAX: usize = 40;
+/// How much of an exited node's log is read to show its last line.
+const LOG_TAIL_BYTES: u64 = 4_096;
 
 #[derive(Args, Debug, Clone)]
 pub struct DevArgs {
-    /// How many nodes.
-    #[arg(long, default_value_t = 1)]
+    /// How many nodes (1 to 9).
+    #[arg(long, default_value_t = DEV_NODES_DEFAULT)]
     pub nodes: u16,
     /// Client port of node 1; node i uses base + 2(i-1) (client) and base + 2(i-1) + 1 (peer).
     #[arg(long, default_value_t = 2379)]
     pub base_port: u16,
-    /// Data directory; node i keeps its data in `<dir>/node<i>`.
+    /// Data directory; node i keeps its data in `<dir>/node<i>` and logs to `<dir>/node<i>.log`.
     #[arg(long, default_value = "./conclave-dev")]
     pub data_dir: PathBuf,
 }
 
 struct DevNode {
     id: u16,
+    name: String,
     client: String,
     peer: String,
     data_dir: PathBuf,
+    log: PathBuf,
+}
+
+/// A started node: its process, and how it ended once it did.
+struct Running {
+    node: DevNode,
+    child: tokio::process::Child,
+    pid: u32,
+    exit: Option<ExitStatus>,
 }
 
 fn layout(args: &DevArgs) -> Result<Vec<DevNode>, CliError> {
@@ -45,117 +76,603 @@ fn layout(args: &DevArgs) -> Result<Vec<DevNode>, CliError> {
             "--nodes must be between 1 and {DEV_NODES_MAX}"
         )));
     }
+    if args.base_port == 0 {
+        return Err(CliError::Usage(
+            "--base-port must be a port number from 1".into(),
+        ));
+    }
     (1..=args.nodes)
         .map(|id| {
-            let client_port = args
+            let (client_port, peer_port) = args
                 .base_port
                 .checked_add(2 * (id - 1))
                 .and_then(|p| p.checked_add(1).map(|peer| (p, peer)))
                 .ok_or_else(|| CliError::Usage("--base-port is too high for --nodes".into()))?;
             Ok(DevNode {
                 id,
-                client: format!("127.0.0.1:{}", client_port.0),
-                peer: format!("127.0.0.1:{}", client_port.1),
+                // The name `serve` gives a member whose --initial-cluster key is its id.
+                name: format!("node{id}"),
+                client: format!("127.0.0.1:{client_port}"),
+                peer: format!("127.0.0.1:{peer_port}"),
                 data_dir: args.data_dir.join(format!("node{id}")),
+                log: args.data_dir.join(format!("node{id}.log")),
             })
         })
         .collect()
 }
 
-fn serve_args(node: &DevNode, initial_cluster: &str) -> ServeArgs {
-    ServeArgs {
-        name: format!("node{}", node.id),
-        id: Some(node.id as u64),
-        data_dir: node.data_dir.clone(),
-        listen_client: node.client.clone(),
-        listen_peer: node.peer.clone(),
-        initial_cluster: Some(initial_cluster.to_string()),
-        initial_cluster_clients: None,
-        snapshot_entries: conclave_server::config::DEFAULT_SNAPSHOT_ENTRIES,
-        tick_ms: 10,
-        heartbeat_ms: 50,
-        election_timeout_ms: 150,
-        request_timeout_ms: 5_000,
+/// Records, in the data directory, which cluster its node directories belong to.
+const LAYOUT_FILE: &str = "dev-cluster";
+
+/// Refuses a data directory that holds the nodes of another layout (another --nodes or
+/// --base-port): its members would bootstrap different clusters and could not work together.
+/// Records the layout in a fresh one.
+fn claim_data_dir(dir: &Path, nodes: &[DevNode], initial_cluster: &str) -> Result<(), CliError> {
+    let marker = dir.join(LAYOUT_FILE);
+    let advice = "remove it or pick another --data-dir";
+    match std::fs::read_to_string(&marker) {
+        Ok(recorded) if recorded.trim() == initial_cluster => return Ok(()),
+        Ok(recorded) => {
+            return Err(CliError::Usage(format!(
+                "{} holds a dev cluster of other members ({}), not {initial_cluster}; \
+                 use the --nodes and --base-port it was started with, or {advice}",
+                dir.display(),
+                recorded.trim()
+            )));
+        }
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            return Err(CliError::Io(format!(
+                "cannot read {}: {e}",
+                marker.display()
+            )));
+        }
+        Err(_) => {}
+    }
+    // No record: a directory from before records were kept, or a fresh one. Only the exact
+    // set of node directories this layout uses can be resumed.
+    let entries = std::fs::read_dir(dir)
+        .map_err(|e| CliError::Io(format!("cannot read {}: {e}", dir.display())))?;
+    let mut found: Vec<String> = entries
+        .filter_map(|entry| entry.ok())
+        .filter(|entry| entry.path().is_dir())
+        .map(|entry| entry.file_name().to_string_lossy().into_owned())
+        .filter(|name| {
+            name.strip_prefix("node")
+                .is_some_and(|n| !n.is_empty() && n.chars().all(|c| c.is_ascii_digit()))
+        })
+        .collect();
+    found.sort();
+    let mut expected: Vec<String> = nodes.iter().map(|n| n.name.clone()).collect();
+    expected.sort();
+    if !found.is_empty() && found != expected {
+        return Err(CliError::Usage(format!(
+            "{} holds the data of nodes {} from an earlier run, not of {}; {advice}",
+            dir.display(),
+            found.join(","),
+            expected.join(",")
+        )));
+    }
+    std::fs::write(&marker, format!("{initial_cluster}\n"))
+        .map_err(|e| CliError::Io(format!("cannot write {}: {e}", marker.display())))
+}
+
+/// The `serve` arguments of a node (without the program).
+fn serve_args(node: &DevNode, initial_cluster: &str) -> Vec<String> {
+    vec![
+        "serve".into(),
+        "--id".into(),
+        node.id.to_string(),
+        "--data-dir".into(),
+        node.data_dir.display().to_string(),
+        "--listen-client".into(),
+        node.client.clone(),
+        "--listen-peer".into(),
+        node.peer.clone(),
+        "--initial-cluster".into(),
+        initial_cluster.to_string(),
+    ]
+}
+
+/// `text` as one shell word.
+fn shell_word(text: &str) -> String {
+    let plain = !text.is_empty()
+        && text
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "_-./:=,@%+".contains(c));
+    if plain {
+        text.to_string()
+    } else {
+        format!("'{}'", text.replace('\'', r"'\''"))
+    }
+}
+
+/// The command that starts `node` again by hand, logging where `dev` had it log.
+fn restart_command(exe: &Path, node: &DevNode, initial_cluster: &str) -> String {
+    let mut words = vec![shell_word(&exe.display().to_string())];
+    words.extend(
+        serve_args(node, initial_cluster)
+            .iter()
+            .map(|w| shell_word(w)),
+    );
+    format!(
+        "{} >> {} 2>&1 &",
+        words.join(" "),
+        shell_word(&node.log.display().to_string())
+    )
+}
+
+fn spawn(exe: &Path, node: DevNode, initial_cluster: &str) -> Result<Running, CliError> {
+    let log = std::fs::File::create(&node.log)
+        .map_err(|e| CliError::Io(format!("cannot create {}: {e}", node.log.display())))?;
+    let log_err = log
+        .try_clone()
+        .map_err(|e| CliError::Io(format!("cannot open {}: {e}", node.log.display())))?;
+    let mut command = std::process::Command::new(exe);
+    command
+        .args(serve_args(&node, initial_cluster))
+        .stdin(Stdio::null())
+        .stdout(Stdio::from(log))
+        .stderr(Stdio::from(log_err))
+        // Its own process group: Ctrl-C reaches `dev` alone, which then stops the nodes in
+        // order instead of racing them.
+        .process_group(0);
+    #[cfg(target_os = "linux")]
+    {
+        let parent = std::process::id() as libc::pid_t;
+        // SAFETY: the closure runs between fork and exec and calls only prctl(2) and
+        // getppid(2), which are async-signal-safe; it touches no memory of the parent.
+        unsafe {
+            command.pre_exec(move || {
+                // If `dev` dies without stopping its nodes (SIGKILL), they get SIGTERM. The
+                // signal follows the thread that forks: this runs on the main thread, which
+                // lives as long as the process.
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) == -1 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                // `dev` may have died before prctl took effect; then nothing would stop us.
+                if libc::getppid() != parent {
+                    return Err(std::io::Error::other("conclave dev has exited"));
+                }
+                Ok(())
+            });
+        }
+    }
+    let mut command = tokio::process::Command::from(command);
+    // An early return (an error starting a later node) must not leave the first ones running.
+    command.kill_on_drop(true);
+    let child = command
+        .spawn()
+        .map_err(|e| CliError::Io(format!("cannot start {}: {e}", node.name)))?;
+    let pid = child
+        .id()
+        .ok_or_else(|| CliError::Io(format!("{} exited as it started", node.name)))?;
+    Ok(Running {
+        node,
+        child,
+        pid,
+        exit: None,
+    })
+}
+
+/// Writes to stdout and flushes; a closed stdout is ignored, since the nodes must still be
+/// stopped on the signal.
+fn say(text: &str) {
+    let mut stdout = std::io::stdout().lock();
+    let _ = stdout
+        .write_all(text.as_bytes())
+        .and_then(|_| stdout.flush());
+}
+
+fn describe_exit(status: &ExitStatus) -> String {
+    match (status.code(), status.signal()) {
+        (Some(code), _) => format!("exit {code}"),
+        (None, Some(signal)) => format!("signal {signal}"),
+        (None, None) => "exited".into(),
+    }
+}
+
+/// How a node ended; when it exited on its own (not by a signal), with the last line of its
+/// log, which usually says why (a port in use, a data directory of another cluster).
+fn exit_reason(status: &ExitStatus, log: &Path) -> String {
+    match (status.code(), last_log_line(log)) {
+        (Some(_), Some(line)) => format!("{}: {line}", describe_exit(status)),
+        _ => describe_exit(status),
+    }
+}
+
+/// The last non-empty line of a log, for a node that exited (why it did, usually).
+fn last_log_line(path: &Path) -> Option<String> {
+    let mut file = std::fs::File::open(path).ok()?;
+    let len = file.metadata().ok()?.len();
+    file.seek(SeekFrom::Start(len.saturating_sub(LOG_TAIL_BYTES)))
+        .ok()?;
+    let mut tail = Vec::new();
+    file.read_to_end(&mut tail).ok()?;
+    let text = String::from_utf8_lossy(&tail);
+    text.lines()
+        .rev()
+        .find(|l| !l.trim().is_empty())
+        .map(|l| l.trim().to_string())
+}
+
+fn format_elapsed(elapsed: Duration) -> String {
+    let secs = elapsed.as_secs();
+    if secs < 60 {
+        format!("{:.1}s", elapsed.as_secs_f64())
+    } else if secs < 3_600 {
+        format!("{}m{:02}s", secs / 60, secs % 60)
+    } else {
+        format!("{}h{:02}m", secs / 3_600, (secs / 60) % 60)
+    }
+}
+
+fn clip(text: &str, chars_max: usize) -> String {
+    if text.chars().count() <= chars_max {
+        text.to_string()
+    } else {
+        let mut clipped: String = text.chars().take(chars_max.saturating_sub(1)).collect();
+        clipped.push('…');
+        clipped
+    }
+}
+
+/// What one round of probes saw, and what the screen or the change lines are made of.
+struct Watch {
+    interactive: bool,
+    out: Output,
+    exe: PathBuf,
+    initial_cluster: String,
+    endpoints: String,
+    data_dir: PathBuf,
+    /// The leader as last reported (0: none) and since when.
+    leader: u64,
+    leader_since: Instant,
+    /// The last change line printed (plain mode), so only changes print.
+    last_change: Option<String>,
+    /// Which exits have been announced (plain mode).
+    exits_announced: Vec<bool>,
+}
+
+impl Watch {
+    fn show(&mut self, running: &[Running], answers: &[Result<StatusResponse, String>]) {
+        let (leader, term) = reported_leader(answers.iter().filter_map(|a| a.as_ref().ok()));
+        if leader != self.leader {
+            self.leader = leader;
+            self.leader_since = Instant::now();
+        }
+        if self.interactive {
+            let screen = self.screen(running, answers, term);
+            // Home, clear, then the frame in one write so it does not flicker.
+            say(&format!("\x1b[H\x1b[2J{screen}"));
+        } else {
+            self.plain_lines(running, answers, term);
+        }
+    }
+
+    fn name_of(&self, running: &[Running], id: u64) -> String {
+        running
+            .iter()
+            .find(|r| u64::from(r.node.id) == id)
+            .map(|r| r.node.name.clone())
+            .unwrap_or_else(|| format!("{id:x}"))
+    }
+
+    fn plain_lines(
+        &mut self,
+        running: &[Running],
+        answers: &[Result<StatusResponse, String>],
+        term: u64,
+    ) {
+        for (index, r) in running.iter().enumerate() {
+            let Some(status) = &r.exit else { continue };
+            if self.exits_announced[index] {
+                continue;
+            }
+            self.exits_announced[index] = true;
+            say(&format!(
+                "exited {} pid={} ({}), not restarted; start it again with: {}\n",
+                r.node.name,
+                r.pid,
+                exit_reason(status, &r.node.log),
+                restart_command(&self.exe, &r.node, &self.initial_cluster),
+            ));
+        }
+        let list = |answered: bool| {
+            let names: Vec<&str> = running
+                .iter()
+                .zip(answers)
+                .filter(|(_, a)| a.is_ok() == answered)
+                .map(|(r, _)| r.node.name.as_str())
+                .collect();
+            if names.is_empty() {
+                "none".to_string()
+            } else {
+                names.join(",")
+            }
+        };
+        let (leader, pid) = match running.iter().find(|r| u64::from(r.node.id) == self.leader) {
+            Some(r) => (r.node.name.clone(), r.pid.to_string()),
+            None if self.leader == 0 => ("none".to_string(), "none".to_string()),
+            None => (self.name_of(running, self.leader), "none".to_string()),
+        };
+        let change = format!(
+            "leader={leader} pid={pid} up={} down={}",
+            list(true),
+            list(false)
+        );
+        if self.last_change.as_deref() != Some(change.as_str()) {
+            say(&format!(
+                "status leader={leader} pid={pid} term={term} up={} down={}\n",
+                list(true),
+                list(false)
+            ));
+            self.last_change = Some(change);
+        }
+    }
+
+    fn screen(
+        &self,
+        running: &[Running],
+        answers: &[Result<StatusResponse, String>],
+        term: u64,
+    ) -> String {
+        let out = &self.out;
+        let mut text = format!(
+            "{} {} node(s), data and logs in {}. Ctrl-C stops them all.\n",
+            out.bold("Conclave dev cluster:"),
+            running.len(),
+            self.data_dir.display()
+        );
+        let since = format_elapsed(self.leader_since.elapsed());
+        if self.leader == 0 {
+            text.push_str(&out.red(&format!(
+                "No leader for {since} (an election is under way, or too few nodes are up)."
+            )));
+        } else {
+            text.push_str(&format!(
+                "Leader {} in term {term}, for {since} since the last leader change.",
+                out.green(&self.name_of(running, self.leader))
+            ));
+        }
+        text.push_str("\n\n");
+        let rows: Vec<Vec<String>> = running
+            .iter()
+            .zip(answers)
+            .map(|(r, answer)| {
+                let process = match &r.exit {
+                    None => "running".to_string(),
+                    Some(status) => out.red(&format!(
+                        "exited ({})",
+                        clip(&exit_reason(status, &r.node.log), SCREEN_ERROR_CHARS_MAX)
+                    )),
+                };
+                let mut row = vec![
+                    r.node.name.clone(),
+                    r.node.client.clone(),
+                    r.pid.to_string(),
+                    process,
+                ];
+                match answer {
+                    Ok(s) => row.extend([
+                        if s.leader == u64::from(r.node.id) {
+                            out.green("leader")
+                        } else if s.leader == 0 {
+                            "no leader".into()
+                        } else {
+                            "follower".into()
+                        },
+                        s.raft_term.to_string(),
+                        s.raft_index.to_string(),
+                        s.raft_applied_index.to_string(),
+                        if s.errors.is_empty() {
+                            out.green("healthy")
+                        } else {
+                            out.red(&clip(&s.errors.join("; "), SCREEN_ERROR_CHARS_MAX))
+                        },
+                    ]),
+                    Err(error) => row.extend([
+                        out.red(if r.exit.is_some() {
+                            "down"
+                        } else {
+                            "unreachable"
+                        }),
+                        "-".into(),
+                        "-".into(),
+                        "-".into(),
+                        if r.exit.is_some() {
+                            "-".into()
+                        } else {
+                            out.red(&clip(error, SCREEN_ERROR_CHARS_MAX))
+                        },
+                    ]),
+                }
+                row
+            })
+            .collect();
+        text.push_str(&out.table(
+            &[
+                "NAME", "CLIENT", "PID", "PROCESS", "ROLE", "TERM", "COMMIT", "APPLIED", "HEALTH",
+            ],
+            &rows,
+        ));
+        text.push_str("\n\n");
+        let down: Vec<&Running> = running.iter().filter(|r| r.exit.is_some()).collect();
+        if !down.is_empty() {
+            text.push_str(
+                "A node that exits is not restarted. To start one again, in another terminal \
+                 (Ctrl-C here will not stop a node started by hand):\n",
+            );
+            for r in down {
+                text.push_str(&format!(
+                    "  {}\n",
+                    restart_command(&self.exe, &r.node, &self.initial_cluster)
+                ));
+            }
+            text.push('\n');
+        }
+        text.push_str(&format!(
+            "Try: ETCDCTL_API=3 etcdctl --endpoints={} put greeting hello\n\
+             \x20    kill -9 <PID of the leader>   (from another terminal, to watch the failover)\n",
+            self.endpoints
+        ));
+        text
+    }
+}
+
+/// Whether the screen may be redrawn: stdout is a terminal and `dev` runs in its foreground
+/// (`conclave dev &` prints change lines instead of repainting over the shell).
+fn stdout_is_foreground_terminal() -> bool {
+    if !std::io::stdout().is_terminal() {
+        return false;
+    }
+    // SAFETY: tcgetpgrp(3) and getpgrp(2) read process state only; fd 1 is stdout, open.
+    unsafe { libc::tcgetpgrp(libc::STDOUT_FILENO) == libc::getpgrp() }
+}
+
+/// Asks every node for its status at once; in node order.
+async fn probe_all(running: &[Running]) -> Vec<Result<StatusResponse, String>> {
+    let timeout = Duration::from_millis(PROBE_TIMEOUT_MS);
+    let probes: Vec<_> = running
+        .iter()
+        .map(|r| {
+            let url = r.node.client.clone();
+            tokio::spawn(async move { probe(&url, timeout).await })
+        })
+        .collect();
+    let mut answers = Vec::with_capacity(probes.len());
+    for probe in probes {
+        answers.push(
+            probe
+                .await
+                .unwrap_or_else(|e| Err(format!("status probe failed: {e}"))),
+        );
+    }
+    answers
+}
+
+/// Stops every running node: SIGTERM to all, then SIGKILL to any still running after the
+/// grace period (or at once on a second SIGINT/SIGTERM). Returns when all are reaped.
+async fn stop_all(running: &mut [Running]) {
+    for r in running.iter().filter(|r| r.exit.is_none()) {
+        // SAFETY: kill(2) on a child we spawned and have not reaped (its pid is still ours);
+        // no memory is involved.
+        unsafe {
+            libc::kill(r.pid as libc::pid_t, libc::SIGTERM);
+        }
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_millis(CHILD_STOP_GRACE_MS);
+    let mut hurry = std::pin::pin!(termination_signal());
+    let mut patient = true;
+    for r in running.iter_mut().filter(|r| r.exit.is_none()) {
+        if patient {
+            tokio::select! {
+                waited = tokio::time::timeout_at(deadline, r.child.wait()) => {
+                    if let Ok(Ok(status)) = waited {
+                        r.exit = Some(status);
+                        continue;
+                    }
+                    patient = false;
+                }
+                _ = &mut hurry => patient = false,
+            }
+        }
+        // Child::kill sends SIGKILL and reaps.
+        let _ = r.child.kill().await;
+        r.exit = r.child.try_wait().ok().flatten();
     }
 }
 
 pub async fn run(args: DevArgs) -> Result<(), CliError> {
     let nodes = layout(&args)?;
-    let initial_cluster: Vec<String> = nodes
+    let initial_cluster = nodes
         .iter()
         .map(|n| format!("{}={}", n.id, n.peer))
-        .collect();
-    let initial_cluster = initial_cluster.join(",");
-    let endpoints: Vec<&str> = nodes.iter().map(|n| n.client.as_str()).collect();
-    println!("Conclave dev cluster, {} node(s):", nodes.len());
-    for node in &nodes {
-        println!(
-            "  node{}  client {}  peer {}  data {}",
-            node.id,
-            node.client,
-            node.peer,
-            node.data_dir.display()
-        );
-    }
-    let endpoints = endpoints.join(",");
-    println!("Connect with etcdctl (Debian package etcd-client):");
-    println!("  ETCDCTL_API=3 etcdctl --endpoints={endpoints} put greeting hello");
-    println!("  ETCDCTL_API=3 etcdctl --endpoints={endpoints} get greeting");
-    println!("  ETCDCTL_API=3 etcdctl --endpoints={endpoints} endpoint status -w table");
-    println!("Ctrl-C stops the cluster.");
-
-    if nodes.len() == 1 {
-        let config = serve_args(&nodes[0], &initial_cluster).to_config()?;
-        conclave_server::server::run(config, termination_signal()).await?;
-        return Ok(());
-    }
-
+        .collect::<Vec<_>>()
+        .join(",");
+    let endpoints = nodes
+        .iter()
+        .map(|n| n.client.as_str())
+        .collect::<Vec<_>>()
+        .join(",");
     let exe = std::env::current_exe()
         .map_err(|e| CliError::Io(format!("cannot find the conclave binary: {e}")))?;
     std::fs::create_dir_all(&args.data_dir)
         .map_err(|e| CliError::Io(format!("cannot create {}: {e}", args.data_dir.display())))?;
-    let mut children = Vec::new();
-    for node in &nodes {
-        let log_path = args.data_dir.join(format!("node{}.log", node.id));
-        let log = std::fs::File::create(&log_path)
-            .map_err(|e| CliError::Io(format!("cannot create {}: {e}", log_path.display())))?;
-        let log_err = log
-            .try_clone()
-            .map_err(|e| CliError::Io(format!("cannot open {}: {e}", log_path.display())))?;
-        let child = tokio::process::Command::new(&exe)
-            .arg("serve")
-            .arg("--id")
-            .arg(node.id.to_string())
-            .arg("--data-dir")
-            .arg(&node.data_dir)
-            .arg("--listen-client")
-            .arg(&node.client)
-            .arg("--listen-peer")
-            .arg(&node.peer)
-            .arg("--initial-cluster")
-            .arg(&initial_cluster)
-            .stdin(Stdio::null())
-            .stdout(Stdio::from(log))
-            .stderr(Stdio::from(log_err))
-            .spawn()
-            .map_err(|e| CliError::Io(format!("cannot start node{}: {e}", node.id)))?;
-        children.push(child);
+    claim_data_dir(&args.data_dir, &nodes, &initial_cluster)?;
+
+    // Started here, on the thread that runs `run` (the main thread), for PR_SET_PDEATHSIG.
+    let mut running = Vec::with_capacity(nodes.len());
+    for node in nodes {
+        running.push(spawn(&exe, node, &initial_cluster)?);
     }
-    termination_signal().await;
-    for child in &children {
-        if let Some(pid) = child.id() {
-            // SAFETY: kill(2) on a pid we spawned and have not reaped; no memory is involved.
-            unsafe {
-                libc::kill(pid as libc::pid_t, libc::SIGTERM);
+
+    let mut banner = format!("Conclave dev cluster, {} node(s):\n", running.len());
+    for r in &running {
+        banner.push_str(&format!(
+            "  {}  pid {}  client {}  peer {}  log {}\n",
+            r.node.name,
+            r.pid,
+            r.node.client,
+            r.node.peer,
+            r.node.log.display()
+        ));
+    }
+    banner.push_str(&format!(
+        "Connect with etcdctl (Debian package etcd-client) or conclave:\n\
+         \x20 ETCDCTL_API=3 etcdctl --endpoints={endpoints} put greeting hello\n\
+         \x20 ETCDCTL_API=3 etcdctl --endpoints={endpoints} endpoint status -w table\n\
+         \x20 conclave --endpoints {endpoints} status\n\
+         Ctrl-C stops the cluster.\n"
+    ));
+    say(&banner);
+
+    let mut watch = Watch {
+        interactive: stdout_is_foreground_terminal(),
+        out: Output::new(false),
+        exe,
+        initial_cluster,
+        endpoints,
+        data_dir: args.data_dir.clone(),
+        leader: 0,
+        leader_since: Instant::now(),
+        last_change: None,
+        exits_announced: vec![false; running.len()],
+    };
+    let mut signal = std::pin::pin!(termination_signal());
+    let mut ticker = tokio::time::interval(Duration::from_millis(STATUS_INTERVAL_MS));
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = &mut signal => break,
+            _ = ticker.tick() => {}
+        }
+        for r in running.iter_mut().filter(|r| r.exit.is_none()) {
+            if let Ok(Some(status)) = r.child.try_wait() {
+                r.exit = Some(status);
             }
         }
+        let answers = tokio::select! {
+            _ = &mut signal => break,
+            answers = probe_all(&running) => answers,
+        };
+        watch.show(&running, &answers);
     }
-    for mut child in children {
-        let waited =
-            tokio::time::timeout(Duration::from_millis(CHILD_STOP_GRACE_MS), child.wait()).await;
-        if waited.is_err() {
-            let _ = child.kill().await;
-        }
-    }
+
+    let up = running.iter().filter(|r| r.exit.is_none()).count();
+    say(&format!("stopping {up} running node(s)\n"));
+    let started = Instant::now();
+    stop_all(&mut running).await;
+    let summary: Vec<String> = running
+        .iter()
+        .map(|r| {
+            let how = r.exit.as_ref().map_or("unknown".into(), describe_exit);
+            format!("{}={how}", r.node.name)
+        })
+        .collect();
+    say(&format!(
+        "stopped in {}: {}\n",
+        format_elapsed(started.elapsed()),
+        summary.join(" ")
+    ));
     Ok(())
 }

@@ -1,7 +1,7 @@
 //! The `conclave` binary.
 //!
 //! - `conclave serve`: run one node of a cluster (etcd v3 API on `--listen-client`).
-//! - `conclave dev`: run a local development cluster and print how to connect.
+//! - `conclave dev`: run a local cluster of child `serve` processes with a live status.
 //! - everything else: client commands (KV, leases, elections, locks, topics, cluster), see
 //!   `cmd` and docs/cli.md.
 //!
@@ -52,7 +52,7 @@ enum Command {
         )]
         initial_cluster_state: String,
     },
-    /// Run a local development cluster (child `serve` processes for more than one node).
+    /// Run a local cluster of child `serve` processes (3 by default) with a live status.
     Dev(dev::DevArgs),
     /// Run `serve` in the background (pid and log file in its data directory).
     #[command(subcommand)]

@@ -87,7 +87,7 @@ fn channel(url: &str, timeout: Duration) -> CmdResult<Channel> {
 
 /// One member's own status, asked of that member (the client library would follow the
 /// leader).
-async fn probe(url: &str, timeout: Duration) -> Result<StatusResponse, String> {
+pub(crate) async fn probe(url: &str, timeout: Duration) -> Result<StatusResponse, String> {
     let channel = channel(url, timeout).map_err(|f| f.message)?;
     let mut maintenance = MaintenanceClient::new(channel);
     let call = maintenance.status(StatusRequest {});
@@ -96,6 +96,19 @@ async fn probe(url: &str, timeout: Duration) -> Result<StatusResponse, String> {
         Ok(Err(status)) => Err(status.message().to_string()),
         Err(_) => Err(format!("no answer within {timeout:?}")),
     }
+}
+
+/// The leader and the term as the answering members report them: `(leader id, highest
+/// term)`, leader 0 when none is known. A claim of the highest term wins; among those, one
+/// naming a leader beats a member that has just moved to that term and not heard from it yet.
+pub(crate) fn reported_leader<'a>(answers: impl Iterator<Item = &'a StatusResponse>) -> (u64, u64) {
+    answers.fold((0, 0), |(leader, term), s| {
+        if s.raft_term > term || (s.raft_term == term && leader == 0) {
+            (s.leader, s.raft_term)
+        } else {
+            (leader, term)
+        }
+    })
 }
 
 /// The member called `name` (or whose hex id it is).
@@ -282,19 +295,7 @@ async fn probe_all(ctx: &Ctx) -> CmdResult<Vec<(Member, Result<StatusResponse, S
 
 pub async fn status(ctx: &Ctx) -> CmdResult {
     let answers = probe_all(ctx).await?;
-    // The leader as the members report it: the highest term's claim wins.
-    let leader = answers
-        .iter()
-        .filter_map(|(_, a)| a.as_ref().ok())
-        .max_by_key(|s| s.raft_term)
-        .map(|s| s.leader)
-        .unwrap_or(0);
-    let term = answers
-        .iter()
-        .filter_map(|(_, a)| a.as_ref().ok())
-        .map(|s| s.raft_term)
-        .max()
-        .unwrap_or(0);
+    let (leader, term) = reported_leader(answers.iter().filter_map(|(_, a)| a.as_ref().ok()));
     let members: Vec<Value> = answers
         .iter()
         .map(|(m, answer)| {
@@ -463,4 +464,29 @@ pub async fn snapshot(ctx: &Ctx, command: SnapshotCommand) -> CmdResult {
         || format!("snapshot saved to {path} ({total} bytes)"),
     );
     Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn answer(leader: u64, term: u64) -> StatusResponse {
+        StatusResponse {
+            leader,
+            raft_term: term,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn the_highest_term_names_the_leader_and_a_named_leader_beats_none() {
+        let stale_then_new = [answer(1, 3), answer(2, 4), answer(1, 3)];
+        assert_eq!(reported_leader(stale_then_new.iter()), (2, 4));
+        // A member that has just moved to term 4 knows no leader yet; its peer does.
+        for order in [[answer(0, 4), answer(2, 4)], [answer(2, 4), answer(0, 4)]] {
+            assert_eq!(reported_leader(order.iter()), (2, 4));
+        }
+        assert_eq!(reported_leader([answer(0, 5), answer(2, 4)].iter()), (0, 5));
+        assert_eq!(reported_leader(std::iter::empty()), (0, 0));
+    }
 }

@@ -6,7 +6,7 @@
 
 mod bench;
 mod child;
-mod cluster;
+pub(crate) mod cluster;
 mod elect;
 mod kv;
 mod lease;

@@ -39,6 +39,25 @@ pub fn free_port() -> u16 {
     }
 }
 
+/// The first of `len` consecutive ports nothing listens on right now (for `conclave dev`,
+/// which numbers its nodes' ports from one base), unique within this test process.
+pub fn free_port_run(len: u16) -> u16 {
+    let start = (std::process::id() * 97) % TEST_PORT_SPAN;
+    loop {
+        let offset =
+            (start + NEXT_PORT.fetch_add(u32::from(len), Ordering::SeqCst)) % TEST_PORT_SPAN;
+        let first = TEST_PORT_FIRST + offset;
+        if first + u32::from(len) > TEST_PORT_FIRST + TEST_PORT_SPAN {
+            continue;
+        }
+        let all_free = (0..u32::from(len))
+            .all(|i| TcpListener::bind(("127.0.0.1", (first + i) as u16)).is_ok());
+        if all_free {
+            return first as u16;
+        }
+    }
+}
+
 pub struct Node {
     pub id: u64,
     pub client: String,
@@ -267,10 +286,11 @@ impl Cluster {
             if target.is_none() {
                 target = self.status(leader).await.map(|s| s.raft_index);
             }
-            if let (Some(target), Some(status)) = (target, self.status(id).await) {
-                if status.leader != 0 && status.raft_applied_index >= target {
-                    return;
-                }
+            if let (Some(target), Some(status)) = (target, self.status(id).await)
+                && status.leader != 0
+                && status.raft_applied_index >= target
+            {
+                return;
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
