@@ -33,6 +33,18 @@ pub enum Error {
     /// The message came from a node this core does not track; it was dropped.
     #[error("message from unknown node {0}")]
     UnknownPeer(NodeId),
+    /// A peer answered about log entries past this leader's last one, which no follower of this
+    /// leader can hold: typically a node started over another cluster's data directory. The
+    /// message was dropped.
+    #[error(
+        "node {from} answered about entry {index}, past this leader's last entry {last_index}: \
+         its log cannot come from this cluster"
+    )]
+    AppendResponseBeyondLog {
+        from: NodeId,
+        index: Index,
+        last_index: Index,
+    },
 }
 
 /// Errors of a [`crate::Storage`] implementation.

@@ -640,6 +640,16 @@ impl<S: Storage> Raft<S> {
                 hint_index,
                 hint_term,
             } => {
+                // Success names the last entry the follower matched, a rejection echoes the
+                // previous index this leader sent: neither can be past the leader's own log.
+                let last_index = self.log.last_index();
+                if index > last_index {
+                    return Err(Error::AppendResponseBeyondLog {
+                        from: m.from,
+                        index,
+                        last_index,
+                    });
+                }
                 self.handle_append_response(m.from, index, reject, hint_index, hint_term);
             }
             MessageBody::HeartbeatResponse { context } => {

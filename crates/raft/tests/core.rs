@@ -588,3 +588,46 @@ fn a_node_restarted_from_its_storage_resumes_term_vote_and_log() {
     };
     assert!(snapshot.is_empty());
 }
+
+/// A node started over another cluster's data can answer about entries the leader never had.
+/// The leader refuses that answer with a reason instead of trusting it (and then failing to
+/// read its own log past the end), and goes on replicating to everyone else.
+#[test]
+fn an_append_response_past_the_leaders_log_is_refused_not_trusted() {
+    let mut net = Net::new(3);
+    net.elect(1);
+    let last = net.node(1).last_index();
+    let term = net.node(1).term();
+    for reject in [false, true] {
+        let answer = net.node(1).step(Message {
+            from: 2,
+            to: 1,
+            term,
+            body: MessageBody::AppendResponse {
+                index: last + 5,
+                reject,
+                hint_index: last + 5,
+                hint_term: 0,
+            },
+        });
+        assert_eq!(
+            answer,
+            Err(Error::AppendResponseBeyondLog {
+                from: 2,
+                index: last + 5,
+                last_index: last,
+            })
+        );
+    }
+    let index = net
+        .node(1)
+        .propose(Bytes::from_static(b"after"))
+        .expect("still the leader");
+    net.settle();
+    for id in 1..=3 {
+        assert!(
+            net.node(id).commit_index() >= index,
+            "node {id} did not commit the entry proposed after the bogus answer"
+        );
+    }
+}

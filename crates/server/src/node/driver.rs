@@ -689,8 +689,12 @@ impl<M: ReplicatedMachine> Core<M> {
     }
 
     fn step(&mut self, message: conclave_raft::Message) {
-        if let Err(error) = self.raw.step(message) {
-            tracing::debug!(%error, "peer message refused");
+        match self.raw.step(message) {
+            Ok(()) => {}
+            Err(error @ conclave_raft::Error::AppendResponseBeyondLog { .. }) => {
+                tracing::warn!(%error, "peer message refused");
+            }
+            Err(error) => tracing::debug!(%error, "peer message refused"),
         }
     }
 
