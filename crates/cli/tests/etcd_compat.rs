@@ -764,17 +764,18 @@ impl Identities {
             for line in o.stdout.lines() {
                 // `lease 694d77aa9e38260f granted with TTL(60s)`
                 let words: Vec<&str> = line.split_whitespace().collect();
-                if words.len() >= 3 && words[0] == "lease" && words[2] == "granted" {
-                    if let Ok(id) = u64::from_str_radix(words[1], 16) {
-                        ids.add_lease(id);
-                    }
+                if words.len() >= 3
+                    && words[0] == "lease"
+                    && words[2] == "granted"
+                    && let Ok(id) = u64::from_str_radix(words[1], 16)
+                {
+                    ids.add_lease(id);
                 }
-                if let Ok(Value::Object(object)) = serde_json::from_str::<Value>(line) {
-                    if object.contains_key("TTL") {
-                        if let Some(id) = object.get("ID").and_then(Value::as_u64) {
-                            ids.add_lease(id);
-                        }
-                    }
+                if let Ok(Value::Object(object)) = serde_json::from_str::<Value>(line)
+                    && object.contains_key("TTL")
+                    && let Some(id) = object.get("ID").and_then(Value::as_u64)
+                {
+                    ids.add_lease(id);
                 }
             }
         }
@@ -939,14 +940,13 @@ fn normalise_text(line: &str, ids: &Identities) -> String {
     // `lease ... granted with TTL(60s), remaining(59s)`: the remaining time depends on timing.
     if let Some(at) = line.find("remaining(") {
         let start = at + "remaining(".len();
-        if let Some(end) = line[start..].find(')').map(|n| start + n) {
-            if line[start..end]
+        if let Some(end) = line[start..].find(')').map(|n| start + n)
+            && line[start..end]
                 .trim_end_matches('s')
                 .parse::<i64>()
                 .is_ok_and(|s| s > 0)
-            {
-                line.replace_range(start..end, "<remaining>");
-            }
+        {
+            line.replace_range(start..end, "<remaining>");
         }
     }
     // etcd keeps a lease's keys in a Go map, so `attached keys([...])` comes in any order.

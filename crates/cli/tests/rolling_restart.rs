@@ -42,6 +42,7 @@ const SETTLE: Duration = Duration::from_millis(500);
 ///   member closed after its GOAWAY;
 /// - the member's final GOAWAY refused the stream: it was opened after the member's last
 ///   accepted stream (tonic reports it as "h2 protocol error").
+///
 /// The last one tonic cannot tell apart from a stream reset after processing, so every write
 /// is a compare-and-swap: a write applied and then sent again fails its compare, and counts
 /// as a failed request.
@@ -366,14 +367,16 @@ async fn rolling_restart_with_sigterm_under_load_fails_no_request() {
         percentile(1.0),
         test_start.elapsed().as_secs_f64()
     );
-    let failures = figures.failures.lock().expect("failures");
-    assert!(
-        failures.is_empty(),
-        "{} requests failed, the first ones: {:#?}; logs in {}",
-        failures.len(),
-        &failures[..failures.len().min(10)],
-        cluster.root.display()
-    );
+    {
+        let failures = figures.failures.lock().expect("failures");
+        assert!(
+            failures.is_empty(),
+            "{} requests failed, the first ones: {:#?}; logs in {}",
+            failures.len(),
+            &failures[..failures.len().min(10)],
+            cluster.root.display()
+        );
+    }
     assert!(
         figures.writes.load(Ordering::SeqCst) > 0 && figures.reads.load(Ordering::SeqCst) > 0,
         "the load made no progress"
