@@ -6,13 +6,13 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use clap::{Args, Subcommand};
+use clap::{ArgMatches, Args, Subcommand};
 use conclave_proto::etcdserverpb::StatusRequest;
 use conclave_proto::etcdserverpb::maintenance_client::MaintenanceClient;
 use serde_json::json;
 
-use crate::ServeArgs;
 use crate::cmd::{CmdResult, Failure, Output};
+use crate::{CONFIG_HELP, ServeArgs, ServeCommandArgs};
 
 /// Name of the pid file inside the data directory.
 pub const PID_FILE: &str = "conclave.pid";
@@ -26,40 +26,14 @@ const POLL: Duration = Duration::from_millis(50);
 
 #[derive(Subcommand, Debug)]
 pub enum DaemonCommand {
-    /// Start `conclave serve` in the background with these serve flags.
-    Start(StartArgs),
+    /// Start `conclave serve` in the background with these serve flags (every flag `serve`
+    /// takes: tests compare the two `--help` texts).
+    #[command(after_help = CONFIG_HELP)]
+    Start(ServeCommandArgs),
     /// Stop the daemon of a data directory (SIGTERM, SIGKILL after 15 s).
     Stop(DirArgs),
     /// Whether the daemon of a data directory runs.
     Status(DirArgs),
-}
-
-/// `daemon start` takes every flag `serve` takes (tests compare the two `--help` texts).
-#[derive(Args, Debug)]
-pub struct StartArgs {
-    #[command(flatten)]
-    pub serve: ServeArgs,
-    /// `new` founds a cluster; `existing` joins a running one after `member add` (start with
-    /// an empty data directory and the flags `member add` printed).
-    #[arg(
-        long,
-        env = "CONCLAVE_INITIAL_CLUSTER_STATE",
-        default_value = "new",
-        value_parser = ["new", "existing"]
-    )]
-    pub initial_cluster_state: String,
-}
-
-impl StartArgs {
-    /// The `serve` command line that reproduces these flags.
-    fn to_args(&self) -> Vec<OsString> {
-        let mut args = self.serve.to_args();
-        args.extend([
-            "--initial-cluster-state".into(),
-            self.initial_cluster_state.clone().into(),
-        ]);
-        args
-    }
 }
 
 #[derive(Args, Debug)]
@@ -67,6 +41,31 @@ pub struct DirArgs {
     /// The daemon's data directory (where its pid file is).
     #[arg(long, env = "CONCLAVE_DATA_DIR", default_value = "./conclave-data")]
     pub data_dir: PathBuf,
+    /// The daemon's config file, for its `data-dir` (the flag and its environment variable
+    /// beat it).
+    #[arg(long, env = "CONCLAVE_CONFIG", value_name = "FILE")]
+    pub config: Option<PathBuf>,
+}
+
+impl DirArgs {
+    fn resolve(mut self, matches: &ArgMatches) -> Result<DirArgs, Failure> {
+        crate::config_file::resolve_data_dir(&mut self.data_dir, self.config.as_deref(), matches)
+            .map_err(|e| Failure::invalid(e.to_string()))?;
+        Ok(self)
+    }
+}
+
+impl ServeCommandArgs {
+    /// The `serve` command line that reproduces these arguments once `--config` is resolved:
+    /// every value goes as a flag, so the child needs no file.
+    fn to_args(&self) -> Vec<OsString> {
+        let mut args = self.serve.to_args();
+        args.extend([
+            "--initial-cluster-state".into(),
+            self.initial_cluster_state.as_str().into(),
+        ]);
+        args
+    }
 }
 
 impl ServeArgs {
@@ -126,12 +125,16 @@ fn alive(pid: i32) -> bool {
     unsafe { libc::kill(pid, 0) == 0 }
 }
 
-pub async fn run(json: bool, command: DaemonCommand) -> i32 {
+/// Runs a daemon command; `matches` are its subcommand's (which flags the user set).
+pub async fn run(json: bool, command: DaemonCommand, matches: &ArgMatches) -> i32 {
     let out = Output::new(json);
     let result = match command {
-        DaemonCommand::Start(args) => start(&out, args).await,
-        DaemonCommand::Stop(args) => stop(&out, args).await,
-        DaemonCommand::Status(args) => status(&out, args),
+        DaemonCommand::Start(args) => start(&out, args, matches).await,
+        DaemonCommand::Stop(args) => match args.resolve(matches) {
+            Ok(args) => stop(&out, args).await,
+            Err(failure) => Err(failure),
+        },
+        DaemonCommand::Status(args) => args.resolve(matches).and_then(|args| status(&out, args)),
     };
     match result {
         Ok(code) => code,
@@ -142,9 +145,12 @@ pub async fn run(json: bool, command: DaemonCommand) -> i32 {
     }
 }
 
-async fn start(out: &Output, start: StartArgs) -> CmdResult {
-    let args = &start.serve;
-    // Refuse bad flags here, with the same sentence serve would print.
+async fn start(out: &Output, mut full: ServeCommandArgs, matches: &ArgMatches) -> CmdResult {
+    // Resolve the config file here, so the pid file lands in its data directory, and refuse
+    // bad flags with the same sentence serve would print.
+    full.apply_config_file(matches)
+        .map_err(|e| Failure::invalid(e.to_string()))?;
+    let args = &full.serve;
     args.to_config()
         .map_err(|e| Failure::invalid(e.to_string()))?;
     let dir = args.data_dir.clone();
@@ -169,7 +175,9 @@ async fn start(out: &Output, start: StartArgs) -> CmdResult {
         .map_err(|e| Failure::io(format!("cannot find the conclave binary: {e}")))?;
     let mut command = std::process::Command::new(exe);
     command
-        .args(start.to_args())
+        .args(full.to_args())
+        // Every value is on the command line already; the child must not read the file again.
+        .env_remove("CONCLAVE_CONFIG")
         .stdin(Stdio::null())
         .stdout(Stdio::from(log))
         .stderr(Stdio::from(log_err));
@@ -222,7 +230,7 @@ async fn start(out: &Output, start: StartArgs) -> CmdResult {
             "log": log_path.display().to_string(),
             "pid_file": pid_path.display().to_string(),
             "listen_client": args.listen_client,
-            "initial_cluster_state": start.initial_cluster_state,
+            "initial_cluster_state": full.initial_cluster_state.as_str(),
         }),
         || {
             format!(
@@ -294,5 +302,44 @@ fn status(out: &Output, args: DirArgs) -> CmdResult {
             "not_found",
             format!("no daemon runs over {}", args.data_dir.display()),
         )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::{CommandFactory, FromArgMatches};
+
+    use super::*;
+    use crate::{Cli, ClusterState, Command};
+
+    fn serve_args(argv: Vec<OsString>) -> ServeCommandArgs {
+        let matches = Cli::command()
+            .try_get_matches_from(argv)
+            .expect("a valid command line");
+        match Cli::from_arg_matches(&matches).map(|cli| cli.command) {
+            Ok(Command::Serve(args)) => args,
+            _ => panic!("not serve"),
+        }
+    }
+
+    #[test]
+    fn the_child_command_line_reproduces_the_resolved_args() {
+        let mut resolved = serve_args(vec!["conclave".into(), "serve".into()]);
+        resolved.serve.name = "n2".into();
+        resolved.serve.id = Some(2);
+        resolved.serve.heartbeat_ms = 30;
+        resolved.serve.initial_cluster = Some("1=127.0.0.1:1,2=127.0.0.1:3".into());
+        resolved.initial_cluster_state = ClusterState::Existing;
+        resolved.config = Some("unused.toml".into());
+        let mut argv: Vec<OsString> = vec!["conclave".into()];
+        argv.extend(resolved.to_args());
+        assert!(!argv.iter().any(|a| a == "--config"), "{argv:?}");
+        let child = serve_args(argv);
+        assert_eq!(
+            format!("{:?}", child.serve),
+            format!("{:?}", resolved.serve)
+        );
+        assert_eq!(child.initial_cluster_state, ClusterState::Existing);
+        assert_eq!(child.config, None);
     }
 }

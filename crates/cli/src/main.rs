@@ -9,13 +9,14 @@
 
 mod cluster_spec;
 mod cmd;
+mod config_file;
 mod daemon;
 mod dev;
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
 
-use clap::{Args, Parser, Subcommand};
+use clap::{ArgMatches, Args, CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
 use conclave_server::ServerConfig;
 
 use cluster_spec::{CliError, parse_members};
@@ -37,21 +38,8 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run one node of a Conclave cluster.
-    Serve {
-        #[command(flatten)]
-        args: ServeArgs,
-        /// `new` founds a cluster; `existing` joins a running one after `member add`: the
-        /// data directory starts empty and --initial-cluster lists the founding members plus
-        /// this one, under the id `member add` returned. (Kept out of `ServeArgs`, which
-        /// `conclave dev` and `daemon` build, since only a manual join needs it.)
-        #[arg(
-            long,
-            env = "CONCLAVE_INITIAL_CLUSTER_STATE",
-            default_value = "new",
-            value_parser = ["new", "existing"]
-        )]
-        initial_cluster_state: String,
-    },
+    #[command(after_help = CONFIG_HELP)]
+    Serve(ServeCommandArgs),
     /// Run a local cluster of child `serve` processes (3 by default) with a live status.
     Dev(dev::DevArgs),
     /// Run `serve` in the background (pid and log file in its data directory).
@@ -59,6 +47,58 @@ enum Command {
     Daemon(daemon::DaemonCommand),
     #[command(flatten)]
     Client(cmd::ClientCommand),
+}
+
+/// The `after_help` of `serve` and `daemon start`.
+pub const CONFIG_HELP: &str = "\
+Configuration file: --config FILE (or CONCLAVE_CONFIG) reads TOML whose keys are the long flag
+names, e.g.
+  name = \"node1\"
+  data-dir = \"/var/lib/conclave\"
+  heartbeat-ms = 50
+A flag on the command line beats its CONCLAVE_<FLAG> environment variable, which beats the
+file, which beats the built-in default.";
+
+/// `--initial-cluster-state`.
+#[derive(ValueEnum, serde::Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum ClusterState {
+    /// Found a new cluster (or resume one from the data directory).
+    New,
+    /// Join a running cluster after `member add`.
+    Existing,
+}
+
+impl ClusterState {
+    /// The flag value (`new`, `existing`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ClusterState::New => "new",
+            ClusterState::Existing => "existing",
+        }
+    }
+}
+
+/// Everything `conclave serve` and `conclave daemon start` take: the serve flags, plus the two
+/// that `conclave dev`, which builds `ServeArgs` itself, has no use for.
+#[derive(Args, Debug, Clone)]
+pub struct ServeCommandArgs {
+    #[command(flatten)]
+    pub serve: ServeArgs,
+    /// `new` founds a cluster; `existing` joins a running one after `member add`: the data
+    /// directory starts empty and --initial-cluster lists the founding members plus this one,
+    /// under the id `member add` returned.
+    #[arg(
+        long,
+        env = "CONCLAVE_INITIAL_CLUSTER_STATE",
+        value_enum,
+        default_value_t = ClusterState::New
+    )]
+    pub initial_cluster_state: ClusterState,
+    /// TOML file of serve flags by their long names (`heartbeat-ms = 50`); a flag or its
+    /// environment variable beats the file.
+    #[arg(long, env = "CONCLAVE_CONFIG", value_name = "FILE")]
+    pub config: Option<PathBuf>,
 }
 
 /// Flags of `conclave serve`; each also reads `CONCLAVE_<FLAG>` from the environment.
@@ -167,18 +207,35 @@ pub async fn termination_signal() {
     }
 }
 
-async fn serve(args: ServeArgs, join: bool) -> Result<(), CliError> {
-    let mut config = args.to_config()?;
-    config.join = join;
+async fn serve(mut args: ServeCommandArgs, matches: &ArgMatches) -> Result<(), CliError> {
+    args.apply_config_file(matches)?;
+    let mut config = args.serve.to_config()?;
+    config.join = args.initial_cluster_state == ClusterState::Existing;
     conclave_server::server::run(config, termination_signal()).await?;
     Ok(())
 }
 
-/// Parses the command line; a bad one ends the process with exit code 2, and with `--json`
-/// as an `invalid_argument` document on stdout.
-fn parse_cli() -> Cli {
-    match Cli::try_parse() {
-        Ok(cli) => cli,
+/// The matches of the innermost subcommand (`serve`, or `start` under `daemon`): where the
+/// value source of each of its flags is recorded.
+fn leaf_matches(matches: &ArgMatches) -> &ArgMatches {
+    let mut leaf = matches;
+    while let Some((_, sub)) = leaf.subcommand() {
+        leaf = sub;
+    }
+    leaf
+}
+
+/// Parses the command line, keeping clap's matches (they say which flags the user set, for
+/// `--config`); a bad one ends the process with exit code 2, and with `--json` as an
+/// `invalid_argument` document on stdout.
+fn parse_cli() -> (Cli, ArgMatches) {
+    let parsed = Cli::command().try_get_matches().and_then(|matches| {
+        Cli::from_arg_matches(&matches)
+            .map(|cli| (cli, matches))
+            .map_err(|error| error.format(&mut Cli::command()))
+    });
+    match parsed {
+        Ok(parsed) => parsed,
         Err(error) => {
             use clap::error::ErrorKind;
             let informational = matches!(
@@ -211,7 +268,8 @@ fn parse_cli() -> Cli {
 }
 
 fn main() {
-    let cli = parse_cli();
+    let (cli, matches) = parse_cli();
+    let matches = leaf_matches(&matches);
     // Client commands are quiet unless asked: their output is the answer, not the logs.
     let default_log = if matches!(cli.command, Command::Client(_) | Command::Daemon(_)) {
         "error"
@@ -238,13 +296,10 @@ fn main() {
     };
     let result = runtime.block_on(async {
         match cli.command {
-            Command::Serve {
-                args,
-                initial_cluster_state,
-            } => serve(args, initial_cluster_state == "existing").await,
+            Command::Serve(args) => serve(args, matches).await,
             Command::Dev(args) => dev::run(args).await,
             Command::Daemon(command) => {
-                let code = daemon::run(cli.global.json, command).await;
+                let code = daemon::run(cli.global.json, command, matches).await;
                 std::process::exit(code);
             }
             Command::Client(command) => {

@@ -1,0 +1,337 @@
+//! `--config FILE`: the flags of `conclave serve` read from a TOML file.
+//!
+//! The keys are the long flag names (`heartbeat-ms = 50`). A value in the file fills a flag
+//! only when neither the command line nor its `CONCLAVE_<FLAG>` environment variable set it,
+//! which clap tells apart through each argument's value source; so the order is flag >
+//! environment > file > built-in default.
+
+use std::path::{Path, PathBuf};
+
+use clap::ArgMatches;
+use clap::parser::ValueSource;
+use serde::Deserialize;
+
+use crate::cluster_spec::CliError;
+use crate::{ClusterState, ServeCommandArgs};
+
+/// The contents of a config file. Every field is a serve flag under its long name; a key that
+/// is none of them is an error rather than silently ignored, so a typo cannot go unnoticed.
+#[derive(Debug, Default, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub struct ConfigFile {
+    pub name: Option<String>,
+    pub id: Option<u64>,
+    pub data_dir: Option<PathBuf>,
+    pub listen_client: Option<String>,
+    pub listen_peer: Option<String>,
+    pub initial_cluster: Option<String>,
+    pub initial_cluster_clients: Option<String>,
+    pub initial_cluster_state: Option<ClusterState>,
+    pub snapshot_entries: Option<u64>,
+    pub tick_ms: Option<u64>,
+    pub heartbeat_ms: Option<u64>,
+    pub election_timeout_ms: Option<u64>,
+    pub request_timeout_ms: Option<u64>,
+}
+
+impl ConfigFile {
+    /// Reads and parses `path`; every failure is one sentence naming the file.
+    pub fn load(path: &Path) -> Result<ConfigFile, CliError> {
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            CliError::Usage(format!("cannot read config file {}: {e}", path.display()))
+        })?;
+        ConfigFile::parse(&text)
+            .map_err(|e| CliError::Usage(format!("config file {}, {e}", path.display())))
+    }
+
+    /// Parses a file's text; the error starts with the line it concerns when TOML knows it.
+    fn parse(text: &str) -> Result<ConfigFile, String> {
+        toml::from_str(text).map_err(|error| {
+            // toml's messages may span lines (what was found, what was expected): one line.
+            let message = error
+                .message()
+                .lines()
+                .map(str::trim)
+                .filter(|line| !line.is_empty())
+                .collect::<Vec<_>>()
+                .join("; ");
+            match error.span() {
+                Some(span) => format!("line {}: {message}", line_of(text, span.start)),
+                None => message,
+            }
+        })
+    }
+}
+
+/// The 1-based line of byte offset `offset` in `text`.
+fn line_of(text: &str, offset: usize) -> usize {
+    let end = offset.min(text.len());
+    text.as_bytes()[..end]
+        .iter()
+        .filter(|&&b| b == b'\n')
+        .count()
+        + 1
+}
+
+/// Whether the user set argument `id` on the command line or in the environment, where it
+/// beats the file. Any other source (the built-in default, or none for flags without one)
+/// leaves the argument to the file.
+fn set_by_user(matches: &ArgMatches, id: &str) -> bool {
+    matches!(
+        matches.value_source(id),
+        Some(ValueSource::CommandLine | ValueSource::EnvVariable)
+    )
+}
+
+impl ServeCommandArgs {
+    /// Reads the file named by `--config` (or `CONCLAVE_CONFIG`), if any, into every argument
+    /// the user did not set. `matches` are the matches of the subcommand these args came from.
+    pub fn apply_config_file(&mut self, matches: &ArgMatches) -> Result<(), CliError> {
+        let Some(path) = self.config.clone() else {
+            return Ok(());
+        };
+        let file = ConfigFile::load(&path)?;
+        self.merge(file, matches);
+        Ok(())
+    }
+
+    fn merge(&mut self, file: ConfigFile, matches: &ArgMatches) {
+        // Exhaustive on purpose: a new key does not compile until it is merged too. Each field
+        // is named like its clap argument id, which `value_source` takes.
+        let ConfigFile {
+            name,
+            id,
+            data_dir,
+            listen_client,
+            listen_peer,
+            initial_cluster,
+            initial_cluster_clients,
+            initial_cluster_state,
+            snapshot_entries,
+            tick_ms,
+            heartbeat_ms,
+            election_timeout_ms,
+            request_timeout_ms,
+        } = file;
+        macro_rules! fill {
+            ($key:ident => $target:expr) => {
+                if let Some(value) = $key
+                    && !set_by_user(matches, stringify!($key))
+                {
+                    $target = value.into();
+                }
+            };
+        }
+        let serve = &mut self.serve;
+        fill!(name => serve.name);
+        fill!(id => serve.id);
+        fill!(data_dir => serve.data_dir);
+        fill!(listen_client => serve.listen_client);
+        fill!(listen_peer => serve.listen_peer);
+        fill!(initial_cluster => serve.initial_cluster);
+        fill!(initial_cluster_clients => serve.initial_cluster_clients);
+        fill!(snapshot_entries => serve.snapshot_entries);
+        fill!(tick_ms => serve.tick_ms);
+        fill!(heartbeat_ms => serve.heartbeat_ms);
+        fill!(election_timeout_ms => serve.election_timeout_ms);
+        fill!(request_timeout_ms => serve.request_timeout_ms);
+        fill!(initial_cluster_state => self.initial_cluster_state);
+    }
+}
+
+/// `--data-dir` of `daemon stop|status` from the file named by `--config`, unless the user set
+/// it: the same rule as for serve, so the same file finds the daemon it started.
+pub fn resolve_data_dir(
+    data_dir: &mut PathBuf,
+    config: Option<&Path>,
+    matches: &ArgMatches,
+) -> Result<(), CliError> {
+    let Some(path) = config else {
+        return Ok(());
+    };
+    if let Some(dir) = ConfigFile::load(path)?.data_dir
+        && !set_by_user(matches, "data_dir")
+    {
+        *data_dir = dir;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::{CommandFactory, FromArgMatches};
+
+    use super::*;
+    use crate::{Cli, Command};
+
+    /// The serve args and the `serve` matches of a command line.
+    fn serve(argv: &[&str]) -> (ServeCommandArgs, ArgMatches) {
+        let matches = Cli::command()
+            .try_get_matches_from(argv)
+            .expect("a valid command line");
+        let cli = Cli::from_arg_matches(&matches).expect("matches fit the parser");
+        let Command::Serve(args) = cli.command else {
+            panic!("not serve: {argv:?}");
+        };
+        let sub = matches
+            .subcommand_matches("serve")
+            .expect("serve matches")
+            .clone();
+        (args, sub)
+    }
+
+    const FULL: &str = r#"
+name = "alpha"
+id = 7
+data-dir = "/var/lib/conclave"
+listen-client = "10.0.0.1:2379"
+listen-peer = "10.0.0.1:2380"
+initial-cluster = "7=10.0.0.1:2380"
+initial-cluster-clients = "7=10.0.0.1:2379"
+initial-cluster-state = "existing"
+snapshot-entries = 500
+tick-ms = 5
+heartbeat-ms = 25
+election-timeout-ms = 300
+request-timeout-ms = 900
+"#;
+
+    #[test]
+    fn every_serve_flag_is_a_key_and_every_key_a_serve_flag() {
+        let mut command = Cli::command();
+        let serve = command
+            .find_subcommand_mut("serve")
+            .expect("a serve subcommand");
+        let mut flags: Vec<String> = serve
+            .get_arguments()
+            .filter_map(|arg| arg.get_long().map(str::to_string))
+            .filter(|long| long != "config" && long != "help")
+            .filter(|long| !arg_is_global(long))
+            .collect();
+        flags.sort();
+        let parsed: toml::Table = toml::from_str(FULL).expect("valid TOML");
+        let mut keys: Vec<String> = parsed.keys().cloned().collect();
+        keys.sort();
+        assert_eq!(flags, keys);
+        // And the typed parse accepts all of them.
+        let file = ConfigFile::parse(FULL).expect("a valid file");
+        assert_eq!(file.heartbeat_ms, Some(25));
+        assert_eq!(file.initial_cluster_state, Some(ClusterState::Existing));
+    }
+
+    #[test]
+    fn the_example_in_the_docs_parses_and_names_every_key() {
+        let doc = include_str!("../../../docs/server.md");
+        let start = doc
+            .find("```toml\n")
+            .expect("a TOML example in docs/server.md")
+            + 8;
+        let len = doc[start..].find("```").expect("the example ends");
+        let example = &doc[start..start + len];
+        let parsed: toml::Table = toml::from_str(example).expect("valid TOML");
+        let full: toml::Table = toml::from_str(FULL).expect("valid TOML");
+        let mut keys: Vec<&String> = parsed.keys().collect();
+        // `id` and `name` are alternatives; the example shows `name`.
+        let mut all: Vec<&String> = full.keys().filter(|key| *key != "id").collect();
+        keys.sort();
+        all.sort();
+        assert_eq!(keys, all, "the docs' example shows every key but `id`");
+        ConfigFile::parse(example).expect("the docs' example is a valid config file");
+    }
+
+    /// Global client flags (`--endpoints`, `--json`, ...) show up under every subcommand.
+    fn arg_is_global(long: &str) -> bool {
+        Cli::command()
+            .get_arguments()
+            .any(|arg| arg.get_long() == Some(long))
+    }
+
+    #[test]
+    fn the_file_fills_defaults_and_every_key_lands_in_its_field() {
+        let (mut args, matches) = serve(&["conclave", "serve"]);
+        args.merge(ConfigFile::parse(FULL).expect("valid"), &matches);
+        let s = &args.serve;
+        assert_eq!(s.name, "alpha");
+        assert_eq!(s.id, Some(7));
+        assert_eq!(s.data_dir, PathBuf::from("/var/lib/conclave"));
+        assert_eq!(s.listen_client, "10.0.0.1:2379");
+        assert_eq!(s.listen_peer, "10.0.0.1:2380");
+        assert_eq!(s.initial_cluster.as_deref(), Some("7=10.0.0.1:2380"));
+        assert_eq!(
+            s.initial_cluster_clients.as_deref(),
+            Some("7=10.0.0.1:2379")
+        );
+        assert_eq!(s.snapshot_entries, 500);
+        assert_eq!(s.tick_ms, 5);
+        assert_eq!(s.heartbeat_ms, 25);
+        assert_eq!(s.election_timeout_ms, 300);
+        assert_eq!(s.request_timeout_ms, 900);
+        assert_eq!(args.initial_cluster_state, ClusterState::Existing);
+    }
+
+    #[test]
+    fn a_flag_beats_the_file_and_keys_the_file_omits_keep_their_defaults() {
+        let (mut args, matches) = serve(&[
+            "conclave",
+            "serve",
+            "--heartbeat-ms",
+            "70",
+            "--id",
+            "3",
+            "--initial-cluster-state",
+            "new",
+        ]);
+        let file = ConfigFile::parse(
+            "heartbeat-ms = 20\nid = 9\ninitial-cluster-state = \"existing\"\ntick-ms = 4\n",
+        )
+        .expect("valid");
+        args.merge(file, &matches);
+        assert_eq!(args.serve.heartbeat_ms, 70);
+        assert_eq!(args.serve.id, Some(3));
+        assert_eq!(args.initial_cluster_state, ClusterState::New);
+        assert_eq!(args.serve.tick_ms, 4);
+        assert_eq!(args.serve.election_timeout_ms, 150);
+        assert_eq!(args.serve.listen_client, "127.0.0.1:2379");
+    }
+
+    #[test]
+    fn bad_files_give_one_line_naming_the_problem_and_its_line() {
+        let cases = [
+            ("name = \"a\"\nheartbeat = 50\n", "line 2", "heartbeat"),
+            (
+                "name = \"a\"\n\nlisten-client = \"127.0.0.1:1\n",
+                "line 3",
+                "",
+            ),
+            ("heartbeat-ms = \"fast\"\n", "line 1", "fast"),
+            ("heartbeat-ms = -5\n", "line 1", "-5"),
+            ("initial-cluster-state = \"old\"\n", "line 1", "old"),
+            ("[server]\nname = \"a\"\n", "line 1", "server"),
+        ];
+        for (text, line, word) in cases {
+            let message = ConfigFile::parse(text).expect_err(text);
+            assert!(!message.contains('\n'), "{message:?}");
+            assert!(message.starts_with(line), "{text:?}: {message}");
+            assert!(message.contains(word), "{text:?}: {message}");
+        }
+    }
+
+    #[test]
+    fn a_missing_file_is_one_sentence_naming_it() {
+        let path =
+            std::env::temp_dir().join(format!("conclave-no-such-{}.toml", std::process::id()));
+        let error = ConfigFile::load(&path).expect_err("missing");
+        assert_eq!(error.exit_code(), 2);
+        let text = error.to_string();
+        assert!(text.contains(&path.display().to_string()), "{text}");
+        assert!(!text.contains('\n'), "{text}");
+    }
+
+    #[test]
+    fn line_numbers_count_from_one() {
+        assert_eq!(line_of("a\nb\nc", 0), 1);
+        assert_eq!(line_of("a\nb\nc", 2), 2);
+        assert_eq!(line_of("a\nb\nc", 4), 3);
+        assert_eq!(line_of("a", 99), 1);
+    }
+}
