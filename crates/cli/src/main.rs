@@ -79,8 +79,9 @@ impl ClusterState {
     }
 }
 
-/// Everything `conclave serve` and `conclave daemon start` take: the serve flags, plus the two
-/// that `conclave dev`, which builds `ServeArgs` itself, has no use for.
+/// Everything `conclave serve` and `conclave daemon start` take: the node's flags
+/// (`ServeArgs`), plus how the node joins (`--initial-cluster-state`) and where a
+/// configuration file supplies the flags not given (`--config`).
 #[derive(Args, Debug, Clone)]
 pub struct ServeCommandArgs {
     #[command(flatten)]

@@ -256,12 +256,7 @@ async fn bench_reports_throughput_and_latency_percentiles() {
 fn daemon_start_status_stop_with_pid_and_log_files() {
     let dir = std::env::temp_dir().join(format!("conclave-cli-daemon-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    let port = || {
-        std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .map(|a| a.to_string())
-            .expect("a free port")
-    };
+    let port = || format!("127.0.0.1:{}", common::free_port());
     let (client, peer) = (port(), port());
     let dir_arg = dir.to_string_lossy().to_string();
     let started = run(
