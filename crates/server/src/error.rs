@@ -121,6 +121,24 @@ pub enum Error {
     #[error("storage: {0}")]
     Storage(#[from] conclave_storage::Error),
 
+    /// The data directory was made by another cluster, or by another member of this one.
+    #[error(
+        "data directory {data_dir} belongs to member {found_member} of cluster {found_cluster:016x}, \
+         not to member {member} of cluster {cluster:016x} (as --initial-cluster and the member id \
+         say); give this node its own data directory or start it with the flags it was created with"
+    )]
+    OtherCluster {
+        data_dir: String,
+        found_cluster: u64,
+        found_member: u64,
+        cluster: u64,
+        member: u64,
+    },
+
+    /// The data directory's identity file cannot be read or written.
+    #[error("data directory identity file {path}: {reason}")]
+    Identity { path: String, reason: String },
+
     /// The state machine could not be rebuilt from a snapshot.
     #[error("state machine snapshot cannot be restored: {0}")]
     StateRestore(String),
@@ -143,6 +161,8 @@ impl Error {
             | Error::PeerListen { .. }
             | Error::ClientListen { .. }
             | Error::Storage(_)
+            | Error::OtherCluster { .. }
+            | Error::Identity { .. }
             | Error::StateRestore(_)
             | Error::RaftStart(_)
             | Error::ClientServe(_) => true,

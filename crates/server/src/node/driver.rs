@@ -239,6 +239,8 @@ pub(crate) fn open_storage<M: ReplicatedMachine>(
         &config.data_dir,
         StorageOptions::default(),
     )?;
+    // After the open, so the directory's lock is held: two nodes cannot race here.
+    super::identity::check_or_record(&config.data_dir, config.cluster_id(), config.id)?;
     // A joining node waits for the leader's snapshot, which carries the membership.
     if store.is_fresh() && !config.join {
         let voters = config.members.iter().map(|m| m.id);

@@ -22,6 +22,7 @@
 //! - `coordination`: Conclave's coordination machine on it (leader clock stamping, the lease
 //!   duty, watch events) and the [`NodeHandle`] the etcd and `conclave.v1` services use.
 //! - `entries`: how member records and machine bytes share the log and the snapshots.
+//! - `identity`: the file that ties a data directory to its cluster and member.
 //!
 //! An embedding program uses [`crate::embed::Node`] instead.
 
@@ -30,6 +31,7 @@ use std::path::Path;
 mod coordination;
 pub(crate) mod driver;
 mod entries;
+mod identity;
 
 pub use coordination::{
     APPLIED_EVENTS_BUFFER_MAX, AppliedEvents, LeaseRenewal, NodeHandle, Proposal, open_storage,
