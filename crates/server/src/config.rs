@@ -70,8 +70,8 @@ pub struct ServerConfig {
 }
 
 /// Snapshot the state machine every this many applied entries unless told otherwise (etcd's
-/// default too). The snapshot is taken on the Raft driver thread and pauses the node while it
-/// is written, so more often costs tail latency; see docs/performance.md.
+/// default too). The Raft driver thread encodes the snapshot and pauses while it does (a helper
+/// thread writes the file), so more often costs tail latency; see docs/performance.md.
 pub const DEFAULT_SNAPSHOT_ENTRIES: u64 = 100_000;
 
 impl ServerConfig {

@@ -436,6 +436,19 @@ impl WalStorage {
         self.finish_snapshot(index)
     }
 
+    /// [`WalStorage::record_created_snapshot`] for a file written apart from the log (its
+    /// writer from [`WalStorage::begin_snapshot`] may run on another thread while the log moves
+    /// on), keeping `data` for followers that need it. Durable on return.
+    pub fn record_created_snapshot_with_data(
+        &mut self,
+        file: SnapshotFile,
+        data: Bytes,
+    ) -> Result<()> {
+        self.record_created_snapshot(file)?;
+        *self.lock_snapshot_data() = Some(data);
+        Ok(())
+    }
+
     /// Writes `data` as a snapshot at `index` and drops the log up to it.
     pub fn create_snapshot(
         &mut self,

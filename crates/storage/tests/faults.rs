@@ -291,6 +291,61 @@ fn snapshots_compact_whole_segments_and_survive_reopen() {
     assert_eq!(reader.read_chunk(6, 3).expect("chunk").as_ref(), b"150");
 }
 
+/// The server writes its snapshot file on a helper thread while the log keeps growing, then
+/// records it: the log past the snapshot stays, and a reopen finds both.
+#[test]
+fn a_snapshot_written_on_another_thread_while_the_log_grows_is_recorded() {
+    let disk = SimDisk::new(6, SimDiskOptions::default());
+    let mut storage = open(&disk, small_options()).expect("open");
+    storage
+        .bootstrap(ConfState::with_voters([1, 2, 3]))
+        .expect("bootstrap");
+    for index in 2..=100 {
+        storage.append(&[entry(index, 2, 50)]).expect("append");
+    }
+    storage
+        .set_hard_state(HardState {
+            term: 2,
+            vote: Some(1),
+            commit: 100,
+        })
+        .expect("hard state");
+    storage.sync().expect("sync");
+    let mut writer = storage
+        .begin_snapshot(conclave_raft::SnapshotMeta {
+            index: 100,
+            term: 2,
+            conf_state: ConfState::with_voters([1, 2, 3]),
+        })
+        .expect("begin");
+    let writing = std::thread::spawn(move || {
+        writer.write_chunk(b"state@100").expect("chunk");
+        writer.finish().expect("finish")
+    });
+    for index in 101..=140 {
+        storage
+            .append(&[entry(index, 2, 50)])
+            .expect("append meanwhile");
+    }
+    storage.sync().expect("sync");
+    let file = writing.join().expect("writer thread");
+    storage
+        .record_created_snapshot_with_data(file, "state@100".into())
+        .expect("record");
+    assert_eq!(storage.first_index(), Ok(101));
+    assert_eq!(storage.last_index(), Ok(140));
+    assert_eq!(
+        storage.snapshot().expect("snapshot").data.as_ref(),
+        b"state@100"
+    );
+    let expected = contents(&storage);
+    drop(storage);
+    disk.crash();
+    let storage = open(&disk, small_options()).expect("reopen");
+    assert_eq!(contents(&storage), expected);
+    assert_eq!(storage.snapshot().expect("snapshot").meta.index, 100);
+}
+
 #[test]
 fn a_damaged_snapshot_the_log_depends_on_is_a_clean_error() {
     let disk = SimDisk::new(6, SimDiskOptions::default());

@@ -345,6 +345,8 @@ pub(crate) struct Core<M: ReplicatedMachine> {
     reads_confirmed: Vec<(u64, Vec<ReadWaiter>)>,
     next_read_context: u64,
     snapshot_index: u64,
+    /// A snapshot being written on its own thread, recorded in the log once written.
+    snapshot_job: Option<SnapshotJob>,
     /// The replicated member records, by id: founding members or the snapshot's, then
     /// applied member entries. The peer transport dials every one of them but this node.
     members: BTreeMap<NodeId, Member>,
@@ -354,6 +356,17 @@ pub(crate) struct Core<M: ReplicatedMachine> {
     /// The caller's runtime, which has the IO driver the peer links need (the driver's own
     /// runtime has timers only).
     peer_runtime: tokio::runtime::Handle,
+}
+
+/// A snapshot whose file a helper thread writes: encoding the machine needs the driver
+/// thread, writing and syncing the file does not.
+struct SnapshotJob {
+    index: u64,
+    data: Bytes,
+    started: Instant,
+    encode_ms: f64,
+    written:
+        std::sync::mpsc::Receiver<Result<conclave_storage::SnapshotFile, conclave_storage::Error>>,
 }
 
 /// The Raft driver. Owned by one thread; see the module documentation.
@@ -406,6 +419,7 @@ pub(crate) fn spawn<M: ReplicatedMachine, D: Duties<M>>(
         reads_confirmed: Vec::new(),
         next_read_context: 1,
         snapshot_index,
+        snapshot_job: None,
         members,
         removals: BTreeSet::new(),
         peer_runtime: tokio::runtime::Handle::try_current()
@@ -529,6 +543,8 @@ impl<M: ReplicatedMachine, D: Duties<M>> Driver<M, D> {
             }
         }
         self.core.fail_all_waiters(|| Error::Stopped);
+        // A snapshot being written is recorded before the node lets go of its directory.
+        self.core.finish_snapshot_job(true)?;
         if self.core.raw.store().needs_sync() {
             self.core.raw.store_mut().sync()?;
         }
@@ -1020,27 +1036,93 @@ impl<M: ReplicatedMachine> Core<M> {
     /// Every `snapshot_entries` applied entries, snapshot the machine and let the storage
     /// drop the log below it.
     fn maybe_snapshot(&mut self) -> Result<(), Error> {
+        self.finish_snapshot_job(false)?;
         let applied = self.raw.applied_index();
-        if applied < self.snapshot_index + self.config.snapshot_entries {
+        if self.snapshot_job.is_some()
+            || applied < self.snapshot_index + self.config.snapshot_entries
+        {
             return Ok(());
         }
         let started = Instant::now();
         let image = self.machine().snapshot();
-        let data = entries::snapshot_bytes(self.members.values(), &image);
-        let encoded = started.elapsed();
-        let bytes = data.len();
-        let conf_state = self.raw.conf_state().clone();
-        self.raw
-            .store_mut()
-            .create_snapshot(applied, conf_state, Bytes::from(data))?;
+        let data = Bytes::from(entries::snapshot_bytes(self.members.values(), &image));
+        let encode_ms = started.elapsed().as_secs_f64() * 1e3;
+        let term =
+            self.raw.store().term(applied).map_err(|e| {
+                Error::RaftStart(format!("no term for applied entry {applied}: {e}"))
+            })?;
+        let meta = conclave_raft::SnapshotMeta {
+            index: applied,
+            term,
+            conf_state: self.raw.conf_state().clone(),
+        };
+        let mut writer = self.raw.store().begin_snapshot(meta)?;
+        let (done, written) = std::sync::mpsc::channel();
+        let bytes = data.clone();
+        std::thread::Builder::new()
+            .name("conclave-snapshot".into())
+            .spawn(move || {
+                let result = writer.write_chunk(&bytes).and_then(|()| writer.finish());
+                let _ = done.send(result);
+            })
+            .map_err(|e| Error::RaftStart(format!("cannot start the snapshot writer: {e}")))?;
+        self.snapshot_job = Some(SnapshotJob {
+            index: applied,
+            data,
+            started,
+            encode_ms,
+            written,
+        });
+        Ok(())
+    }
+
+    /// Records the snapshot the helper thread wrote, if it is done (or, with `wait`, once it
+    /// is). A snapshot from the leader installed meanwhile at or past its index supersedes it.
+    fn finish_snapshot_job(&mut self, wait: bool) -> Result<(), Error> {
+        let Some(job) = self.snapshot_job.take() else {
+            return Ok(());
+        };
+        let result = if wait {
+            job.written.recv().ok()
+        } else {
+            match job.written.try_recv() {
+                Ok(result) => Some(result),
+                Err(std::sync::mpsc::TryRecvError::Empty) => {
+                    self.snapshot_job = Some(job);
+                    return Ok(());
+                }
+                Err(std::sync::mpsc::TryRecvError::Disconnected) => None,
+            }
+        };
+        let file = result.ok_or_else(|| {
+            Error::RaftStart(format!(
+                "the snapshot writer for index {} stopped without an answer",
+                job.index
+            ))
+        })??;
+        let bytes = job.data.len();
+        let store = self.raw.store_mut();
+        let stored = store
+            .first_index()
+            .map_err(|e| Error::RaftStart(e.to_string()))?
+            - 1;
+        if stored >= job.index {
+            tracing::info!(
+                index = job.index,
+                stored,
+                "snapshot superseded by the leader's before it was recorded"
+            );
+            return Ok(());
+        }
+        store.record_created_snapshot_with_data(file, job.data)?;
         tracing::info!(
-            index = applied,
+            index = job.index,
             bytes,
-            encode_ms = encoded.as_secs_f64() * 1e3,
-            total_ms = started.elapsed().as_secs_f64() * 1e3,
+            encode_ms = job.encode_ms,
+            total_ms = job.started.elapsed().as_secs_f64() * 1e3,
             "snapshot taken, log compacted"
         );
-        self.snapshot_index = applied;
+        self.snapshot_index = job.index;
         Ok(())
     }
 
