@@ -113,10 +113,7 @@ async fn bad_input_gives_one_sentence_and_a_distinct_exit_code() {
     assert_eq!(human.stderr.lines().count(), 1, "{human:?}");
 
     // An endpoint that refuses connections.
-    let refused = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.to_string())
-        .expect("a free port");
+    let refused = format!("127.0.0.1:{}", common::free_port());
     run(&refused, &["get", "k", "--json"]).assert_error("connection_failed", 12);
     let human = run(&refused, &["get", "k"]);
     assert_eq!(human.code, 12, "{human:?}");

@@ -10,10 +10,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use cli_support::{command, run, run_until_ok};
-use common::{Cluster, free_port};
-use conclave_proto::etcdserverpb::RangeRequest;
-use conclave_proto::etcdserverpb::kv_client::KvClient;
-use tonic::transport::Channel;
+use common::{Cluster, free_port, local_value};
 
 const CATCH_UP_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -33,28 +30,6 @@ impl Drop for DaemonGuard {
     }
 }
 
-/// `key` as member `client` has applied it (a serializable read, answered locally).
-async fn local_value(client: &str, key: &str) -> Option<String> {
-    let channel = Channel::from_shared(format!("http://{client}"))
-        .ok()?
-        .connect()
-        .await
-        .ok()?;
-    let response = KvClient::new(channel)
-        .range(RangeRequest {
-            key: key.to_string().into(),
-            serializable: true,
-            ..Default::default()
-        })
-        .await
-        .ok()?
-        .into_inner();
-    response
-        .kvs
-        .first()
-        .map(|kv| String::from_utf8_lossy(&kv.value).into_owned())
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn a_daemon_joins_a_running_cluster_as_a_learner_and_is_promoted() {
     let cluster = Cluster::start(3).await;
@@ -64,28 +39,7 @@ async fn a_daemon_joins_a_running_cluster_as_a_learner_and_is_promoted() {
 
     let client = format!("127.0.0.1:{}", free_port());
     let peer = format!("127.0.0.1:{}", free_port());
-    let added = run(
-        eps,
-        &[
-            "member",
-            "add",
-            "n4",
-            "--peer-url",
-            &format!("http://{peer}"),
-            "--learner",
-            "--json",
-        ],
-    )
-    .data();
-    assert_eq!(added["member"]["learner"], true, "{added}");
-    let flags: Vec<String> = added["serve_flags"]
-        .as_array()
-        .map(|f| {
-            f.iter()
-                .filter_map(|x| x.as_str().map(str::to_string))
-                .collect()
-        })
-        .unwrap_or_default();
+    let (_, flags) = cli_support::member_add_learner(eps, "n4", &peer);
     let id = flags
         .iter()
         .position(|f| f == "--id")

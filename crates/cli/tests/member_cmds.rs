@@ -11,34 +11,10 @@ async fn member_add_promote_remove_in_both_output_modes() {
     let cluster = Cluster::start(3).await;
     let eps = cluster.endpoints();
     let eps = eps.as_str();
-    let peer = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.to_string())
-        .expect("a free port");
+    let peer = format!("127.0.0.1:{}", common::free_port());
 
-    let added = run(
-        eps,
-        &[
-            "member",
-            "add",
-            "n4",
-            "--peer-url",
-            &format!("http://{peer}"),
-            "--learner",
-            "--json",
-        ],
-    )
-    .data();
-    assert_eq!(added["member"]["learner"], true, "{added}");
+    let (added, flags) = cli_support::member_add_learner(eps, "n4", &peer);
     let id = added["member"]["id"].as_str().expect("id").to_string();
-    let flags: Vec<String> = added["serve_flags"]
-        .as_array()
-        .map(|f| {
-            f.iter()
-                .filter_map(|x| x.as_str().map(str::to_string))
-                .collect()
-        })
-        .unwrap_or_default();
     assert!(flags.contains(&"existing".to_string()), "{added}");
     assert!(
         flags.iter().any(|f| f.ends_with(&format!("={peer}"))),

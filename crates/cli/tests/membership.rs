@@ -13,7 +13,7 @@ use conclave_proto::conclave::v1::membership_client::MembershipClient;
 use conclave_proto::etcdserverpb::cluster_client::ClusterClient;
 use conclave_proto::etcdserverpb::{
     Member, MemberAddRequest, MemberListRequest, MemberPromoteRequest, MemberRemoveRequest,
-    MoveLeaderRequest, PutRequest, RangeRequest,
+    MoveLeaderRequest, PutRequest,
 };
 use tonic::Code;
 use tonic::transport::Channel;
@@ -61,21 +61,10 @@ async fn wait_for_members(cluster: &Cluster, id: u64, expected: &[(u64, bool)]) 
     }
 }
 
+/// `key` as member `id` has applied it.
 async fn serializable_get(cluster: &Cluster, id: u64, key: &str) -> Option<String> {
-    let mut kv = cluster.kv(id).await;
-    let response = kv
-        .range(RangeRequest {
-            key: key.to_string().into(),
-            serializable: true,
-            ..Default::default()
-        })
-        .await
-        .ok()?
-        .into_inner();
-    response
-        .kvs
-        .first()
-        .map(|kv| String::from_utf8_lossy(&kv.value).into_owned())
+    let node = cluster.nodes.iter().find(|n| n.id == id)?;
+    common::local_value(&node.client, key).await
 }
 
 /// Waits until node `id` has applied `key` = `value`.
@@ -117,7 +106,7 @@ async fn add_and_start_learner(cluster: &mut Cluster, via: u64) -> u64 {
 
 /// Adds a learner through member `via` (no process yet). Returns its id and peer address.
 async fn add_learner(cluster: &Cluster, via: u64) -> (u64, String) {
-    let peer_port = free_port();
+    let peer_port = common::free_port();
     let peer = format!("127.0.0.1:{peer_port}");
     let added = cluster_client(cluster, via)
         .member_add(MemberAddRequest {
@@ -141,7 +130,7 @@ async fn add_learner(cluster: &Cluster, via: u64) -> (u64, String) {
 
 /// Starts the node MemberAdd made `id`, on `peer`, joining the running cluster.
 fn start_joining_node(cluster: &mut Cluster, id: u64, peer: String) {
-    let client_port = free_port();
+    let client_port = common::free_port();
     let founders: Vec<String> = cluster
         .nodes
         .iter()
@@ -182,24 +171,6 @@ fn start_joining_node(cluster: &mut Cluster, id: u64, peer: String) {
         data_dir,
         child: Some(child),
     });
-}
-
-/// A free loopback port from the same range the harness uses (above its own picks).
-fn free_port() -> u16 {
-    for _ in 0..1000 {
-        let port = 32_000 - (rand_offset() % 2000) as u16;
-        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
-            return port;
-        }
-    }
-    panic!("no free port");
-}
-
-fn rand_offset() -> u32 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
-    hasher.write_u32(std::process::id());
-    hasher.finish() as u32
 }
 
 /// Starts 3 nodes, writes, adds and starts a learner, waits for it to catch up, promotes it.

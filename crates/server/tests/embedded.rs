@@ -3,7 +3,8 @@
 //! transport, snapshots every few entries), across a leader shutdown, a restart that catches
 //! up by snapshot, and a restart of a lone node that can only recover from its own disk.
 
-use std::net::TcpListener;
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
@@ -20,20 +21,6 @@ const SNAPSHOT_ENTRIES: u64 = 5;
 const INCREMENTS: i64 = 30;
 /// How many times a node start may retry binding its peer port.
 const START_ATTEMPTS: u32 = 10;
-
-static NEXT_PORT: AtomicU32 = AtomicU32::new(0);
-
-/// A free port below Linux's ephemeral range, spread apart by pid between test processes.
-fn free_port() -> u16 {
-    let start = (std::process::id() * 151 + 9_000) % 12_000;
-    loop {
-        let offset = (start + NEXT_PORT.fetch_add(1, Ordering::SeqCst)) % 12_000;
-        let port = (20_000 + offset) as u16;
-        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
-            return port;
-        }
-    }
-}
 
 /// A counter that remembers every applied increment with its log index, so replicas can be
 /// compared entry by entry, not just by their sum.
@@ -120,7 +107,7 @@ impl Cluster {
         ));
         let _ = std::fs::remove_dir_all(&root);
         let peers = (1..=3)
-            .map(|id| (id, format!("127.0.0.1:{}", free_port())))
+            .map(|id| (id, format!("127.0.0.1:{}", common::free_port())))
             .collect();
         Cluster {
             root,

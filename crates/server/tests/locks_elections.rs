@@ -2,7 +2,8 @@
 //! the tonic clients: etcd's v3lock and v3election, Conclave's own Election/Topic/Status, and
 //! `etcdctl lock` / `etcdctl elect` when etcdctl is installed.
 
-use std::net::TcpListener;
+mod common;
+
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -37,20 +38,6 @@ const STILL_WAITING: Duration = Duration::from_millis(400);
 const FENCE: &str = "conclave-fence";
 
 static NEXT_DIR: AtomicU32 = AtomicU32::new(0);
-static NEXT_PORT: AtomicU32 = AtomicU32::new(0);
-
-/// A free port below Linux's ephemeral range, spread apart by pid between test processes.
-fn free_port() -> u16 {
-    let start = (std::process::id() * 131 + 5_000) % 12_000;
-    loop {
-        let offset = (start + NEXT_PORT.fetch_add(1, Ordering::SeqCst)) % 12_000;
-        let port = (20_000 + offset) as u16;
-        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
-            return port;
-        }
-    }
-}
-
 struct Cluster {
     root: PathBuf,
     clients: Vec<String>,
@@ -85,8 +72,8 @@ impl Cluster {
             .map(|id| Member {
                 id,
                 name: format!("node{id}"),
-                peer_addr: format!("127.0.0.1:{}", free_port()),
-                client_addr: format!("127.0.0.1:{}", free_port()),
+                peer_addr: format!("127.0.0.1:{}", common::free_port()),
+                client_addr: format!("127.0.0.1:{}", common::free_port()),
             })
             .collect();
         let mut cluster = Cluster {

@@ -171,3 +171,31 @@ impl Drop for Streaming {
         let _ = self.child.wait();
     }
 }
+
+/// `conclave member add NAME --peer-url http://PEER --learner --json` through `eps`: the
+/// answer's `data` and the `serve_flags` it prints for starting the new member.
+pub fn member_add_learner(eps: &str, name: &str, peer: &str) -> (Value, Vec<String>) {
+    let added = run(
+        eps,
+        &[
+            "member",
+            "add",
+            name,
+            "--peer-url",
+            &format!("http://{peer}"),
+            "--learner",
+            "--json",
+        ],
+    )
+    .data();
+    assert_eq!(added["member"]["learner"], true, "{added}");
+    let flags = added["serve_flags"]
+        .as_array()
+        .map(|f| {
+            f.iter()
+                .filter_map(|x| x.as_str().map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default();
+    (added, flags)
+}

@@ -135,13 +135,8 @@ impl Cluster {
             if exited {
                 return false;
             }
-            for id in self.live_ids() {
-                if let Some(status) = self.status(id).await {
-                    let member = status.header.map(|h| h.member_id).unwrap_or(0);
-                    if status.leader == member && member != 0 {
-                        return true;
-                    }
-                }
+            if self.leader_now().await.is_some() {
+                return true;
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
@@ -247,15 +242,8 @@ impl Cluster {
     pub async fn wait_for_leader(&self, timeout: Duration) -> u64 {
         let start = Instant::now();
         while start.elapsed() < timeout {
-            for id in self.live_ids() {
-                let mut client = self.maintenance(id).await;
-                if let Ok(status) = client.status(StatusRequest {}).await {
-                    let status = status.into_inner();
-                    let member = status.header.map(|h| h.member_id).unwrap_or(0);
-                    if status.leader == member && member != 0 {
-                        return member;
-                    }
-                }
+            if let Some(leader) = self.leader_now().await {
+                return leader;
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
@@ -263,6 +251,19 @@ impl Cluster {
             "no leader within {timeout:?}; logs in {}",
             self.root.display()
         );
+    }
+
+    /// A live node that reports itself the leader right now, if any.
+    async fn leader_now(&self) -> Option<u64> {
+        for id in self.live_ids() {
+            if let Some(status) = self.status(id).await {
+                let member = status.header.map(|h| h.member_id).unwrap_or(0);
+                if status.leader == member && member != 0 {
+                    return Some(member);
+                }
+            }
+        }
+        None
     }
 
     /// Maintenance.Status of node `id`, or `None` when it does not answer within a second.
@@ -321,6 +322,29 @@ impl Cluster {
             }
         }
     }
+}
+
+/// `key` as the member at `client` (`host:port`) has applied it: a serializable read,
+/// answered from that member's own state. `None` if it is absent or the member does not answer.
+pub async fn local_value(client: &str, key: &str) -> Option<String> {
+    let channel = Channel::from_shared(format!("http://{client}"))
+        .ok()?
+        .connect()
+        .await
+        .ok()?;
+    let response = KvClient::new(channel)
+        .range(conclave_proto::etcdserverpb::RangeRequest {
+            key: key.to_string().into(),
+            serializable: true,
+            ..Default::default()
+        })
+        .await
+        .ok()?
+        .into_inner();
+    response
+        .kvs
+        .first()
+        .map(|kv| String::from_utf8_lossy(&kv.value).into_owned())
 }
 
 impl Drop for Cluster {
