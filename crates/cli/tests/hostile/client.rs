@@ -1,0 +1,4 @@
+//! Hostile input on the client surface: see `main.rs`.
+
+#[allow(unused_imports)]
+use crate::common;
