@@ -32,6 +32,7 @@ pub struct ConfigFile {
     pub heartbeat_ms: Option<u64>,
     pub election_timeout_ms: Option<u64>,
     pub request_timeout_ms: Option<u64>,
+    pub peer_secret_file: Option<PathBuf>,
 }
 
 impl ConfigFile {
@@ -112,6 +113,7 @@ impl ServeCommandArgs {
             heartbeat_ms,
             election_timeout_ms,
             request_timeout_ms,
+            peer_secret_file,
         } = file;
         macro_rules! fill {
             ($key:ident => $target:expr) => {
@@ -135,6 +137,7 @@ impl ServeCommandArgs {
         fill!(heartbeat_ms => serve.heartbeat_ms);
         fill!(election_timeout_ms => serve.election_timeout_ms);
         fill!(request_timeout_ms => serve.request_timeout_ms);
+        fill!(peer_secret_file => serve.peer_secret_file);
         fill!(initial_cluster_state => self.initial_cluster_state);
     }
 }

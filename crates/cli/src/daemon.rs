@@ -85,6 +85,7 @@ impl ServeArgs {
             heartbeat_ms,
             election_timeout_ms,
             request_timeout_ms,
+            peer_secret_file,
         } = self;
         let mut args: Vec<OsString> = vec!["serve".into(), "--name".into(), name.into()];
         if let Some(id) = id {
@@ -98,6 +99,9 @@ impl ServeArgs {
         }
         if let Some(spec) = initial_cluster_clients {
             args.extend(["--initial-cluster-clients".into(), spec.into()]);
+        }
+        if let Some(path) = peer_secret_file {
+            args.extend(["--peer-secret-file".into(), path.clone().into_os_string()]);
         }
         for (flag, value) in [
             ("--snapshot-entries", snapshot_entries),

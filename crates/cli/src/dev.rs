@@ -60,6 +60,8 @@ struct DevNode {
     peer: String,
     data_dir: PathBuf,
     log: PathBuf,
+    /// Shared by every node of the layout; see [`ensure_peer_secret`].
+    peer_secret_file: PathBuf,
 }
 
 /// A started node: its process, and how it ended once it did.
@@ -96,9 +98,38 @@ fn layout(args: &DevArgs) -> Result<Vec<DevNode>, CliError> {
                 peer: format!("127.0.0.1:{peer_port}"),
                 data_dir: args.data_dir.join(format!("node{id}")),
                 log: args.data_dir.join(format!("node{id}.log")),
+                peer_secret_file: args.data_dir.join(PEER_SECRET_FILE),
             })
         })
         .collect()
+}
+
+/// The dev cluster's peer secret, in its data directory.
+const PEER_SECRET_FILE: &str = "peer-secret";
+/// Random bytes in a generated peer secret (written hex-encoded).
+const PEER_SECRET_GENERATED_BYTES: usize = 32;
+
+/// Makes sure `dir` holds a peer secret file readable by its owner only, creating one with
+/// fresh random bytes the first time, so a dev cluster's peers authenticate with a real
+/// secret rather than the weak key derived from the cluster id.
+fn ensure_peer_secret(dir: &Path) -> Result<PathBuf, CliError> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = dir.join(PEER_SECRET_FILE);
+    if path.exists() {
+        return Ok(path);
+    }
+    let secret = conclave_server::transport::auth::new_secret_hex(PEER_SECRET_GENERATED_BYTES)
+        .map_err(|e| CliError::Io(e.to_string()))?;
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&path)
+        .map_err(|e| CliError::Io(format!("cannot create {}: {e}", path.display())))?;
+    file.write_all(format!("{secret}\n").as_bytes())
+        .map_err(|e| CliError::Io(format!("cannot write {}: {e}", path.display())))?;
+    Ok(path)
 }
 
 /// Records, in the data directory, which cluster its node directories belong to.
@@ -170,6 +201,8 @@ fn serve_args(node: &DevNode, initial_cluster: &str) -> Vec<String> {
         node.peer.clone(),
         "--initial-cluster".into(),
         initial_cluster.to_string(),
+        "--peer-secret-file".into(),
+        node.peer_secret_file.display().to_string(),
     ]
 }
 
@@ -599,6 +632,7 @@ pub async fn run(args: DevArgs) -> Result<(), CliError> {
     std::fs::create_dir_all(&args.data_dir)
         .map_err(|e| CliError::Io(format!("cannot create {}: {e}", args.data_dir.display())))?;
     claim_data_dir(&args.data_dir, &nodes, &initial_cluster)?;
+    ensure_peer_secret(&args.data_dir)?;
 
     // Started here, on the thread that runs `run` (the main thread), for PR_SET_PDEATHSIG.
     let mut running = Vec::with_capacity(nodes.len());

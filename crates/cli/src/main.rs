@@ -144,6 +144,11 @@ pub struct ServeArgs {
     /// Longest a request waits for a leader or a commit when the client set no deadline.
     #[arg(long, env = "CONCLAVE_REQUEST_TIMEOUT_MS", default_value_t = 5_000)]
     pub request_timeout_ms: u64,
+    /// File holding the cluster's peer secret (at least 16 bytes, the same on every member,
+    /// mode 0600); peers prove they know it before any Raft message is read. Without it the
+    /// key is derived from the cluster id, which anyone who can reach a client port can learn.
+    #[arg(long, env = "CONCLAVE_PEER_SECRET_FILE", value_name = "FILE")]
+    pub peer_secret_file: Option<PathBuf>,
 }
 
 impl ServeArgs {
@@ -185,6 +190,7 @@ impl ServeArgs {
         config.heartbeat_ticks = (self.heartbeat_ms / self.tick_ms).max(1);
         config.snapshot_entries = self.snapshot_entries;
         config.request_timeout_ms = self.request_timeout_ms;
+        config.peer_secret_file = self.peer_secret_file.clone();
         config
             .validate()
             .map_err(|e| CliError::Usage(e.to_string()))?;

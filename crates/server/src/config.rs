@@ -67,6 +67,10 @@ pub struct ServerConfig {
     /// data directory is not bootstrapped, the leader sends a snapshot, and `members` is the
     /// founding list plus this node, which the cluster id leaves out.
     pub join: bool,
+    /// The file holding the cluster's peer secret (`--peer-secret-file`), the same on every
+    /// member. Without one, peers authenticate with a key derived from the cluster id, which
+    /// anyone who can read a response header knows (see docs/security.md, The peer port).
+    pub peer_secret_file: Option<PathBuf>,
 }
 
 /// Snapshot the state machine every this many applied entries unless told otherwise (etcd's
@@ -100,6 +104,7 @@ impl ServerConfig {
             request_bytes_max: REQUEST_BYTES_MAX,
             shutdown_transfer_timeout_ms: 1_000,
             join: false,
+            peer_secret_file: None,
         }
     }
 

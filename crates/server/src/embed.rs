@@ -58,7 +58,7 @@ use crate::error::Error;
 use crate::machine::ReplicatedMachine;
 use crate::node::NodeStatus;
 use crate::node::driver::{self, Core, Duties, Handle};
-use crate::transport::{PeerTransport, TransportConfig, bind_peer_listener, serve_peers};
+use crate::transport::{PeerTransport, bind_peer_listener, serve_peers};
 
 /// The default heartbeat interval (as `conclave serve`'s `--heartbeat-ms`).
 pub const DEFAULT_HEARTBEAT_MS: u64 = 50;
@@ -236,7 +236,7 @@ impl<M: ReplicatedMachine> NodeBuilder<M> {
         } = self;
         let server_config = config.server_config()?;
         let listener = bind_peer_listener(&server_config.listen_peer).await?;
-        let transport_config = TransportConfig::new(server_config.cluster_id(), config.id);
+        let transport_config = crate::server::transport_config(&server_config)?;
         let transport = PeerTransport::new(transport_config.clone())?;
         let (inbound_sender, inbound) = mpsc::channel(server_config.driver_queue_messages_max);
         let (roles, _) = broadcast::channel(ROLE_EVENTS_BUFFER_MAX);

@@ -50,6 +50,14 @@ pub enum Error {
     #[error("peer handshake rejected: {reason}")]
     HandshakeRejected { reason: String },
 
+    /// The other side of a peer handshake did not prove it knows the cluster's peer key.
+    #[error("peer authentication failed: {reason}")]
+    PeerAuthentication { reason: String },
+
+    /// An authenticated peer connection carried no frame for too long.
+    #[error("peer connection idle for {timeout_ms} ms")]
+    PeerIdle { timeout_ms: u64 },
+
     /// The other side did not finish the handshake in time.
     #[error("peer handshake did not complete within {timeout_ms} ms")]
     HandshakeTimeout { timeout_ms: u64 },
@@ -184,6 +192,8 @@ impl Error {
             | Error::ProtocolViolation { .. }
             | Error::HandshakeRejected { .. }
             | Error::HandshakeTimeout { .. }
+            | Error::PeerAuthentication { .. }
+            | Error::PeerIdle { .. }
             | Error::ConnectTimeout { .. }
             | Error::ConnectionClosed
             | Error::PeerIo(_) => false,

@@ -29,7 +29,10 @@ use crate::authority::ClientStream;
 use crate::config::{GRPC_DECODE_SLACK_BYTES, GRPC_RESPONSE_BYTES_MAX, ServerConfig};
 use crate::error::Error;
 use crate::node;
-use crate::transport::{PeerTransport, TransportConfig, bind_peer_listener, serve_peers};
+use crate::transport::{
+    PeerKey, PeerListenerState, PeerTransport, TransportConfig, bind_peer_listener,
+    serve_peers_with,
+};
 
 /// A client connection that sends nothing for this long gets an HTTP/2 ping.
 const CLIENT_KEEPALIVE_INTERVAL_MS: u64 = 30_000;
@@ -49,17 +52,20 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> Re
         })?;
     let peer_listener = bind_peer_listener(&config.listen_peer).await?;
 
-    let transport_config = TransportConfig::new(config.cluster_id(), config.id);
+    let transport_config = transport_config(&config)?;
     let mut transport = PeerTransport::new(transport_config.clone())?;
     for member in config.members.iter().filter(|m| m.id != config.id) {
         transport.add_peer(member.id, member.peer_addr.clone())?;
     }
     let (inbound_sender, inbound) = mpsc::channel(config.driver_queue_messages_max);
     let (stop_peers, peers_stopped) = oneshot::channel::<()>();
-    let peers = tokio::spawn(serve_peers(
+    let listener_state = PeerListenerState::new();
+    let announced = listener_state.announced();
+    let peers = tokio::spawn(serve_peers_with(
         peer_listener,
         transport_config,
         inbound_sender,
+        listener_state,
         async move {
             let _ = peers_stopped.await;
         },
@@ -105,7 +111,10 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> Re
                 let _ = grpc_stopped.await;
             }),
     );
-    tokio::spawn(crate::api::cluster::publish_own_attributes(api.clone()));
+    tokio::spawn(crate::api::cluster::record_member_attributes(
+        api.clone(),
+        announced,
+    ));
     tracing::info!(
         id = config.id,
         client = %config.listen_client,
@@ -147,6 +156,25 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> Re
         Ok(result) => result,
         Err(join_error) => Err(Error::RaftStart(format!("driver task: {join_error}"))),
     }
+}
+
+/// The peer transport's settings: the peer key from `--peer-secret-file` (or the weak key,
+/// with a warning) and the attributes this node announces in its handshakes.
+pub fn transport_config(config: &ServerConfig) -> Result<TransportConfig, Error> {
+    let mut transport = TransportConfig::new(config.cluster_id(), config.id);
+    match &config.peer_secret_file {
+        Some(path) => transport.peer_key = PeerKey::read_secret_file(path)?,
+        None => tracing::warn!(
+            "no --peer-secret-file: peers authenticate with a key derived from the cluster id, \
+             which anyone who can reach a client port can learn; give every member the same \
+             secret file (see docs/security.md)"
+        ),
+    }
+    if let Some(me) = config.this_member() {
+        transport.own_name = me.name.clone();
+        transport.own_client_address = me.client_addr.clone();
+    }
+    Ok(transport)
 }
 
 fn log_grpc_end(served: Result<Result<(), tonic::transport::Error>, tokio::task::JoinError>) {

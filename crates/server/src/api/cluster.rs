@@ -11,7 +11,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use conclave_proto::conclave::v1::membership_client::MembershipClient;
 use conclave_proto::conclave::v1::membership_server::{Membership, MembershipServer};
 use conclave_proto::conclave::v1::{self as cv1};
 use conclave_proto::etcdserverpb::{
@@ -24,7 +23,7 @@ use tonic::{Status, async_trait};
 use super::{Api, CallContext, FORWARDED_HEADER, to_status};
 use crate::config::Member;
 use crate::error::Error;
-use crate::node::{MEMBER_FIELD_BYTES_MAX, NodeStatus, PeerMatch};
+use crate::node::{MEMBER_FIELD_BYTES_MAX, PeerMatch};
 
 /// etcd's Cluster responses carry the member, cluster and term but no revision.
 const NO_REVISION: i64 = 0;
@@ -354,65 +353,34 @@ pub fn membership_server(api: &Arc<Api>) -> MembershipServer<MembershipService> 
     MembershipServer::new(MembershipService { api: api.clone() })
 }
 
-/// Members publishing their own name and client address into the replicated records.
+/// `conclave.v1.Membership` on the client port. Publishing attributes moved to the
+/// authenticated peer handshake (see [`record_member_attributes`]): a client could otherwise
+/// point a member's client address at a listener of its own and receive forwarded writes.
 pub struct MembershipService {
     pub api: Arc<Api>,
 }
 
-impl MembershipService {
-    /// On the leader: records what `request` publishes, unless the record already says it.
-    async fn publish_local(
-        &self,
-        ctx: &CallContext,
-        request: cv1::PublishAttributesRequest,
-    ) -> Result<cv1::PublishAttributesResponse, Status> {
-        let status = self.api.node.status();
-        let record = status
-            .members
-            .iter()
-            .find(|m| m.id == request.id && status.conf_state.contains(m.id))
-            .ok_or_else(|| Status::not_found(ERR_MEMBER_NOT_FOUND))?;
-        if record.name != request.name || record.client_addr != request.client_address {
-            let member = Member {
-                id: record.id,
-                name: request.name,
-                peer_addr: record.peer_addr.clone(),
-                client_addr: request.client_address,
-            };
-            match tokio::time::timeout(ctx.remaining(), self.api.node.update_member(member)).await {
-                Err(_) => return Err(to_status(Error::Timeout)),
-                Ok(Err(error)) => return Err(to_status(error)),
-                Ok(Ok(())) => {}
-            }
-        }
-        let etcd = self.api.header(NO_REVISION);
-        Ok(cv1::PublishAttributesResponse {
-            header: Some(cv1::ResponseHeader {
-                cluster_id: etcd.cluster_id,
-                member_id: etcd.member_id,
-                revision: etcd.revision,
-                raft_term: etcd.raft_term,
-                leader_id: self.api.node.status.borrow().leader.unwrap_or(0),
-            }),
-        })
-    }
-}
+/// The answer to every `PublishAttributes` call on the client port.
+pub const ERR_PUBLISH_ATTRIBUTES_PEER_ONLY: &str = "conclave: PublishAttributes is not served on the client port; members announce \
+     their name and client address in the authenticated peer handshake";
 
-/// One sentence for a request the records cannot take.
-fn check_attributes(request: &cv1::PublishAttributesRequest) -> Result<(), Status> {
-    if request.name.is_empty() || request.name.len() > MEMBER_FIELD_BYTES_MAX {
-        return Err(Status::invalid_argument(format!(
-            "conclave: a member name must be 1 to {MEMBER_FIELD_BYTES_MAX} bytes"
-        )));
+/// Every refused call is counted (it is either an old member or someone probing).
+pub static PUBLISH_ATTRIBUTES_REFUSED: std::sync::atomic::AtomicU64 =
+    std::sync::atomic::AtomicU64::new(0);
+
+/// One sentence for attributes the records cannot take.
+fn check_attributes(name: &str, client_address: &str) -> Result<(), String> {
+    if name.is_empty() || name.len() > MEMBER_FIELD_BYTES_MAX {
+        return Err(format!(
+            "a member name must be 1 to {MEMBER_FIELD_BYTES_MAX} bytes"
+        ));
     }
-    let address_ok = request.client_address.len() <= MEMBER_FIELD_BYTES_MAX
-        && parse_peer_url(&request.client_address).as_deref()
-            == Some(request.client_address.as_str());
+    let address_ok = client_address.len() <= MEMBER_FIELD_BYTES_MAX
+        && parse_peer_url(client_address).as_deref() == Some(client_address);
     if !address_ok {
-        return Err(Status::invalid_argument(format!(
-            "conclave: client address {:?} is not host:port",
-            request.client_address
-        )));
+        return Err(format!(
+            "client address {client_address:?} is not host:port"
+        ));
     }
     Ok(())
 }
@@ -423,70 +391,111 @@ impl Membership for MembershipService {
         &self,
         request: tonic::Request<cv1::PublishAttributesRequest>,
     ) -> Result<tonic::Response<cv1::PublishAttributesResponse>, Status> {
-        let ctx = CallContext::new(&request, self.api.config.request_timeout_ms);
-        let inner = request.into_inner();
-        check_attributes(&inner)?;
-        match leader_channel(&self.api, &ctx).await? {
-            Some(channel) => {
-                MembershipClient::new(channel)
-                    .publish_attributes(forwarded(&ctx, inner))
-                    .await
-            }
-            None => self
-                .publish_local(&ctx, inner)
-                .await
-                .map(tonic::Response::new),
+        let refused = PUBLISH_ATTRIBUTES_REFUSED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        // The first refusal and then one in a thousand: a caller in a loop must not flood the log.
+        if refused % 1000 == 0 {
+            tracing::warn!(
+                remote = ?request.remote_addr(),
+                member = request.get_ref().id,
+                refused = refused + 1,
+                "refused PublishAttributes on the client port"
+            );
         }
+        Err(Status::permission_denied(ERR_PUBLISH_ATTRIBUTES_PEER_ONLY))
     }
 }
 
-/// Runs for the node's life: whenever its own record lacks a name or client address (a member
-/// added by MemberAdd, whose record has only the peer address) and a leader is known, publish
-/// them from this node's configuration, so the others can forward requests to it when it
-/// leads. Ends when the node drains or stops.
-pub async fn publish_own_attributes(api: Arc<Api>) {
-    let Some(me) = api.config.this_member().cloned() else {
-        return;
-    };
-    let service = MembershipService { api: api.clone() };
+/// Runs for the node's life: while this node leads, completes the member records that lack a
+/// name or client address (a member added by MemberAdd has only its peer address) from what
+/// that member announced in its authenticated peer handshake, or, for this node itself, from
+/// its own configuration. The others need a member's client address to forward requests to
+/// it when it leads. Only a member's own announcement fills its record, and only fields still
+/// empty, so not even a member can redirect another's traffic. Ends when the node drains or
+/// stops.
+pub async fn record_member_attributes(
+    api: Arc<Api>,
+    mut announced: tokio::sync::watch::Receiver<
+        std::collections::BTreeMap<NodeId, crate::transport::PeerAttributes>,
+    >,
+) {
     let mut status = api.node.status.clone();
-    let incomplete = |s: &NodeStatus| {
-        s.members
-            .iter()
-            .any(|m| m.id == me.id && (m.name.is_empty() || m.client_addr.is_empty()))
-    };
+    let retry = Duration::from_millis(PUBLISH_RETRY_MS);
     loop {
-        let needed = async {
-            status
-                .wait_for(|s| s.stopped.is_some() || (s.leader.is_some() && incomplete(s)))
-                .await
-                .map(|s| s.stopped.is_none())
-                .unwrap_or(false)
-        };
-        let go = tokio::select! {
-            go = needed => go,
-            _ = api.draining() => false,
-        };
-        if !go {
+        let current = status.borrow_and_update().clone();
+        if current.stopped.is_some() {
             return;
         }
-        let mut request = tonic::Request::new(cv1::PublishAttributesRequest {
-            id: me.id,
-            name: me.name.clone(),
-            client_address: me.client_addr.clone(),
-        });
-        request.set_timeout(Duration::from_millis(api.config.request_timeout_ms));
-        let retry = Duration::from_millis(PUBLISH_RETRY_MS);
-        match service.publish_attributes(request).await {
-            Ok(_) => {
-                tracing::info!(name = %me.name, client = %me.client_addr, "member attributes published");
-                // The record changes here once this node applies the entry.
-                let _ = tokio::time::timeout(retry, status.wait_for(|s| !incomplete(s))).await;
+        let leading = current.role == Some(conclave_raft::Role::Leader);
+        let mut failed = false;
+        if leading {
+            let own = api.config.this_member().map(|me| {
+                (
+                    me.id,
+                    crate::transport::PeerAttributes {
+                        name: me.name.clone(),
+                        client_address: me.client_addr.clone(),
+                    },
+                )
+            });
+            let peers: Vec<_> = announced
+                .borrow_and_update()
+                .iter()
+                .map(|(id, attributes)| (*id, attributes.clone()))
+                .collect();
+            for (id, attributes) in own.into_iter().chain(peers) {
+                let Some(record) = current
+                    .members
+                    .iter()
+                    .find(|m| m.id == id && current.conf_state.contains(m.id))
+                else {
+                    continue;
+                };
+                if !record.name.is_empty() && !record.client_addr.is_empty() {
+                    continue;
+                }
+                if let Err(reason) = check_attributes(&attributes.name, &attributes.client_address)
+                {
+                    tracing::warn!(member = id, %reason, "ignoring the attributes a member announced");
+                    continue;
+                }
+                let member = Member {
+                    id,
+                    name: attributes.name.clone(),
+                    peer_addr: record.peer_addr.clone(),
+                    client_addr: attributes.client_address.clone(),
+                };
+                match tokio::time::timeout(retry, api.node.update_member(member)).await {
+                    Ok(Ok(())) => tracing::info!(
+                        member = id,
+                        name = %attributes.name,
+                        client = %attributes.client_address,
+                        "member attributes recorded"
+                    ),
+                    Ok(Err(error)) => {
+                        tracing::debug!(member = id, %error, "member attributes not recorded yet");
+                        failed = true;
+                    }
+                    Err(_) => failed = true,
+                }
             }
-            Err(error) => {
-                tracing::debug!(%error, "member attributes not published yet");
+        }
+        let changed = async {
+            if failed {
                 tokio::time::sleep(retry).await;
+                return true;
             }
+            tokio::select! {
+                changed = status.changed() => changed.is_ok(),
+                // A closed channel (the listener stopped) disables this branch.
+                Ok(()) = announced.changed() => true,
+            }
+        };
+        let go_on = tokio::select! {
+            go_on = changed => go_on,
+            _ = api.draining() => false,
+        };
+        if !go_on {
+            return;
         }
     }
 }
@@ -512,18 +521,13 @@ mod tests {
     }
 
     #[test]
-    fn published_attributes_must_be_a_name_and_host_port() {
-        let request = |name: &str, address: &str| cv1::PublishAttributesRequest {
-            id: 4,
-            name: name.into(),
-            client_address: address.into(),
-        };
-        assert!(check_attributes(&request("node4", "127.0.0.1:2385")).is_ok());
-        assert!(check_attributes(&request("", "127.0.0.1:2385")).is_err());
-        assert!(check_attributes(&request("node4", "http://127.0.0.1:2385")).is_err());
-        assert!(check_attributes(&request("node4", "127.0.0.1")).is_err());
-        assert!(check_attributes(&request("node4", "127.0.0.1:0")).is_err());
+    fn announced_attributes_must_be_a_name_and_host_port() {
+        assert!(check_attributes("node4", "127.0.0.1:2385").is_ok());
+        assert!(check_attributes("", "127.0.0.1:2385").is_err());
+        assert!(check_attributes("node4", "http://127.0.0.1:2385").is_err());
+        assert!(check_attributes("node4", "127.0.0.1").is_err());
+        assert!(check_attributes("node4", "127.0.0.1:0").is_err());
         let long = "x".repeat(MEMBER_FIELD_BYTES_MAX + 1);
-        assert!(check_attributes(&request(&long, "127.0.0.1:2385")).is_err());
+        assert!(check_attributes(&long, "127.0.0.1:2385").is_err());
     }
 }

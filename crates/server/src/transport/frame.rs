@@ -4,9 +4,13 @@
 //! frame  = length:u32 BE | crc32c:u32 BE | body          (length = body bytes)
 //! body   = version:u8 | kind:u8 | payload                 (crc32c covers the whole body)
 //! kind   = 1 Hello | 2 HelloAccepted | 3 HelloRejected | 4 Message
+//!        | 5 HelloChallenge | 6 HelloProof | 7 Keepalive
 //! payload: postcard encoding of the kind's struct (Hello, HelloAccepted, HelloRejected,
-//!          or conclave_raft::Message)
+//!          conclave_raft::Message, HelloChallenge, HelloProof; Keepalive has none)
 //! ```
+//!
+//! The handshake (Hello, HelloChallenge, HelloProof, HelloAccepted or HelloRejected) proves
+//! both ends know the cluster's peer key; see [`super::auth`].
 //!
 //! The length is checked against [`MAX_PEER_FRAME_BYTES`] before anything is allocated, and
 //! the checksum before anything is decoded, so a corrupt or hostile stream costs at most one
@@ -21,6 +25,7 @@ use conclave_raft::{Message, NodeId};
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt};
 
+use super::auth::{Nonce, Proof};
 use crate::error::Error;
 
 /// The largest frame body a node sends or accepts. Appends are bounded by the Raft core's
@@ -31,7 +36,8 @@ pub const MAX_PEER_FRAME_BYTES: usize = 64 * 1024 * 1024;
 
 /// The version of the body encoding this node speaks. A frame with any other version closes
 /// the connection, so a mixed-version cluster fails loudly instead of misreading messages.
-pub const WIRE_VERSION: u8 = 1;
+/// Version 2 added the authenticated handshake (challenge, proof, keepalive).
+pub const WIRE_VERSION: u8 = 2;
 
 /// Bytes before the body: length and checksum.
 pub const FRAME_HEADER_BYTES: usize = 8;
@@ -43,8 +49,17 @@ const KIND_HELLO: u8 = 1;
 const KIND_HELLO_ACCEPTED: u8 = 2;
 const KIND_HELLO_REJECTED: u8 = 3;
 const KIND_MESSAGE: u8 = 4;
+const KIND_HELLO_CHALLENGE: u8 = 5;
+const KIND_HELLO_PROOF: u8 = 6;
+const KIND_KEEPALIVE: u8 = 7;
 
-/// The dialer's first frame: who it is and whom it thinks it reached.
+/// The largest handshake frame a listener reads before the dialer has proved itself, so an
+/// unauthenticated connection cannot make it reserve a large buffer. A Hello carries two
+/// short strings besides fixed-size fields.
+pub const HANDSHAKE_FRAME_BYTES_MAX: usize = 4096;
+
+/// The dialer's first frame: who it is, whom it thinks it reached, and its half of the
+/// challenge.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Hello {
     pub cluster_id: u64,
@@ -52,6 +67,27 @@ pub struct Hello {
     pub from: NodeId,
     /// The node the dialer meant to reach; a mismatch means a misconfigured address.
     pub to: NodeId,
+    /// Fresh for each connection; the listener's proof covers it.
+    pub nonce: Nonce,
+    /// The dialer's member name and client address (`host:port`), which the leader records
+    /// once the dialer has proved itself; empty when it has none to publish.
+    pub name: String,
+    pub client_address: String,
+}
+
+/// The listener's answer to a [`Hello`]: its own nonce and its proof of the peer key.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HelloChallenge {
+    pub cluster_id: u64,
+    pub node_id: NodeId,
+    pub nonce: Nonce,
+    pub proof: Proof,
+}
+
+/// The dialer's proof of the peer key, over both nonces.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HelloProof {
+    pub proof: Proof,
 }
 
 /// The listener's answer when it accepts a [`Hello`].
@@ -75,6 +111,10 @@ pub enum Frame {
     HelloAccepted(HelloAccepted),
     HelloRejected(HelloRejected),
     Message(Message),
+    HelloChallenge(HelloChallenge),
+    HelloProof(HelloProof),
+    /// Sent by an idle dialer so the listener's idle timeout does not close a healthy link.
+    Keepalive,
 }
 
 /// Appends one framed Raft message to `out` and returns the frame's size in bytes.
@@ -91,6 +131,9 @@ pub fn encode_frame(frame: &Frame, out: &mut Vec<u8>) -> Result<usize, Error> {
         Frame::HelloAccepted(accepted) => encode_payload(KIND_HELLO_ACCEPTED, accepted, out),
         Frame::HelloRejected(rejected) => encode_payload(KIND_HELLO_REJECTED, rejected, out),
         Frame::Message(message) => encode_payload(KIND_MESSAGE, message, out),
+        Frame::HelloChallenge(challenge) => encode_payload(KIND_HELLO_CHALLENGE, challenge, out),
+        Frame::HelloProof(proof) => encode_payload(KIND_HELLO_PROOF, proof, out),
+        Frame::Keepalive => encode_payload(KIND_KEEPALIVE, &(), out),
     }
 }
 
@@ -167,6 +210,9 @@ pub fn decode_body(body: &[u8], expected_checksum: u32) -> Result<Frame, Error> 
         KIND_HELLO_ACCEPTED => decode_payload(payload).map(Frame::HelloAccepted),
         KIND_HELLO_REJECTED => decode_payload(payload).map(Frame::HelloRejected),
         KIND_MESSAGE => decode_payload(payload).map(Frame::Message),
+        KIND_HELLO_CHALLENGE => decode_payload(payload).map(Frame::HelloChallenge),
+        KIND_HELLO_PROOF => decode_payload(payload).map(Frame::HelloProof),
+        KIND_KEEPALIVE => decode_payload::<()>(payload).map(|()| Frame::Keepalive),
         other => Err(Error::FrameMalformed {
             reason: format!("unknown frame kind {other}"),
         }),
@@ -207,6 +253,8 @@ enum Parsed {
 pub struct FrameReader<R> {
     stream: R,
     buffer: BytesMut,
+    /// Frames with a longer body are refused before their room is reserved.
+    frame_bytes_max: usize,
 }
 
 impl<R: AsyncRead + Unpin> FrameReader<R> {
@@ -214,7 +262,14 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
         FrameReader {
             stream,
             buffer: BytesMut::new(),
+            frame_bytes_max: MAX_PEER_FRAME_BYTES,
         }
+    }
+
+    /// Lowers (or restores, up to [`MAX_PEER_FRAME_BYTES`]) the largest body accepted from
+    /// here on; the handshake reads with [`HANDSHAKE_FRAME_BYTES_MAX`].
+    pub fn set_frame_bytes_max(&mut self, frame_bytes_max: usize) {
+        self.frame_bytes_max = frame_bytes_max.min(MAX_PEER_FRAME_BYTES);
     }
 
     /// The next frame, or `None` when the stream ended cleanly between frames.
@@ -257,6 +312,12 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             return Ok(Parsed::NeedFrameBytes(0));
         };
         let (body_bytes, checksum) = parse_header(*header)?;
+        if body_bytes > self.frame_bytes_max {
+            return Err(Error::FrameTooLarge {
+                size_bytes: body_bytes as u64,
+                max_bytes: self.frame_bytes_max as u64,
+            });
+        }
         let frame_bytes = FRAME_HEADER_BYTES + body_bytes;
         if self.buffer.len() < frame_bytes {
             self.buffer.reserve(frame_bytes - self.buffer.len());
@@ -328,7 +389,18 @@ mod tests {
                 cluster_id: 7,
                 from: 1,
                 to: 2,
+                nonce: [9; 32],
+                name: "a".into(),
+                client_address: "127.0.0.1:2379".into(),
             }),
+            Frame::HelloChallenge(HelloChallenge {
+                cluster_id: 7,
+                node_id: 2,
+                nonce: [8; 32],
+                proof: [7; 32],
+            }),
+            Frame::HelloProof(HelloProof { proof: [6; 32] }),
+            Frame::Keepalive,
             Frame::HelloAccepted(HelloAccepted {
                 cluster_id: 7,
                 node_id: 2,

@@ -1,29 +1,156 @@
-//! Inbound side: accept peer connections and hand their messages to the Raft driver.
+//! Inbound side: accept peer connections, authenticate them, and hand their messages to the
+//! Raft driver.
 //!
 //! ```text
-//!  peer ──TCP──► accept ──► connection task: Hello? ──► frames ──► inbound channel ──► Raft driver
-//!                (bounded     (checks cluster id,    (checksum,     (bounded: a slow driver
-//!                 count)       our id, sender id)     size, sender)   slows the socket, not memory)
+//!  peer ──TCP──► accept ──► handshake (pre-auth slot,  ──► authenticated slot ──► frames ──► driver
+//!                            handshake_timeout_ms,          (one per member id;   (from/to checked,
+//!                            small frames only)             idle timeout)          else dropped)
 //! ```
+//!
+//! A connection that has not proved knowledge of the peer key holds only one of the
+//! `peer_handshakes_max` pre-auth slots, and only for `handshake_timeout_ms`; the
+//! `peer_connections_max` slots are for authenticated members, one each, and a member's new
+//! connection replaces its old one (a restarted peer is never locked out by its own stale
+//! connection).
 
+use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use conclave_raft::{Message, NodeId};
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{Semaphore, mpsc};
+use tokio::sync::{Semaphore, mpsc, oneshot, watch};
 use tokio::task::JoinSet;
 use tracing::{debug, info, warn};
 
 use super::TransportConfig;
-use super::frame::{self, Frame, FrameReader, HelloAccepted, HelloRejected};
+use super::auth::{self, Transcript};
+use super::frame::{
+    self, Frame, FrameReader, HANDSHAKE_FRAME_BYTES_MAX, Hello, HelloAccepted, HelloChallenge,
+    HelloRejected, MAX_PEER_FRAME_BYTES,
+};
 use super::outbound::frame_name;
 use crate::error::Error;
 
-/// A message received from a peer: the handshaken sender and the message itself.
+/// A message received from a peer: the authenticated sender and the message itself.
 pub type InboundMessage = (NodeId, Message);
+
+/// At most one WARN line per this many milliseconds for each kind of dropped input; the
+/// rest are counted and the count is reported with the next line.
+pub const DROP_WARN_INTERVAL_MS: u64 = 1000;
+
+/// What an authenticated member announced about itself in its Hello.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerAttributes {
+    pub name: String,
+    pub client_address: String,
+}
+
+/// Counters of what the listener refused or dropped; all only grow.
+#[derive(Debug, Default)]
+pub struct InboundStats {
+    /// Hellos refused for the wrong cluster, the wrong addressee or an impossible sender id.
+    pub handshakes_refused: AtomicU64,
+    /// Dialers whose proof did not verify.
+    pub authentication_failures: AtomicU64,
+    /// Connections that did not finish the handshake within `handshake_timeout_ms`.
+    pub handshake_timeouts: AtomicU64,
+    /// Connections closed unanswered because every pre-auth slot was taken.
+    pub handshakes_over_limit: AtomicU64,
+    /// Authenticated connections refused because `peer_connections_max` ids held a slot.
+    pub connections_over_limit: AtomicU64,
+    /// Authenticated connections closed because the same member connected again.
+    pub connections_replaced: AtomicU64,
+    /// Authenticated connections closed after `peer_idle_timeout_ms` without a frame.
+    pub connections_idle_closed: AtomicU64,
+    /// Messages dropped because their `from` was not the connection's member.
+    pub messages_wrong_sender: AtomicU64,
+    /// Messages dropped because their `to` was not this node.
+    pub messages_wrong_recipient: AtomicU64,
+}
+
+/// Logs one WARN per interval and counts the rest.
+#[derive(Debug)]
+struct WarnLimiter {
+    start: Instant,
+    /// Milliseconds since `start` of the last line, plus one (0: never).
+    last_ms: AtomicU64,
+    suppressed: AtomicU64,
+}
+
+impl WarnLimiter {
+    fn new() -> Self {
+        WarnLimiter {
+            start: Instant::now(),
+            last_ms: AtomicU64::new(0),
+            suppressed: AtomicU64::new(0),
+        }
+    }
+
+    /// `Some(lines suppressed since the last one)` when a line may be logged now.
+    fn allow(&self) -> Option<u64> {
+        let now_ms = u64::try_from(self.start.elapsed().as_millis())
+            .unwrap_or(u64::MAX)
+            .saturating_add(1);
+        let last = self.last_ms.load(Ordering::Relaxed);
+        let due = last == 0 || now_ms.saturating_sub(last) >= DROP_WARN_INTERVAL_MS;
+        if due
+            && self
+                .last_ms
+                .compare_exchange(last, now_ms, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            return Some(self.suppressed.swap(0, Ordering::Relaxed));
+        }
+        self.suppressed.fetch_add(1, Ordering::Relaxed);
+        None
+    }
+}
+
+/// What the listener shares with the rest of the node: its counters, and the attributes that
+/// authenticated members announced (the leader records them, see `api::cluster`).
+#[derive(Debug)]
+pub struct PeerListenerState {
+    pub stats: InboundStats,
+    announced: watch::Sender<BTreeMap<NodeId, PeerAttributes>>,
+    handshake_warns: WarnLimiter,
+    message_warns: WarnLimiter,
+}
+
+impl PeerListenerState {
+    pub fn new() -> Arc<Self> {
+        Arc::new(PeerListenerState {
+            stats: InboundStats::default(),
+            announced: watch::Sender::new(BTreeMap::new()),
+            handshake_warns: WarnLimiter::new(),
+            message_warns: WarnLimiter::new(),
+        })
+    }
+
+    /// The latest attributes each authenticated member announced, updated as they connect.
+    pub fn announced(&self) -> watch::Receiver<BTreeMap<NodeId, PeerAttributes>> {
+        self.announced.subscribe()
+    }
+
+    fn announce(&self, member: NodeId, attributes: PeerAttributes) {
+        self.announced.send_if_modified(|announced| {
+            if announced.get(&member) == Some(&attributes) {
+                return false;
+            }
+            announced.insert(member, attributes);
+            true
+        });
+    }
+
+    fn warn_handshake(&self, remote: &std::net::SocketAddr, error: &Error) {
+        if let Some(suppressed) = self.handshake_warns.allow() {
+            warn!(%remote, %error, suppressed, "refused a peer connection");
+        }
+    }
+}
 
 /// Binds the peer listener. A failure here is fatal: the address is in use or not ours.
 pub async fn bind_peer_listener(address: &str) -> Result<TcpListener, Error> {
@@ -35,23 +162,50 @@ pub async fn bind_peer_listener(address: &str) -> Result<TcpListener, Error> {
         })
 }
 
-/// Accepts peer connections on `listener` and forwards every received message to `inbound`
-/// until `shutdown` resolves or the receiving end of `inbound` is dropped. Returning closes
-/// every accepted connection.
-///
-/// Each connection must open with a `Hello` naming this cluster and this node; anything else
-/// is answered with `HelloRejected` and closed. A bad frame (checksum, size, version,
-/// undecodable, or a message whose `from` is not the handshaken sender) closes its
-/// connection; the peer reconnects and Raft re-sends what was lost.
+/// [`serve_peers_with`] with state nobody else reads.
 pub async fn serve_peers(
     listener: TcpListener,
     config: TransportConfig,
     inbound: mpsc::Sender<InboundMessage>,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), Error> {
+    serve_peers_with(
+        listener,
+        config,
+        inbound,
+        PeerListenerState::new(),
+        shutdown,
+    )
+    .await
+}
+
+/// The authenticated connection of each member, so a new one can replace it.
+#[derive(Default)]
+struct Slots {
+    next_generation: u64,
+    held: HashMap<NodeId, (u64, oneshot::Sender<()>)>,
+}
+
+/// Accepts peer connections on `listener` and forwards every received message to `inbound`
+/// until `shutdown` resolves or the receiving end of `inbound` is dropped. Returning closes
+/// every accepted connection.
+///
+/// Each connection must complete the authenticated handshake (see [`super::auth`]) naming
+/// this cluster and this node; anything else is answered with `HelloRejected` and closed. A
+/// bad frame (checksum, size, version, undecodable) closes its connection; a message whose
+/// `from` is not the authenticated member or whose `to` is not this node is dropped, counted
+/// and warned about.
+pub async fn serve_peers_with(
+    listener: TcpListener,
+    config: TransportConfig,
+    inbound: mpsc::Sender<InboundMessage>,
+    state: Arc<PeerListenerState>,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), Error> {
     config.validate()?;
     let config = Arc::new(config);
-    let slots = Arc::new(Semaphore::new(config.peer_connections_max));
+    let handshakes = Arc::new(Semaphore::new(config.peer_handshakes_max));
+    let slots = Arc::new(Mutex::new(Slots::default()));
     let mut connections = JoinSet::new();
     tokio::pin!(shutdown);
     loop {
@@ -71,17 +225,31 @@ pub async fn serve_peers(
                 continue;
             }
         };
-        let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
-            warn!(%remote, max = config.peer_connections_max, "too many peer connections; refusing");
+        let Ok(handshake_slot) = Arc::clone(&handshakes).try_acquire_owned() else {
+            state
+                .stats
+                .handshakes_over_limit
+                .fetch_add(1, Ordering::Relaxed);
+            if let Some(suppressed) = state.handshake_warns.allow() {
+                warn!(%remote, max = config.peer_handshakes_max, suppressed,
+                    "too many peer connections in the handshake; closing the new one");
+            }
             continue;
         };
         let config = Arc::clone(&config);
         let inbound = inbound.clone();
+        let state = Arc::clone(&state);
+        let slots = Arc::clone(&slots);
         connections.spawn(async move {
-            if let Err(error) = handle_connection(stream, &config, &inbound).await {
-                warn!(%remote, %error, "closing peer connection");
+            let connection = Connection {
+                config: &config,
+                state: &state,
+                slots: &slots,
+                remote,
+            };
+            if let Err(error) = connection.run(stream, handshake_slot, &inbound).await {
+                debug!(%remote, %error, "peer connection closed");
             }
-            drop(slot);
         });
     }
     info!("peer listener stopped");
@@ -89,90 +257,276 @@ pub async fn serve_peers(
     Ok(())
 }
 
-/// Runs one inbound connection to its end. `Ok` on a clean close by the peer or the driver.
-async fn handle_connection(
-    stream: TcpStream,
-    config: &TransportConfig,
-    inbound: &mpsc::Sender<InboundMessage>,
-) -> Result<(), Error> {
-    stream.set_nodelay(true)?;
-    let mut reader = FrameReader::new(stream);
-    let handshake_timeout = Duration::from_millis(config.handshake_timeout_ms);
-    let first = tokio::time::timeout(handshake_timeout, reader.next_frame())
-        .await
-        .map_err(|_| Error::HandshakeTimeout {
-            timeout_ms: config.handshake_timeout_ms,
-        })??;
-    let hello = match first {
-        Some(Frame::Hello(hello)) => hello,
-        Some(other) => {
-            let reason = format!("expected Hello, got {}", frame_name(&other));
-            return Err(reject(&mut reader, reason).await);
-        }
-        None => return Ok(()),
-    };
-    let refusal = if hello.cluster_id != config.cluster_id {
-        Some(format!(
-            "cluster id mismatch: node {} belongs to cluster {:#x}, node {} to cluster {:#x}",
-            hello.from, hello.cluster_id, config.node_id, config.cluster_id
-        ))
-    } else if hello.to != config.node_id {
-        Some(format!(
-            "node {} dialed node {} but reached node {}",
-            hello.from, hello.to, config.node_id
-        ))
-    } else if hello.from == 0 || hello.from == config.node_id {
-        Some(format!(
-            "node id {} cannot be a peer of node {}",
-            hello.from, config.node_id
-        ))
-    } else {
-        None
-    };
-    if let Some(reason) = refusal {
-        return Err(reject(&mut reader, reason).await);
-    }
-    let accepted = HelloAccepted {
-        cluster_id: config.cluster_id,
-        node_id: config.node_id,
-    };
-    let mut answer = Vec::new();
-    frame::encode_frame(&Frame::HelloAccepted(accepted), &mut answer)?;
-    reader.get_mut().write_all(&answer).await?;
-    let peer = hello.from;
-    debug!(peer, "peer handshake accepted");
+struct Connection<'a> {
+    config: &'a TransportConfig,
+    state: &'a PeerListenerState,
+    slots: &'a Mutex<Slots>,
+    remote: std::net::SocketAddr,
+}
 
-    while let Some(frame) = reader.next_frame().await? {
-        let Frame::Message(message) = frame else {
-            return Err(Error::ProtocolViolation {
-                reason: format!("expected Message, got {}", frame_name(&frame)),
-            });
+impl Connection<'_> {
+    /// Runs one inbound connection to its end. `Ok` on a clean close by the peer, the driver
+    /// or a newer connection of the same member.
+    async fn run(
+        &self,
+        stream: TcpStream,
+        handshake_slot: tokio::sync::OwnedSemaphorePermit,
+        inbound: &mpsc::Sender<InboundMessage>,
+    ) -> Result<(), Error> {
+        stream.set_nodelay(true)?;
+        let mut reader = FrameReader::new(stream);
+        reader.set_frame_bytes_max(HANDSHAKE_FRAME_BYTES_MAX);
+        let timeout_ms = self.config.handshake_timeout_ms;
+        let handshake = tokio::time::timeout(
+            Duration::from_millis(timeout_ms),
+            self.handshake(&mut reader),
+        )
+        .await;
+        drop(handshake_slot);
+        let (hello, replaced) = match handshake {
+            Err(_) => {
+                self.state
+                    .stats
+                    .handshake_timeouts
+                    .fetch_add(1, Ordering::Relaxed);
+                let error = Error::HandshakeTimeout { timeout_ms };
+                self.state.warn_handshake(&self.remote, &error);
+                return Err(error);
+            }
+            Ok(Err(error)) => {
+                self.state.warn_handshake(&self.remote, &error);
+                return Err(error);
+            }
+            Ok(Ok(None)) => return Ok(()),
+            Ok(Ok(Some(authenticated))) => authenticated,
         };
-        if message.from != peer || message.to != config.node_id {
-            return Err(Error::ProtocolViolation {
-                reason: format!(
-                    "message {} -> {} on the connection from node {peer} to node {}",
-                    message.from, message.to, config.node_id
-                ),
-            });
+        let peer = hello.from;
+        let generation = replaced.generation;
+        let outcome = self.receive(&mut reader, peer, replaced, inbound).await;
+        let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        if slots
+            .held
+            .get(&peer)
+            .is_some_and(|(held, _)| *held == generation)
+        {
+            slots.held.remove(&peer);
         }
-        if inbound.send((peer, message)).await.is_err() {
-            // The driver is gone: the node is shutting down.
-            return Ok(());
+        outcome
+    }
+
+    /// The listener's side of the handshake. `None` when the dialer closed before a Hello.
+    async fn handshake(
+        &self,
+        reader: &mut FrameReader<TcpStream>,
+    ) -> Result<Option<(Hello, Claimed)>, Error> {
+        let config = self.config;
+        let stats = &self.state.stats;
+        let hello = match reader.next_frame().await? {
+            Some(Frame::Hello(hello)) => hello,
+            Some(other) => {
+                stats.handshakes_refused.fetch_add(1, Ordering::Relaxed);
+                let reason = format!("expected Hello, got {}", frame_name(&other));
+                return Err(reject(reader, reason).await);
+            }
+            None => return Ok(None),
+        };
+        let refusal = if hello.cluster_id != config.cluster_id {
+            Some(format!(
+                "cluster id mismatch: node {} belongs to cluster {:#x}, node {} to cluster {:#x}",
+                hello.from, hello.cluster_id, config.node_id, config.cluster_id
+            ))
+        } else if hello.to != config.node_id {
+            Some(format!(
+                "node {} dialed node {} but reached node {}",
+                hello.from, hello.to, config.node_id
+            ))
+        } else if hello.from == 0 || hello.from == config.node_id {
+            Some(format!(
+                "node id {} cannot be a peer of node {}",
+                hello.from, config.node_id
+            ))
+        } else {
+            None
+        };
+        if let Some(reason) = refusal {
+            stats.handshakes_refused.fetch_add(1, Ordering::Relaxed);
+            return Err(reject(reader, reason).await);
+        }
+        let listener_nonce = auth::new_nonce()?;
+        let transcript = Transcript {
+            cluster_id: config.cluster_id,
+            dialer: hello.from,
+            listener: config.node_id,
+            dialer_nonce: &hello.nonce,
+            listener_nonce: &listener_nonce,
+            dialer_name: &hello.name,
+            dialer_client_address: &hello.client_address,
+        };
+        let challenge = HelloChallenge {
+            cluster_id: config.cluster_id,
+            node_id: config.node_id,
+            nonce: listener_nonce,
+            proof: transcript.listener_proof(&config.peer_key),
+        };
+        write_frame(reader, &Frame::HelloChallenge(challenge)).await?;
+        let proof = match reader.next_frame().await? {
+            Some(Frame::HelloProof(proof)) => proof,
+            Some(other) => {
+                stats.handshakes_refused.fetch_add(1, Ordering::Relaxed);
+                let reason = format!("expected HelloProof, got {}", frame_name(&other));
+                return Err(reject(reader, reason).await);
+            }
+            None => return Err(Error::ConnectionClosed),
+        };
+        if !transcript.verify_dialer(&config.peer_key, &proof.proof) {
+            stats
+                .authentication_failures
+                .fetch_add(1, Ordering::Relaxed);
+            let reason = format!(
+                "node {} did not prove the cluster's peer secret (check --peer-secret-file)",
+                hello.from
+            );
+            let _ = reject(reader, reason.clone()).await;
+            return Err(Error::PeerAuthentication { reason });
+        }
+        let Some(claimed) = self.claim_slot(hello.from) else {
+            stats.connections_over_limit.fetch_add(1, Ordering::Relaxed);
+            let reason = format!(
+                "too many peer connections: {} members already hold a slot",
+                config.peer_connections_max
+            );
+            return Err(reject(reader, reason).await);
+        };
+        let accepted = HelloAccepted {
+            cluster_id: config.cluster_id,
+            node_id: config.node_id,
+        };
+        write_frame(reader, &Frame::HelloAccepted(accepted)).await?;
+        debug!(peer = hello.from, "peer authenticated");
+        if !hello.name.is_empty() || !hello.client_address.is_empty() {
+            self.state.announce(
+                hello.from,
+                PeerAttributes {
+                    name: hello.name.clone(),
+                    client_address: hello.client_address.clone(),
+                },
+            );
+        }
+        Ok(Some((hello, claimed)))
+    }
+
+    /// Takes the slot of `peer`, closing the member's previous connection if it has one.
+    /// `None` when every slot is held by other members.
+    fn claim_slot(&self, peer: NodeId) -> Option<Claimed> {
+        let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        if !slots.held.contains_key(&peer) && slots.held.len() >= self.config.peer_connections_max {
+            return None;
+        }
+        slots.next_generation = slots.next_generation.wrapping_add(1);
+        let generation = slots.next_generation;
+        let (replace, replaced) = oneshot::channel();
+        if let Some((_, previous)) = slots.held.insert(peer, (generation, replace)) {
+            self.state
+                .stats
+                .connections_replaced
+                .fetch_add(1, Ordering::Relaxed);
+            let _ = previous.send(());
+        }
+        Some(Claimed {
+            generation,
+            replaced,
+        })
+    }
+
+    /// Forwards the messages of authenticated member `peer` until the connection ends.
+    async fn receive(
+        &self,
+        reader: &mut FrameReader<TcpStream>,
+        peer: NodeId,
+        claimed: Claimed,
+        inbound: &mpsc::Sender<InboundMessage>,
+    ) -> Result<(), Error> {
+        reader.set_frame_bytes_max(MAX_PEER_FRAME_BYTES);
+        let idle_ms = self.config.peer_idle_timeout_ms;
+        let idle = Duration::from_millis(idle_ms);
+        let stats = &self.state.stats;
+        let mut replaced = claimed.replaced;
+        loop {
+            let next = tokio::select! {
+                biased;
+                _ = &mut replaced => {
+                    debug!(peer, "a newer connection of the peer replaced this one");
+                    return Ok(());
+                }
+                next = tokio::time::timeout(idle, reader.next_frame()) => next,
+            };
+            let Ok(frame) = next else {
+                stats
+                    .connections_idle_closed
+                    .fetch_add(1, Ordering::Relaxed);
+                return Err(Error::PeerIdle {
+                    timeout_ms: idle_ms,
+                });
+            };
+            let message = match frame? {
+                None => return Ok(()),
+                Some(Frame::Keepalive) => continue,
+                Some(Frame::Message(message)) => message,
+                Some(other) => {
+                    return Err(Error::ProtocolViolation {
+                        reason: format!("expected Message, got {}", frame_name(&other)),
+                    });
+                }
+            };
+            let wrong = if message.from != peer {
+                stats.messages_wrong_sender.fetch_add(1, Ordering::Relaxed);
+                Some("its sender is not the member that authenticated the connection")
+            } else if message.to != self.config.node_id {
+                stats
+                    .messages_wrong_recipient
+                    .fetch_add(1, Ordering::Relaxed);
+                Some("it is addressed to another node")
+            } else {
+                None
+            };
+            if let Some(reason) = wrong {
+                if let Some(suppressed) = self.state.message_warns.allow() {
+                    warn!(
+                        peer, remote = %self.remote, from = message.from, to = message.to,
+                        kind = message.body.name(), suppressed,
+                        "dropped a peer message: {reason}"
+                    );
+                }
+                continue;
+            }
+            if inbound.send((peer, message)).await.is_err() {
+                // The driver is gone: the node is shutting down.
+                return Ok(());
+            }
         }
     }
+}
+
+/// An authenticated member's slot.
+struct Claimed {
+    generation: u64,
+    /// Fires when a newer connection of the same member takes the slot.
+    replaced: oneshot::Receiver<()>,
+}
+
+async fn write_frame(reader: &mut FrameReader<TcpStream>, frame: &Frame) -> Result<(), Error> {
+    let mut answer = Vec::new();
+    frame::encode_frame(frame, &mut answer)?;
+    reader.get_mut().write_all(&answer).await?;
     Ok(())
 }
 
 /// Tells the dialer why, then yields the error to log. The answer is best effort: the
 /// connection closes either way.
 async fn reject(reader: &mut FrameReader<TcpStream>, reason: String) -> Error {
-    let mut answer = Vec::new();
     let rejected = Frame::HelloRejected(HelloRejected {
         reason: reason.clone(),
     });
-    if frame::encode_frame(&rejected, &mut answer).is_ok() {
-        let _ = reader.get_mut().write_all(&answer).await;
-    }
+    let _ = write_frame(reader, &rejected).await;
     Error::HandshakeRejected { reason }
 }

@@ -42,12 +42,17 @@
 //! # Ok(()) }
 //! ```
 
+pub mod auth;
 pub mod frame;
 mod inbound;
 mod outbound;
 
+pub use auth::PeerKey;
 pub use frame::{MAX_PEER_FRAME_BYTES, WIRE_VERSION};
-pub use inbound::{InboundMessage, bind_peer_listener, serve_peers};
+pub use inbound::{
+    InboundMessage, InboundStats, PeerAttributes, PeerListenerState, bind_peer_listener,
+    serve_peers, serve_peers_with,
+};
 pub use outbound::{PeerStats, PeerTransport};
 
 use conclave_raft::NodeId;
@@ -72,14 +77,32 @@ pub struct TransportConfig {
     /// The longest wait between connection attempts.
     pub reconnect_backoff_max_ms: u64,
     pub connect_timeout_ms: u64,
-    /// Time allowed for the Hello exchange on a new connection, in both directions.
+    /// Time allowed for the whole authenticated Hello exchange on a new connection, in both
+    /// directions; a connection that has not proved itself by then is closed.
     pub handshake_timeout_ms: u64,
-    /// Inbound connections accepted at once; more are refused.
+    /// Authenticated inbound connections at once (one per member id: a member's new
+    /// connection replaces its old one); a connection from a further id is refused.
     pub peer_connections_max: usize,
+    /// Inbound connections still in the handshake at once; more are closed unanswered. They
+    /// never hold one of the `peer_connections_max` slots.
+    pub peer_handshakes_max: usize,
+    /// An authenticated inbound connection that receives no frame for this long is closed.
+    pub peer_idle_timeout_ms: u64,
+    /// A dialer with nothing to send sends a keepalive after this long, well inside the
+    /// listener's `peer_idle_timeout_ms`.
+    pub keepalive_interval_ms: u64,
+    /// What both ends prove they know in the handshake.
+    pub peer_key: PeerKey,
+    /// This node's member name and client address, announced in every Hello so the leader
+    /// can record them (empty: nothing to announce).
+    pub own_name: String,
+    pub own_client_address: String,
 }
 
 impl TransportConfig {
-    /// Conclave's defaults for node `node_id` of cluster `cluster_id`.
+    /// Conclave's defaults for node `node_id` of cluster `cluster_id`, with the weak peer key
+    /// derived from the cluster id (see [`PeerKey::weak_from_cluster_id`]); set `peer_key`
+    /// for a real secret.
     ///
     /// The backoff cap is short because the failover target is well under a second: a peer
     /// that comes back must be reached again within a heartbeat or two, not after seconds.
@@ -95,6 +118,12 @@ impl TransportConfig {
             connect_timeout_ms: 1000,
             handshake_timeout_ms: 2000,
             peer_connections_max: 64,
+            peer_handshakes_max: 128,
+            peer_idle_timeout_ms: 30_000,
+            keepalive_interval_ms: 5_000,
+            peer_key: PeerKey::weak_from_cluster_id(cluster_id),
+            own_name: String::new(),
+            own_client_address: String::new(),
         }
     }
 
@@ -122,8 +151,15 @@ impl TransportConfig {
         if self.connect_timeout_ms == 0 || self.handshake_timeout_ms == 0 {
             return invalid("connect_timeout_ms and handshake_timeout_ms must be at least 1");
         }
-        if self.peer_connections_max == 0 {
-            return invalid("peer_connections_max must be at least 1");
+        if self.peer_connections_max == 0 || self.peer_handshakes_max == 0 {
+            return invalid("peer_connections_max and peer_handshakes_max must be at least 1");
+        }
+        if self.keepalive_interval_ms == 0
+            || self.keepalive_interval_ms >= self.peer_idle_timeout_ms
+        {
+            return invalid(
+                "keepalive_interval_ms must be at least 1 and below peer_idle_timeout_ms",
+            );
         }
         Ok(())
     }

@@ -21,7 +21,8 @@ use tokio::task::JoinHandle;
 use tracing::{debug, info, warn};
 
 use super::TransportConfig;
-use super::frame::{self, Frame, FrameReader, Hello};
+use super::auth::{self, Transcript};
+use super::frame::{self, Frame, FrameReader, HANDSHAKE_FRAME_BYTES_MAX, Hello, HelloProof};
 use crate::error::Error;
 
 /// Messages taken from the queue in one go; they are encoded into one buffer and written with
@@ -304,44 +305,89 @@ impl PeerLink {
             })??;
         // We batch ourselves; Nagle would only add latency to heartbeats and votes.
         stream.set_nodelay(true)?;
+        let dialer_nonce = auth::new_nonce()?;
         let hello = Hello {
             cluster_id: self.config.cluster_id,
             from: self.config.node_id,
             to: self.peer,
+            nonce: dialer_nonce,
+            name: self.config.own_name.clone(),
+            client_address: self.config.own_client_address.clone(),
         };
         let mut buffer = Vec::new();
         frame::encode_frame(&Frame::Hello(hello), &mut buffer)?;
         stream.write_all(&buffer).await?;
         let handshake_timeout = Duration::from_millis(self.config.handshake_timeout_ms);
-        // The reader may buffer past the answer; harmless, the listener sends nothing after it.
-        let answer = tokio::time::timeout(
+        tokio::time::timeout(
             handshake_timeout,
-            FrameReader::new(&mut stream).next_frame(),
+            self.authenticate(&mut stream, &dialer_nonce),
         )
         .await
         .map_err(|_| Error::HandshakeTimeout {
             timeout_ms: self.config.handshake_timeout_ms,
         })??;
-        match answer {
+        Ok(stream)
+    }
+
+    /// The dialer's side of the handshake after its Hello: check the listener's proof, send
+    /// ours, wait for the verdict.
+    async fn authenticate(
+        &self,
+        stream: &mut TcpStream,
+        dialer_nonce: &auth::Nonce,
+    ) -> Result<(), Error> {
+        // The reader may buffer past an answer only if the listener sent more than one frame
+        // in a row, which it never does before the verdict, and nothing after it.
+        let mut reader = FrameReader::new(&mut *stream);
+        reader.set_frame_bytes_max(HANDSHAKE_FRAME_BYTES_MAX);
+        let challenge = match reader.next_frame().await? {
+            Some(Frame::HelloChallenge(challenge))
+                if challenge.cluster_id == self.config.cluster_id
+                    && challenge.node_id == self.peer =>
+            {
+                challenge
+            }
+            Some(Frame::HelloChallenge(challenge)) => {
+                return Err(Error::HandshakeRejected {
+                    reason: format!(
+                        "expected node {} of cluster {:#x}, reached node {} of cluster {:#x}",
+                        self.peer, self.config.cluster_id, challenge.node_id, challenge.cluster_id
+                    ),
+                });
+            }
+            other => return Err(handshake_answer_error(other)),
+        };
+        let transcript = Transcript {
+            cluster_id: self.config.cluster_id,
+            dialer: self.config.node_id,
+            listener: self.peer,
+            dialer_nonce,
+            listener_nonce: &challenge.nonce,
+            dialer_name: &self.config.own_name,
+            dialer_client_address: &self.config.own_client_address,
+        };
+        if !transcript.verify_listener(&self.config.peer_key, &challenge.proof) {
+            return Err(Error::PeerAuthentication {
+                reason: format!(
+                    "node {} at {} did not prove the cluster's peer secret (check --peer-secret-file)",
+                    self.peer, self.address
+                ),
+            });
+        }
+        let proof = HelloProof {
+            proof: transcript.dialer_proof(&self.config.peer_key),
+        };
+        let mut buffer = Vec::new();
+        frame::encode_frame(&Frame::HelloProof(proof), &mut buffer)?;
+        reader.get_mut().write_all(&buffer).await?;
+        match reader.next_frame().await? {
             Some(Frame::HelloAccepted(accepted))
                 if accepted.cluster_id == self.config.cluster_id
                     && accepted.node_id == self.peer =>
             {
-                Ok(stream)
+                Ok(())
             }
-            Some(Frame::HelloAccepted(accepted)) => Err(Error::HandshakeRejected {
-                reason: format!(
-                    "expected node {} of cluster {:#x}, reached node {} of cluster {:#x}",
-                    self.peer, self.config.cluster_id, accepted.node_id, accepted.cluster_id
-                ),
-            }),
-            Some(Frame::HelloRejected(rejected)) => Err(Error::HandshakeRejected {
-                reason: rejected.reason,
-            }),
-            Some(other) => Err(Error::ProtocolViolation {
-                reason: format!("expected a handshake answer, got {}", frame_name(&other)),
-            }),
-            None => Err(Error::ConnectionClosed),
+            other => Err(handshake_answer_error(other)),
         }
     }
 
@@ -354,6 +400,11 @@ impl PeerLink {
         let (mut read_half, mut write_half) = stream.into_split();
         let mut batch = Vec::with_capacity(BATCH_MESSAGES_MAX);
         let mut buffer = Vec::with_capacity(self.config.batch_bytes_max);
+        // The listener closes a connection idle for peer_idle_timeout_ms; a link with
+        // nothing to say (between two followers, say) says so before that.
+        let keepalive_interval = Duration::from_millis(self.config.keepalive_interval_ms);
+        let keepalive_due = tokio::time::sleep(keepalive_interval);
+        tokio::pin!(keepalive_due);
         loop {
             tokio::select! {
                 received = queue.recv_many(&mut batch, BATCH_MESSAGES_MAX) => {
@@ -361,6 +412,14 @@ impl PeerLink {
                         return Ok(LinkEnd::QueueClosed);
                     }
                     self.write_batch(&mut batch, &mut buffer, &mut write_half).await?;
+                    keepalive_due.as_mut().reset(tokio::time::Instant::now() + keepalive_interval);
+                }
+                () = &mut keepalive_due => {
+                    buffer.clear();
+                    frame::encode_frame(&Frame::Keepalive, &mut buffer)?;
+                    write_half.write_all(&buffer).await?;
+                    buffer.clear();
+                    keepalive_due.as_mut().reset(tokio::time::Instant::now() + keepalive_interval);
                 }
                 // The listener never talks after the handshake, so any readiness here is the
                 // connection closing; noticing it now beats losing the next batch into a
@@ -433,11 +492,33 @@ async fn wait_closed(read_half: &mut OwnedReadHalf) -> Error {
     }
 }
 
+/// The error for a handshake answer other than the one expected.
+fn handshake_answer_error(answer: Option<Frame>) -> Error {
+    match answer {
+        Some(Frame::HelloRejected(rejected)) => Error::HandshakeRejected {
+            reason: rejected.reason,
+        },
+        Some(Frame::HelloAccepted(accepted)) => Error::HandshakeRejected {
+            reason: format!(
+                "node {} of cluster {:#x} accepted a handshake it should not have",
+                accepted.node_id, accepted.cluster_id
+            ),
+        },
+        Some(other) => Error::ProtocolViolation {
+            reason: format!("expected a handshake answer, got {}", frame_name(&other)),
+        },
+        None => Error::ConnectionClosed,
+    }
+}
+
 pub(super) fn frame_name(frame: &Frame) -> &'static str {
     match frame {
         Frame::Hello(_) => "Hello",
         Frame::HelloAccepted(_) => "HelloAccepted",
         Frame::HelloRejected(_) => "HelloRejected",
         Frame::Message(_) => "Message",
+        Frame::HelloChallenge(_) => "HelloChallenge",
+        Frame::HelloProof(_) => "HelloProof",
+        Frame::Keepalive => "Keepalive",
     }
 }
