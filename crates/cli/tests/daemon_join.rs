@@ -66,6 +66,8 @@ async fn a_daemon_joins_a_running_cluster_as_a_learner_and_is_promoted() {
         client.clone(),
         "--initial-cluster-clients".into(),
         clients.join(","),
+        "--peer-secret-file".into(),
+        cluster.peer_secret_file().display().to_string(),
         "--json".into(),
     ]);
     let start: Vec<&str> = start.iter().map(String::as_str).collect();

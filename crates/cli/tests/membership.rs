@@ -158,6 +158,8 @@ fn start_joining_node(cluster: &mut Cluster, id: u64, peer: String) {
         .args(["--initial-cluster-clients", &clients.join(",")])
         .args(["--initial-cluster-state", "existing"])
         .args(["--snapshot-entries", "50"])
+        .arg("--peer-secret-file")
+        .arg(cluster.peer_secret_file())
         .env("CONCLAVE_LOG", "info")
         .stdin(Stdio::null())
         .stdout(Stdio::from(log))

@@ -72,6 +72,9 @@ pub struct Cluster {
     initial_cluster: String,
 }
 
+/// The peer secret every harness cluster's members share (`--peer-secret-file`).
+pub const TEST_PEER_SECRET: &str = "harness-peer-secret-0123456789abcdef";
+
 impl Cluster {
     /// Starts `size` nodes and waits until one of them leads. A node that exits during
     /// start-up (its port was taken between choosing and binding it) makes the whole cluster
@@ -98,6 +101,7 @@ impl Cluster {
         ));
         let _ = std::fs::remove_dir_all(&root);
         std::fs::create_dir_all(&root).expect("create the test directory");
+        write_peer_secret(&root);
         let nodes: Vec<Node> = (1..=size)
             .map(|id| Node {
                 id,
@@ -176,6 +180,8 @@ impl Cluster {
             .args(["--initial-cluster", &self.initial_cluster])
             .args(["--initial-cluster-clients", &clients])
             .args(["--snapshot-entries", "50"])
+            .arg("--peer-secret-file")
+            .arg(self.peer_secret_file())
             .env("CONCLAVE_LOG", "info")
             .stdin(Stdio::null())
             .stdout(Stdio::from(log))
@@ -202,6 +208,11 @@ impl Cluster {
             .args(["-TERM", &child.id().to_string()])
             .status();
         child.wait().map(|s| s.success()).unwrap_or(false)
+    }
+
+    /// The file holding [`TEST_PEER_SECRET`]; joining members must be given it too.
+    pub fn peer_secret_file(&self) -> PathBuf {
+        self.root.join("peer-secret")
     }
 
     pub fn endpoint(&self, id: u64) -> String {
@@ -322,6 +333,15 @@ impl Cluster {
             }
         }
     }
+}
+
+/// Writes [`TEST_PEER_SECRET`] into `root/peer-secret`, readable by its owner only.
+fn write_peer_secret(root: &std::path::Path) {
+    use std::os::unix::fs::PermissionsExt;
+    let path = root.join("peer-secret");
+    std::fs::write(&path, format!("{TEST_PEER_SECRET}\n")).expect("write the peer secret");
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
+        .expect("make the peer secret private");
 }
 
 /// `key` as the member at `client` (`host:port`) has applied it: a serializable read,
