@@ -143,7 +143,7 @@ impl Net {
     }
 
     fn elect(&mut self, id: u64) {
-        self.node(id).campaign();
+        self.node(id).campaign().expect("the term can grow");
         self.settle();
         assert_eq!(
             self.node(id).role(),
@@ -224,7 +224,7 @@ fn entries_of_earlier_terms_commit_only_through_the_current_term() {
     }
     let mut net = Net::with_stores(stores, config);
     // Node 1 wins term 4 but its appends are held back.
-    net.node(1).campaign();
+    net.node(1).campaign().expect("the term can grow");
     net.settle_with(&mut |m| !matches!(m.body, MessageBody::Append { .. }));
     assert_eq!(net.node(1).role(), Role::Leader);
     let term = net.node(1).term();
@@ -391,7 +391,7 @@ fn read_index_needs_a_quorum_round_and_works_from_followers() {
 #[test]
 fn read_index_on_a_new_leader_waits_for_its_first_commit() {
     let mut net = Net::new(3);
-    net.node(1).campaign();
+    net.node(1).campaign().expect("the term can grow");
     // Win the election but keep the empty entry from being acknowledged.
     net.settle_with(&mut |m| !matches!(m.body, MessageBody::AppendResponse { .. }));
     assert_eq!(net.node(1).role(), Role::Leader);
@@ -550,7 +550,7 @@ fn a_candidate_persists_its_vote_before_asking_for_votes() {
         c
     }
     let mut net = Net::with_config(3, no_prevote);
-    net.node(1).campaign();
+    net.node(1).campaign().expect("the term can grow");
     let ready = net.node(1).ready();
     let hard_state = ready.hard_state.expect("hard state changed");
     assert_eq!(hard_state.vote, Some(1));
