@@ -2,6 +2,9 @@
 
 use crate::types::NodeId;
 
+/// Default of [`Config::max_snapshot_bytes`]: 4 GiB, twice etcd's default 2 GiB backend quota.
+pub const DEFAULT_MAX_SNAPSHOT_BYTES: u64 = 4 * 1024 * 1024 * 1024;
+
 /// Configuration of one Raft core.
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -25,6 +28,9 @@ pub struct Config {
     pub max_uncommitted_bytes: u64,
     /// Snapshots go out in chunks of at most this many bytes.
     pub snapshot_chunk_bytes: u64,
+    /// A follower assembles an incoming snapshot in memory; a transfer that would grow past
+    /// this many bytes is refused and discarded. Bounds what a peer can make a node allocate.
+    pub max_snapshot_bytes: u64,
     /// Seed of the PRNG behind election timeouts. Give each node its own.
     pub seed: u64,
     /// Deliberately broken behaviour for negative-control tests of the simulator's checkers.
@@ -45,6 +51,7 @@ impl Config {
             max_inflight_appends: 256,
             max_uncommitted_bytes: 64 * 1024 * 1024,
             snapshot_chunk_bytes: 1024 * 1024,
+            max_snapshot_bytes: DEFAULT_MAX_SNAPSHOT_BYTES,
             seed: id,
             #[cfg(feature = "negative-controls")]
             bugs: crate::Bugs::default(),
@@ -67,6 +74,9 @@ impl Config {
         }
         if self.max_append_bytes == 0 || self.snapshot_chunk_bytes == 0 {
             return Err("max_append_bytes and snapshot_chunk_bytes must be at least 1".into());
+        }
+        if self.max_snapshot_bytes == 0 {
+            return Err("max_snapshot_bytes must be at least 1".into());
         }
         if self.max_uncommitted_bytes == 0 {
             return Err("max_uncommitted_bytes must be at least 1".into());

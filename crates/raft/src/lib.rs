@@ -28,12 +28,23 @@ pub mod storage;
 pub mod types;
 
 pub use config::Config;
-pub use error::{Error, StorageError};
+pub use error::{Error, Refusal, StorageError};
 pub use prng::Prng;
 pub use raft::apply_steps;
 pub use raw_node::{MAX_COMMITTED_BYTES_PER_READY, RawNode, Ready};
 pub use storage::{MemStorage, Storage, bootstrap_snapshot};
 pub use types::*;
+
+/// The highest term the core accepts in a message or moves to. Unreachable by elections (one
+/// per term), and far enough below `u64::MAX` that `term + 1` can never overflow: a message
+/// with a higher term is refused, and a node whose persisted term is at or past it refuses to
+/// campaign ([`Error::TermExhausted`]) instead of overflowing.
+pub const MAX_TERM: Term = 1 << 62;
+
+/// The highest log index the core accepts in a message. No log reaches it (one entry per
+/// nanosecond would take 146 years), and index arithmetic on a checked value (`index + 1`,
+/// `prev_index + entries.len()`) cannot overflow below it.
+pub const MAX_INDEX: Index = 1 << 62;
 
 /// Switches for deliberately broken behaviour, used only by the simulator's negative-control
 /// tests to prove its checkers catch each bug.

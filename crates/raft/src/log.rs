@@ -87,7 +87,8 @@ impl<S: Storage> RaftLog<S> {
     /// The term at `index`, or why it is not known.
     pub fn term(&self, index: Index) -> Result<Term, StorageError> {
         let first = self.first_index();
-        if index + 1 < first {
+        // Saturating: `index` may come straight from a peer's message.
+        if index.saturating_add(1) < first {
             return Err(StorageError::Compacted(index));
         }
         if index > self.last_index() {

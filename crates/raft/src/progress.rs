@@ -15,6 +15,8 @@ pub enum ReplicationMode {
     Snapshot {
         meta: SnapshotMeta,
         next_offset: u64,
+        /// crc32c of the whole image, computed once when the transfer starts.
+        image_crc32c: u32,
     },
 }
 
@@ -64,10 +66,11 @@ impl Progress {
         self.inflight.clear();
     }
 
-    pub fn become_snapshot(&mut self, meta: SnapshotMeta) {
+    pub fn become_snapshot(&mut self, meta: SnapshotMeta, image_crc32c: u32) {
         self.mode = ReplicationMode::Snapshot {
             meta,
             next_offset: 0,
+            image_crc32c,
         };
         self.probe_sent = false;
         self.inflight.clear();

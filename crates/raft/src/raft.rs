@@ -8,13 +8,14 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use bytes::{Bytes, BytesMut};
 
 use crate::config::Config;
-use crate::error::{Error, StorageError};
+use crate::error::{Error, Refusal, StorageError};
 use crate::log::RaftLog;
 use crate::prng::Prng;
 use crate::progress::{Progress, ReplicationMode};
 use crate::quorum::{self, VoteResult};
 use crate::storage::Storage;
 use crate::types::*;
+use crate::{MAX_INDEX, MAX_TERM};
 
 /// Why a node starts an election.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -38,11 +39,22 @@ struct PendingRead {
     acks: BTreeSet<NodeId>,
 }
 
+/// The fields of one `SnapshotChunk`, as handed to the follower's assembly.
+struct IncomingChunk {
+    meta: SnapshotMeta,
+    offset: u64,
+    data: Bytes,
+    done: bool,
+    image_crc32c: u32,
+}
+
 /// A snapshot arriving in chunks from the leader.
 #[derive(Debug)]
 struct IncomingSnapshot {
     meta: SnapshotMeta,
     data: BytesMut,
+    /// The checksum the transfer's first chunk announced for the whole image.
+    image_crc32c: u32,
 }
 
 /// The Raft state machine of one node.
@@ -236,12 +248,14 @@ impl<S: Storage> Raft<S> {
     }
 
     fn tick_election(&mut self) {
-        self.election_elapsed += 1;
+        self.election_elapsed = self.election_elapsed.saturating_add(1);
         // A node that cannot campaign keeps counting, so its leader lease runs out and it
         // will vote for others once the leader is gone.
         if self.promotable() && self.election_elapsed >= self.randomized_election_ticks {
             self.election_elapsed = 0;
-            self.campaign(CampaignKind::Timeout);
+            // An exhausted term is reported where the application asks to campaign; a timer
+            // has nobody to report to, and the node goes on following.
+            let _ = self.campaign(CampaignKind::Timeout);
         }
     }
 
@@ -283,9 +297,13 @@ impl<S: Storage> Raft<S> {
 
     /// Starts an election: a PreVote round first when configured, unless `kind` says the
     /// PreVote already succeeded or a leadership transfer ordered it.
-    pub fn campaign(&mut self, kind: CampaignKind) {
+    pub fn campaign(&mut self, kind: CampaignKind) -> Result<(), Error> {
         if !self.promotable() || self.has_unapplied_conf_change() {
-            return;
+            return Ok(());
+        }
+        // Both rounds ask for votes in `term + 1`, which must stay within MAX_TERM.
+        if self.term >= MAX_TERM {
+            return Err(Error::TermExhausted { term: self.term });
         }
         let pre = self.config.pre_vote && kind == CampaignKind::Timeout;
         let transfer = kind == CampaignKind::Transfer;
@@ -297,8 +315,7 @@ impl<S: Storage> Raft<S> {
         let vote_term = if pre { self.term + 1 } else { self.term };
         self.votes.insert(self.id, true);
         if self.tally_votes() == VoteResult::Won {
-            self.on_election_won(pre);
-            return;
+            return self.on_election_won(pre);
         }
         let last_index = self.log.last_index();
         let last_term = self.log.last_term();
@@ -322,17 +339,19 @@ impl<S: Storage> Raft<S> {
                 body,
             });
         }
+        Ok(())
     }
 
     fn tally_votes(&self) -> VoteResult {
         quorum::vote_result(&self.conf, &self.votes)
     }
 
-    fn on_election_won(&mut self, pre: bool) {
+    fn on_election_won(&mut self, pre: bool) -> Result<(), Error> {
         if pre {
-            self.campaign(CampaignKind::PreVoteWon);
+            self.campaign(CampaignKind::PreVoteWon)
         } else {
             self.become_leader();
+            Ok(())
         }
     }
 
@@ -350,6 +369,14 @@ impl<S: Storage> Raft<S> {
     // ---- the step function ---------------------------------------------------------------
 
     pub fn step(&mut self, m: Message) -> Result<(), Error> {
+        // Every field a peer controls is checked before the message can change anything.
+        if let Err(reason) = self.check_message(&m) {
+            return Err(Error::RefusedMessage {
+                from: m.from,
+                kind: m.body.name(),
+                reason,
+            });
+        }
         if m.term > self.term {
             let in_lease = self.config.check_quorum
                 && self.leader.is_some()
@@ -424,6 +451,229 @@ impl<S: Storage> Raft<S> {
         }
     }
 
+    /// The checks a message must pass before `step` acts on it. They read the node's state
+    /// and change none of it, so a refused message leaves no trace.
+    fn check_message(&self, m: &Message) -> Result<(), Refusal> {
+        if m.from == 0 || m.from == self.id {
+            return Err(Refusal::InvalidSender);
+        }
+        if m.to != self.id {
+            return Err(Refusal::WrongRecipient { to: m.to });
+        }
+        if m.term > MAX_TERM {
+            return Err(Refusal::TermTooLarge { term: m.term });
+        }
+        self.check_sender(m)?;
+        self.check_body(m)
+    }
+
+    /// Whether the sender may send this kind of message, by this node's configuration.
+    fn check_sender(&self, m: &Message) -> Result<(), Refusal> {
+        match &m.body {
+            // Only voters elect: a learner or a stranger neither asks for votes nor casts one.
+            MessageBody::Vote { .. } | MessageBody::VoteResponse { .. } => {
+                if !self.conf.is_voter(m.from) {
+                    return Err(Refusal::NotAVoter);
+                }
+            }
+            MessageBody::Append { .. }
+            | MessageBody::Heartbeat { .. }
+            | MessageBody::SnapshotChunk { .. } => {
+                if !self.may_lead(m.from) {
+                    return Err(Refusal::NotAMember);
+                }
+            }
+            // Only the leader this node follows, in its term, hands out reads or transfers.
+            MessageBody::TimeoutNow | MessageBody::ReadIndexResponse { .. } => {
+                if !self.conf.contains(m.from) {
+                    return Err(Refusal::NotAMember);
+                }
+                if m.term >= self.term && self.leader != Some(m.from) {
+                    return Err(Refusal::NotTheLeader);
+                }
+            }
+            MessageBody::AppendResponse { .. }
+            | MessageBody::HeartbeatResponse { .. }
+            | MessageBody::SnapshotResponse { .. }
+            | MessageBody::ReadIndexRequest { .. } => {
+                if !self.conf.contains(m.from) {
+                    return Err(Refusal::NotAMember);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether `from` may act as this node's leader. A member may. So may a node named in a
+    /// membership change this node holds but has not applied yet (the change that adds a
+    /// new leader is in flight). A node that does not vote in its own configuration (a
+    /// joining node, which starts knowing no member at all, or a learner that caught up
+    /// from a snapshot taken before the leader joined) accepts any leader: it cannot vote
+    /// or count toward a commit, and it learns the membership from what it is sent.
+    fn may_lead(&self, from: NodeId) -> bool {
+        self.conf.contains(from)
+            || !self.conf.is_voter(self.id)
+            || self.named_in_unapplied_conf_change(from)
+    }
+
+    fn named_in_unapplied_conf_change(&self, id: NodeId) -> bool {
+        let last = self.log.last_index();
+        if self.log.applied >= last {
+            return false;
+        }
+        let Ok(entries) = self.log.entries(self.log.applied + 1, last + 1, u64::MAX) else {
+            return false;
+        };
+        entries
+            .iter()
+            .filter(|e| e.kind == EntryKind::ConfChange)
+            .filter_map(|e| ConfChange::decode(&e.data))
+            .any(|change| match change {
+                ConfChange::Enter(steps) => steps.iter().any(|step| {
+                    matches!(*step, ConfChangeStep::AddVoter(added)
+                        | ConfChangeStep::AddLearner(added) if added == id)
+                }),
+                ConfChange::Leave => false,
+            })
+    }
+
+    /// Bounds on the body's fields that hold whatever the node's role.
+    fn check_body(&self, m: &Message) -> Result<(), Refusal> {
+        let index_bound = |field: &'static str, index: Index, bound: Index| {
+            if index > bound {
+                Err(Refusal::IndexBeyondBound {
+                    field,
+                    index,
+                    bound,
+                })
+            } else {
+                Ok(())
+            }
+        };
+        let term_bound = |field: &'static str, term: Term| {
+            if term > m.term {
+                Err(Refusal::TermAhead {
+                    field,
+                    term,
+                    message_term: m.term,
+                })
+            } else {
+                Ok(())
+            }
+        };
+        match &m.body {
+            MessageBody::Append {
+                prev_index,
+                prev_term,
+                entries,
+                commit,
+            } => {
+                index_bound("prev_index", *prev_index, MAX_INDEX)?;
+                index_bound("commit", *commit, MAX_INDEX)?;
+                term_bound("prev_term", *prev_term)?;
+                self.check_entries(*prev_index, *prev_term, entries, m.term)?;
+            }
+            MessageBody::AppendResponse {
+                index,
+                hint_index,
+                hint_term,
+                ..
+            } => {
+                index_bound("index", *index, MAX_INDEX)?;
+                index_bound("hint_index", *hint_index, MAX_INDEX)?;
+                term_bound("hint_term", *hint_term)?;
+            }
+            MessageBody::Vote {
+                last_index,
+                last_term,
+                ..
+            } => {
+                index_bound("last_index", *last_index, MAX_INDEX)?;
+                term_bound("last_term", *last_term)?;
+            }
+            MessageBody::Heartbeat { commit, .. } => index_bound("commit", *commit, MAX_INDEX)?,
+            MessageBody::SnapshotChunk {
+                meta, offset, data, ..
+            } => {
+                index_bound("snapshot index", meta.index, MAX_INDEX)?;
+                term_bound("snapshot term", meta.term)?;
+                if meta.index > 0 && meta.conf_state.voters.is_empty() {
+                    return Err(Refusal::SnapshotWithoutVoters);
+                }
+                let limit = self.config.max_snapshot_bytes;
+                let size = offset.saturating_add(data.len() as u64);
+                if size > limit {
+                    return Err(Refusal::SnapshotTooLarge { size, limit });
+                }
+            }
+            MessageBody::SnapshotResponse {
+                snapshot_index,
+                next_offset,
+                ..
+            } => {
+                index_bound("snapshot_index", *snapshot_index, MAX_INDEX)?;
+                index_bound("next_offset", *next_offset, self.config.max_snapshot_bytes)?;
+            }
+            MessageBody::ReadIndexResponse { index, .. } => {
+                index_bound("read index", *index, MAX_INDEX)?
+            }
+            MessageBody::VoteResponse { .. }
+            | MessageBody::HeartbeatResponse { .. }
+            | MessageBody::ReadIndexRequest { .. }
+            | MessageBody::TimeoutNow => {}
+        }
+        Ok(())
+    }
+
+    /// An Append's entries must follow `prev_index` one by one with terms from `prev_term` up
+    /// to the message's term, as in any leader's log; and none may contradict an entry this
+    /// node knows committed (Leader Completeness: a real leader holds every committed entry).
+    fn check_entries(
+        &self,
+        prev_index: Index,
+        prev_term: Term,
+        entries: &[Entry],
+        message_term: Term,
+    ) -> Result<(), Refusal> {
+        let mut expected_index = prev_index;
+        let mut floor_term = prev_term;
+        for (position, entry) in entries.iter().enumerate() {
+            expected_index = expected_index
+                .checked_add(1)
+                .filter(|&index| index <= MAX_INDEX)
+                .ok_or(Refusal::IndexBeyondBound {
+                    field: "entry index",
+                    index: entry.index,
+                    bound: MAX_INDEX,
+                })?;
+            if entry.index != expected_index || entry.term < floor_term {
+                return Err(Refusal::EntriesNotContiguous {
+                    position,
+                    index: entry.index,
+                });
+            }
+            if entry.term > message_term {
+                return Err(Refusal::TermAhead {
+                    field: "entry term",
+                    term: entry.term,
+                    message_term,
+                });
+            }
+            floor_term = entry.term;
+            let committed = self.log.committed;
+            if entry.index <= committed
+                && entry.index >= self.log.first_index()
+                && !self.log.match_term(entry.index, entry.term)
+            {
+                return Err(Refusal::ConflictBelowCommit {
+                    index: entry.index,
+                    committed,
+                });
+            }
+        }
+        Ok(())
+    }
+
     fn handle_vote(&mut self, m: &Message, pre: bool, last_index: Index, last_term: Term) {
         let can_vote = self.vote == Some(m.from)
             || (self.vote.is_none() && self.leader.is_none())
@@ -459,10 +709,12 @@ impl<S: Storage> Raft<S> {
                 self.votes.insert(m.from, granted);
                 match self.tally_votes() {
                     VoteResult::Won => self.on_election_won(pre),
-                    VoteResult::Lost => self.become_follower(self.term, None),
-                    VoteResult::Pending => {}
+                    VoteResult::Lost => {
+                        self.become_follower(self.term, None);
+                        Ok(())
+                    }
+                    VoteResult::Pending => Ok(()),
                 }
-                Ok(())
             }
             _ => Ok(()),
         }
@@ -491,12 +743,26 @@ impl<S: Storage> Raft<S> {
                 offset,
                 data,
                 done,
+                image_crc32c,
             } => {
                 self.election_elapsed = 0;
                 self.leader = Some(m.from);
-                self.handle_snapshot_chunk(m.from, meta, offset, data, done);
+                let chunk = IncomingChunk {
+                    meta,
+                    offset,
+                    data,
+                    done,
+                    image_crc32c,
+                };
+                if let Err(reason) = self.handle_snapshot_chunk(m.from, chunk) {
+                    return Err(Error::RefusedMessage {
+                        from: m.from,
+                        kind: "SnapshotChunk",
+                        reason,
+                    });
+                }
             }
-            MessageBody::TimeoutNow => self.campaign(CampaignKind::Transfer),
+            MessageBody::TimeoutNow => return self.campaign(CampaignKind::Transfer),
             MessageBody::ReadIndexResponse { context, index } => {
                 self.read_states.push(ReadState { index, context });
             }
@@ -551,14 +817,18 @@ impl<S: Storage> Raft<S> {
         }
     }
 
-    fn handle_snapshot_chunk(
-        &mut self,
-        from: NodeId,
-        meta: SnapshotMeta,
-        offset: u64,
-        data: Bytes,
-        done: bool,
-    ) {
+    /// Assembles a snapshot chunk by chunk. A chunk that cannot belong to the transfer (an
+    /// offset past what arrived, another checksum, a size past the cap) or an image whose
+    /// checksum does not match is refused; the node keeps its log and answers so that a real
+    /// leader resumes or starts over.
+    fn handle_snapshot_chunk(&mut self, from: NodeId, chunk: IncomingChunk) -> Result<(), Refusal> {
+        let IncomingChunk {
+            meta,
+            offset,
+            data,
+            done,
+            image_crc32c,
+        } = chunk;
         let index = meta.index;
         if index <= self.log.committed {
             // We already have everything it covers.
@@ -570,46 +840,44 @@ impl<S: Storage> Raft<S> {
                 reject: false,
             };
             self.send(from, body);
-            return;
+            return Ok(());
         }
         if offset == 0 {
             self.incoming_snapshot = Some(IncomingSnapshot {
                 meta: meta.clone(),
                 data: BytesMut::new(),
+                image_crc32c,
             });
         }
         let Some(incoming) = self.incoming_snapshot.as_mut().filter(|s| s.meta == meta) else {
             // A chunk of a snapshot we are not receiving: ask the leader to start over.
+            self.reject_snapshot(from, index);
+            return Ok(());
+        };
+        if incoming.image_crc32c != image_crc32c {
+            self.incoming_snapshot = None;
+            self.reject_snapshot(from, index);
+            return Err(Refusal::SnapshotChecksumChanged);
+        }
+        let received = incoming.data.len() as u64;
+        if offset > received {
+            // Tell the leader where to resume; the chunk itself cannot be placed.
             let body = MessageBody::SnapshotResponse {
                 snapshot_index: index,
-                next_offset: 0,
+                next_offset: received,
                 installed: false,
-                reject: true,
+                reject: false,
             };
             self.send(from, body);
-            return;
-        };
-        if offset == incoming.data.len() as u64 {
+            return Err(Refusal::SnapshotOffsetBeyondReceived { offset, received });
+        }
+        if offset == received {
             incoming.data.extend_from_slice(&data);
         }
         let next_offset = incoming.data.len() as u64;
-        if done && offset + data.len() as u64 == next_offset {
-            let Some(incoming) = self.incoming_snapshot.take() else {
-                return;
-            };
-            let snapshot = Snapshot {
-                meta: incoming.meta,
-                data: incoming.data.freeze(),
-            };
-            self.restore(snapshot);
-            let body = MessageBody::SnapshotResponse {
-                snapshot_index: index,
-                next_offset,
-                installed: true,
-                reject: false,
-            };
-            self.send(from, body);
-        } else {
+        // `offset + len` is bounded by `max_snapshot_bytes` (checked in `check_body`).
+        let chunk_end = offset.saturating_add(data.len() as u64);
+        if !(done && chunk_end == next_offset) {
             let body = MessageBody::SnapshotResponse {
                 snapshot_index: index,
                 next_offset,
@@ -617,7 +885,43 @@ impl<S: Storage> Raft<S> {
                 reject: false,
             };
             self.send(from, body);
+            return Ok(());
         }
+        let Some(incoming) = self.incoming_snapshot.take() else {
+            return Ok(());
+        };
+        let computed = crc32c::crc32c(&incoming.data);
+        if computed != incoming.image_crc32c {
+            // Nothing reaches the log or the application: ask for the whole snapshot again.
+            self.reject_snapshot(from, index);
+            return Err(Refusal::SnapshotChecksumMismatch {
+                expected: incoming.image_crc32c,
+                computed,
+            });
+        }
+        let snapshot = Snapshot {
+            meta: incoming.meta,
+            data: incoming.data.freeze(),
+        };
+        self.restore(snapshot);
+        let body = MessageBody::SnapshotResponse {
+            snapshot_index: index,
+            next_offset,
+            installed: true,
+            reject: false,
+        };
+        self.send(from, body);
+        Ok(())
+    }
+
+    fn reject_snapshot(&mut self, to: NodeId, snapshot_index: Index) {
+        let body = MessageBody::SnapshotResponse {
+            snapshot_index,
+            next_offset: 0,
+            installed: false,
+            reject: true,
+        };
+        self.send(to, body);
     }
 
     /// Replaces this follower's log and membership with a snapshot from the leader.
@@ -648,6 +952,20 @@ impl<S: Storage> Raft<S> {
                         from: m.from,
                         index,
                         last_index,
+                    });
+                }
+                // A rejection's hint points into the follower's log no further than the
+                // rejected previous index; `hint_index + 1` below relies on it.
+                let hint_bound = if reject { index } else { last_index };
+                if hint_index > hint_bound {
+                    return Err(Error::RefusedMessage {
+                        from: m.from,
+                        kind: "AppendResponse",
+                        reason: Refusal::IndexBeyondBound {
+                            field: "hint_index",
+                            index: hint_index,
+                            bound: hint_bound,
+                        },
                     });
                 }
                 self.handle_append_response(m.from, index, reject, hint_index, hint_term);
@@ -766,6 +1084,7 @@ impl<S: Storage> Raft<S> {
         let ReplicationMode::Snapshot {
             meta,
             next_offset: expected,
+            ..
         } = &mut pr.mode
         else {
             return;
@@ -861,15 +1180,19 @@ impl<S: Storage> Raft<S> {
             !snapshot.is_empty(),
             "log compacted but no snapshot to send to {to}"
         );
+        let image_crc32c = crc32c::crc32c(&snapshot.data);
         if let Some(pr) = self.progress.get_mut(&to) {
-            pr.become_snapshot(snapshot.meta);
+            pr.become_snapshot(snapshot.meta, image_crc32c);
         }
         self.send_snapshot_chunk(to);
     }
 
     fn send_snapshot_chunk(&mut self, to: NodeId) {
-        let Some(ReplicationMode::Snapshot { meta, next_offset }) =
-            self.progress.get(&to).map(|pr| pr.mode.clone())
+        let Some(ReplicationMode::Snapshot {
+            meta,
+            next_offset,
+            image_crc32c,
+        }) = self.progress.get(&to).map(|pr| pr.mode.clone())
         else {
             return;
         };
@@ -887,13 +1210,16 @@ impl<S: Storage> Raft<S> {
         }
         let total = snapshot.data.len() as u64;
         let start = next_offset.min(total);
-        let end = (start + self.config.snapshot_chunk_bytes).min(total);
+        let end = start
+            .saturating_add(self.config.snapshot_chunk_bytes)
+            .min(total);
         let data = snapshot.data.slice(start as usize..end as usize);
         let body = MessageBody::SnapshotChunk {
             meta,
             offset: start,
             data,
             done: end == total,
+            image_crc32c,
         };
         self.send(to, body);
     }

@@ -99,15 +99,16 @@ impl<S: Storage> RawNode<S> {
     }
 
     /// Starts an election now (for tests and for bootstrapping a single node quickly).
-    pub fn campaign(&mut self) {
-        self.raft.campaign(CampaignKind::Timeout);
+    /// Fails only with [`Error::TermExhausted`], when the term cannot grow any more.
+    pub fn campaign(&mut self) -> Result<(), Error> {
+        self.raft.campaign(CampaignKind::Timeout)
     }
 
-    /// Feeds a message from a peer.
+    /// Feeds a message from a peer. A message that fails the core's checks is dropped and
+    /// comes back as [`Error::RefusedMessage`] (or one of the older refusals,
+    /// [`Error::is_refused_message`]); the node's state is as if it never arrived. Refusals
+    /// are never fatal: log, count and carry on.
     pub fn step(&mut self, message: Message) -> Result<(), Error> {
-        if message.to != self.raft.id {
-            return Ok(());
-        }
         self.raft.step(message)
     }
 

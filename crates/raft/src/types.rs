@@ -252,11 +252,15 @@ pub enum MessageBody {
         context: Option<Bytes>,
     },
     /// Leader → follower: one chunk of a snapshot. Chunks are sent in order, one at a time.
+    /// Every chunk carries `image_crc32c`, the crc32c of the whole image (`Snapshot::data`):
+    /// the follower checks the assembled image against it before handing it to the
+    /// application, and asks for the snapshot again when it does not match.
     SnapshotChunk {
         meta: SnapshotMeta,
         offset: u64,
         data: Bytes,
         done: bool,
+        image_crc32c: u32,
     },
     /// Follower → leader: the chunk ending at `next_offset` arrived (or the follower asks to
     /// restart from `next_offset`, which may be 0). `installed` is true once the whole snapshot

@@ -2,165 +2,16 @@
 //! network. Each test names the rule it checks; the simulator covers the same rules under
 //! random faults.
 
-use std::collections::{BTreeMap, BTreeSet};
+mod common;
+
+use std::collections::BTreeMap;
 
 use bytes::Bytes;
+use common::{Net, config, entry};
 use conclave_raft::{
-    ConfChangeStep, ConfState, Config, Entry, EntryKind, Error, HardState, MemStorage, Message,
-    MessageBody, RawNode, ReadState, Role, Snapshot, SnapshotMeta, Storage, apply_steps,
+    ConfChangeStep, ConfState, Config, Entry, Error, HardState, MemStorage, Message, MessageBody,
+    RawNode, ReadState, Role, Snapshot, SnapshotMeta, Storage, apply_steps,
 };
-
-struct Net {
-    nodes: BTreeMap<u64, RawNode<MemStorage>>,
-    /// Directed links that drop everything.
-    cut: BTreeSet<(u64, u64)>,
-    /// Every message sent, in order.
-    sent: Vec<Message>,
-    read_states: BTreeMap<u64, Vec<ReadState>>,
-}
-
-fn config(id: u64) -> Config {
-    let mut config = Config::new(id);
-    config.election_ticks = 10;
-    config.heartbeat_ticks = 2;
-    config
-}
-
-impl Net {
-    fn new(size: u64) -> Net {
-        Net::with_config(size, config)
-    }
-
-    /// A fresh cluster of `size` founding members configured by `make`.
-    fn with_config(size: u64, make: fn(u64) -> Config) -> Net {
-        let voters: Vec<u64> = (1..=size).collect();
-        let stores = voters
-            .iter()
-            .map(|&id| {
-                (
-                    id,
-                    MemStorage::new_with_conf_state(ConfState::with_voters(voters.clone())),
-                )
-            })
-            .collect();
-        Net::with_stores(stores, make)
-    }
-
-    fn with_stores(stores: BTreeMap<u64, MemStorage>, make: fn(u64) -> Config) -> Net {
-        let nodes = stores
-            .into_iter()
-            .map(|(id, store)| (id, RawNode::new(make(id), store).expect("valid config")))
-            .collect();
-        Net {
-            nodes,
-            cut: BTreeSet::new(),
-            sent: Vec::new(),
-            read_states: BTreeMap::new(),
-        }
-    }
-
-    fn node(&mut self, id: u64) -> &mut RawNode<MemStorage> {
-        self.nodes.get_mut(&id).expect("node exists")
-    }
-
-    fn isolate(&mut self, id: u64) {
-        for &other in self.nodes.keys() {
-            if other != id {
-                self.cut.insert((id, other));
-                self.cut.insert((other, id));
-            }
-        }
-    }
-
-    fn heal(&mut self) {
-        self.cut.clear();
-    }
-
-    /// Handles every Ready (persisting to the node's MemStorage) and returns the messages.
-    fn collect(&mut self) -> Vec<Message> {
-        let mut out = Vec::new();
-        for (&id, node) in self.nodes.iter_mut() {
-            while node.has_ready() {
-                let ready = node.ready();
-                let store = node.store_mut();
-                if let Some(snapshot) = &ready.snapshot {
-                    store.apply_snapshot(snapshot.clone());
-                }
-                store.append(&ready.entries);
-                if let Some(hard_state) = ready.hard_state {
-                    store.set_hard_state(hard_state);
-                }
-                out.extend(ready.messages.iter().cloned());
-                self.read_states
-                    .entry(id)
-                    .or_default()
-                    .extend(ready.read_states.iter().cloned());
-                node.advance(ready);
-            }
-        }
-        self.sent.extend(out.iter().cloned());
-        out
-    }
-
-    /// Delivers messages until the network is quiet, passing each through `filter`.
-    fn settle_with(&mut self, filter: &mut dyn FnMut(&Message) -> bool) {
-        for _ in 0..10_000 {
-            let messages = self.collect();
-            if messages.is_empty() {
-                return;
-            }
-            for m in messages {
-                if self.cut.contains(&(m.from, m.to)) || !filter(&m) {
-                    continue;
-                }
-                if let Some(node) = self.nodes.get_mut(&m.to) {
-                    let _ = node.step(m);
-                }
-            }
-        }
-        panic!("network never went quiet");
-    }
-
-    fn settle(&mut self) {
-        self.settle_with(&mut |_| true);
-    }
-
-    fn tick_all(&mut self, ticks: u64) {
-        for _ in 0..ticks {
-            for node in self.nodes.values_mut() {
-                node.tick();
-            }
-            self.settle();
-        }
-    }
-
-    fn leaders(&self) -> Vec<u64> {
-        self.nodes
-            .iter()
-            .filter(|(_, n)| n.role() == Role::Leader)
-            .map(|(&id, _)| id)
-            .collect()
-    }
-
-    fn elect(&mut self, id: u64) {
-        self.node(id).campaign();
-        self.settle();
-        assert_eq!(
-            self.node(id).role(),
-            Role::Leader,
-            "node {id} failed to win"
-        );
-    }
-}
-
-fn entry(index: u64, term: u64) -> Entry {
-    Entry {
-        index,
-        term,
-        kind: EntryKind::Normal,
-        data: Bytes::from(format!("{index}@{term}")),
-    }
-}
 
 #[test]
 fn a_leader_is_elected_and_its_empty_entry_commits_everywhere() {
@@ -224,7 +75,7 @@ fn entries_of_earlier_terms_commit_only_through_the_current_term() {
     }
     let mut net = Net::with_stores(stores, config);
     // Node 1 wins term 4 but its appends are held back.
-    net.node(1).campaign();
+    net.node(1).campaign().expect("the term can grow");
     net.settle_with(&mut |m| !matches!(m.body, MessageBody::Append { .. }));
     assert_eq!(net.node(1).role(), Role::Leader);
     let term = net.node(1).term();
@@ -391,7 +242,7 @@ fn read_index_needs_a_quorum_round_and_works_from_followers() {
 #[test]
 fn read_index_on_a_new_leader_waits_for_its_first_commit() {
     let mut net = Net::new(3);
-    net.node(1).campaign();
+    net.node(1).campaign().expect("the term can grow");
     // Win the election but keep the empty entry from being acknowledged.
     net.settle_with(&mut |m| !matches!(m.body, MessageBody::AppendResponse { .. }));
     assert_eq!(net.node(1).role(), Role::Leader);
@@ -550,7 +401,7 @@ fn a_candidate_persists_its_vote_before_asking_for_votes() {
         c
     }
     let mut net = Net::with_config(3, no_prevote);
-    net.node(1).campaign();
+    net.node(1).campaign().expect("the term can grow");
     let ready = net.node(1).ready();
     let hard_state = ready.hard_state.expect("hard state changed");
     assert_eq!(hard_state.vote, Some(1));

@@ -113,6 +113,7 @@ fn sample_message(seq: u64) -> Message {
             offset: seq * 10,
             data: Bytes::from(vec![7u8; 1000]),
             done: seq.is_multiple_of(2),
+            image_crc32c: seq as u32,
         },
         6 => MessageBody::ReadIndexResponse {
             context,

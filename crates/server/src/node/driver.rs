@@ -49,7 +49,14 @@ pub struct NodeStatus {
     pub members: Vec<Member>,
     /// Set once the driver stopped; the reason, empty for a clean shutdown.
     pub stopped: Option<String>,
+    /// Peer messages the Raft core refused (forged, out of bounds, from a non-member) and
+    /// the driver dropped, since the node started.
+    pub refused_peer_messages: u64,
 }
+
+/// At most one WARN line per this many milliseconds about refused peer messages; the ones
+/// in between are only counted, and the next line says how many were not logged.
+const REFUSED_MESSAGE_WARN_INTERVAL_MS: u64 = 1_000;
 
 /// Where a proposal's answer goes.
 pub(crate) type ProposeReply<O> = oneshot::Sender<Result<Applied<O>, Error>>;
@@ -356,6 +363,47 @@ pub(crate) struct Core<M: ReplicatedMachine> {
     /// The caller's runtime, which has the IO driver the peer links need (the driver's own
     /// runtime has timers only).
     peer_runtime: tokio::runtime::Handle,
+    refused: RefusedMessages,
+}
+
+/// Counts the peer messages the core refused and rate-limits their WARN lines, so a flood
+/// of forged messages costs a counter increment each, not a log line each.
+#[derive(Default)]
+struct RefusedMessages {
+    total: u64,
+    /// Refused since the last WARN line, not logged one by one.
+    unlogged: u64,
+    last_warn: Option<Instant>,
+}
+
+impl RefusedMessages {
+    fn record(&mut self, error: &conclave_raft::Error) {
+        self.total = self.total.saturating_add(1);
+        let interval = Duration::from_millis(REFUSED_MESSAGE_WARN_INTERVAL_MS);
+        let now = Instant::now();
+        if self
+            .last_warn
+            .is_some_and(|last| now.duration_since(last) < interval)
+        {
+            self.unlogged = self.unlogged.saturating_add(1);
+            return;
+        }
+        let sender = match error {
+            conclave_raft::Error::RefusedMessage { from, .. }
+            | conclave_raft::Error::AppendResponseBeyondLog { from, .. }
+            | conclave_raft::Error::UnknownPeer(from) => Some(*from),
+            _ => None,
+        };
+        tracing::warn!(
+            sender,
+            reason = %error,
+            not_logged_since_last = self.unlogged,
+            total_refused = self.total,
+            "peer message refused and dropped"
+        );
+        self.unlogged = 0;
+        self.last_warn = Some(now);
+    }
 }
 
 /// A snapshot whose file a helper thread writes: encoding the machine needs the driver
@@ -422,6 +470,7 @@ pub(crate) fn spawn<M: ReplicatedMachine, D: Duties<M>>(
         snapshot_job: None,
         members,
         removals: BTreeSet::new(),
+        refused: RefusedMessages::default(),
         peer_runtime: tokio::runtime::Handle::try_current()
             .map_err(|e| Error::RaftStart(format!("no tokio runtime for the peer links: {e}")))?,
     };
@@ -487,7 +536,9 @@ impl<M: ReplicatedMachine, D: Duties<M>> Driver<M, D> {
         // A one-member cluster need not wait out an election timeout.
         if core.raw.conf_state().voters.len() == 1 && core.raw.conf_state().is_voter(core.raw.id())
         {
-            core.raw.campaign();
+            if let Err(error) = core.raw.campaign() {
+                tracing::warn!(%error, "not campaigning");
+            }
         }
         let mut stopping_since: Option<Instant> = None;
         loop {
@@ -706,13 +757,13 @@ impl<M: ReplicatedMachine> Core<M> {
         }
     }
 
+    /// Steps a peer's message into the core. A refusal drops the message, never the node.
     fn step(&mut self, message: conclave_raft::Message) {
         match self.raw.step(message) {
             Ok(()) => {}
-            Err(error @ conclave_raft::Error::AppendResponseBeyondLog { .. }) => {
-                tracing::warn!(%error, "peer message refused");
-            }
-            Err(error) => tracing::debug!(%error, "peer message refused"),
+            Err(error) if error.is_refused_message() => self.refused.record(&error),
+            // A TimeoutNow the node cannot act on (its term is exhausted).
+            Err(error) => tracing::warn!(%error, "peer message not acted on"),
         }
     }
 
@@ -1138,6 +1189,7 @@ impl<M: ReplicatedMachine> Core<M> {
             conf_state: self.raw.conf_state().clone(),
             members: self.members.values().cloned().collect(),
             stopped: None,
+            refused_peer_messages: self.refused.total,
         };
         self.status.send_if_modified(|current| {
             if *current == status {
