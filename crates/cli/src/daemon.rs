@@ -25,6 +25,8 @@ const STOP_TIMEOUT: Duration = Duration::from_secs(15);
 const POLL: Duration = Duration::from_millis(50);
 
 #[derive(Subcommand, Debug)]
+// Parsed once per process; boxing the serve flags would only complicate clap's derive.
+#[allow(clippy::large_enum_variant)]
 pub enum DaemonCommand {
     /// Start `conclave serve` in the background with these serve flags (every flag `serve`
     /// takes: tests compare the two `--help` texts).

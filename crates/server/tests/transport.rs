@@ -6,11 +6,14 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use conclave_raft::{ConfState, Entry, EntryKind, Message, MessageBody, SnapshotMeta};
 use conclave_server::Error;
-use conclave_server::transport::frame::{self, Frame, FrameReader, Hello};
+use conclave_server::transport::auth::{self, PeerKey, Transcript};
+use conclave_server::transport::frame::{self, Frame, FrameReader, Hello, HelloProof};
 use conclave_server::transport::{
-    InboundMessage, MAX_PEER_FRAME_BYTES, PeerTransport, TransportConfig, bind_peer_listener,
-    serve_peers,
+    InboundMessage, MAX_PEER_FRAME_BYTES, PeerListenerState, PeerTransport, TransportConfig,
+    bind_peer_listener, serve_peers_with,
 };
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot};
@@ -24,23 +27,35 @@ struct Listener {
     inbound: mpsc::Receiver<InboundMessage>,
     stop: oneshot::Sender<()>,
     task: JoinHandle<Result<(), Error>>,
+    state: Arc<PeerListenerState>,
 }
 
 impl Listener {
     async fn start(node_id: u64, address: &str) -> Listener {
+        Listener::start_with(TransportConfig::new(CLUSTER_ID, node_id), address).await
+    }
+
+    async fn start_with(config: TransportConfig, address: &str) -> Listener {
         let listener = bind_peer_listener(address).await.expect("loopback binds");
         let address = listener.local_addr().expect("bound socket has an address");
         let (sender, inbound) = mpsc::channel(1024);
         let (stop, stopped) = oneshot::channel::<()>();
-        let config = TransportConfig::new(CLUSTER_ID, node_id);
-        let task = tokio::spawn(serve_peers(listener, config, sender, async {
-            let _ = stopped.await;
-        }));
+        let state = PeerListenerState::new();
+        let task = tokio::spawn(serve_peers_with(
+            listener,
+            config,
+            sender,
+            state.clone(),
+            async {
+                let _ = stopped.await;
+            },
+        ));
         Listener {
             address,
             inbound,
             stop,
             task,
+            state,
         }
     }
 
@@ -256,11 +271,42 @@ async fn reconnects_after_the_listener_restarts() {
     listener.stop().await;
 }
 
-/// A raw connection that has passed the handshake, for feeding hand-made frames.
+/// A raw connection after the handshake with the cluster's (weak) key, for feeding hand-made
+/// frames; the answer is the listener's last handshake frame.
 async fn handshaken(address: SocketAddr, hello: Hello) -> (TcpStream, Option<Frame>) {
+    handshaken_with(address, hello, &PeerKey::weak_from_cluster_id(CLUSTER_ID)).await
+}
+
+async fn handshaken_with(
+    address: SocketAddr,
+    hello: Hello,
+    key: &PeerKey,
+) -> (TcpStream, Option<Frame>) {
     let mut stream = TcpStream::connect(address).await.expect("listener accepts");
     let mut buffer = Vec::new();
-    frame::encode_frame(&Frame::Hello(hello), &mut buffer).expect("encodes");
+    frame::encode_frame(&Frame::Hello(hello.clone()), &mut buffer).expect("encodes");
+    stream.write_all(&buffer).await.expect("writes");
+    let answer = tokio::time::timeout(WAIT, FrameReader::new(&mut stream).next_frame())
+        .await
+        .expect("answer in time")
+        .expect("a well-formed answer");
+    let Some(Frame::HelloChallenge(challenge)) = answer else {
+        return (stream, answer);
+    };
+    let transcript = Transcript {
+        cluster_id: hello.cluster_id,
+        dialer: hello.from,
+        listener: hello.to,
+        dialer_nonce: &hello.nonce,
+        listener_nonce: &challenge.nonce,
+        dialer_name: &hello.name,
+        dialer_client_address: &hello.client_address,
+    };
+    buffer.clear();
+    let proof = Frame::HelloProof(HelloProof {
+        proof: transcript.dialer_proof(key),
+    });
+    frame::encode_frame(&proof, &mut buffer).expect("encodes");
     stream.write_all(&buffer).await.expect("writes");
     let answer = tokio::time::timeout(WAIT, FrameReader::new(&mut stream).next_frame())
         .await
@@ -274,6 +320,9 @@ fn good_hello() -> Hello {
         cluster_id: CLUSTER_ID,
         from: 1,
         to: 2,
+        nonce: auth::new_nonce().expect("randomness"),
+        name: "node1".into(),
+        client_address: "127.0.0.1:2379".into(),
     }
 }
 
@@ -340,16 +389,206 @@ async fn oversize_frame_closes_the_connection_before_allocating() {
 }
 
 #[tokio::test]
-async fn spoofed_sender_closes_the_connection() {
+async fn spoofed_sender_or_recipient_is_dropped_and_counted() {
     let mut listener = Listener::start(2, "127.0.0.1:0").await;
     let (mut stream, _) = handshaken(listener.address, good_hello()).await;
     let spoofed = Message {
         from: 3,
         ..sample_message(1)
     };
+    let misaddressed = Message {
+        to: 7,
+        ..sample_message(2)
+    };
     stream.write_all(&encoded(&spoofed)).await.expect("writes");
-    assert_closed_by_listener(&mut stream).await;
+    stream
+        .write_all(&encoded(&misaddressed))
+        .await
+        .expect("writes");
+    stream
+        .write_all(&encoded(&sample_message(3)))
+        .await
+        .expect("writes");
+    // Only the honest message arrives; the connection stays up.
+    assert_eq!(listener.receive().await.1, sample_message(3));
     assert!(listener.inbound.try_recv().is_err());
+    let stats = &listener.state.stats;
+    assert_eq!(stats.messages_wrong_sender.load(Ordering::Relaxed), 1);
+    assert_eq!(stats.messages_wrong_recipient.load(Ordering::Relaxed), 1);
+}
+
+#[tokio::test]
+async fn a_wrong_secret_is_refused_and_nothing_after_it_is_read() {
+    let config = TransportConfig {
+        peer_key: PeerKey::from_secret(b"the-real-cluster-secret").expect("long enough"),
+        ..TransportConfig::new(CLUSTER_ID, 2)
+    };
+    let listener = Listener::start_with(config, "127.0.0.1:0").await;
+    for key in [
+        PeerKey::weak_from_cluster_id(CLUSTER_ID),
+        PeerKey::from_secret(b"some-other-secret-here").expect("long enough"),
+    ] {
+        let (mut stream, answer) = handshaken_with(listener.address, good_hello(), &key).await;
+        let Some(Frame::HelloRejected(rejected)) = answer else {
+            panic!("expected a rejection, got {answer:?}");
+        };
+        assert!(
+            rejected.reason.contains("peer secret"),
+            "{}",
+            rejected.reason
+        );
+        let _ = stream.write_all(&encoded(&sample_message(1))).await;
+        assert_closed_by_listener(&mut stream).await;
+    }
+    assert_eq!(
+        listener
+            .state
+            .stats
+            .authentication_failures
+            .load(Ordering::Relaxed),
+        2
+    );
+    let mut inbound = listener.stop().await;
+    assert!(inbound.try_recv().is_err(), "no message was forwarded");
+}
+
+#[tokio::test]
+async fn idle_handshakes_time_out_and_never_hold_a_member_slot() {
+    let config = TransportConfig {
+        handshake_timeout_ms: 300,
+        peer_connections_max: 1,
+        peer_handshakes_max: 8,
+        ..TransportConfig::new(CLUSTER_ID, 2)
+    };
+    let mut listener = Listener::start_with(config, "127.0.0.1:0").await;
+    // More idle Hellos than member slots, none finishing the handshake.
+    let mut idle = Vec::new();
+    for from in 10..15 {
+        let mut stream = TcpStream::connect(listener.address).await.expect("accepts");
+        let mut buffer = Vec::new();
+        let hello = Hello {
+            from,
+            ..good_hello()
+        };
+        frame::encode_frame(&Frame::Hello(hello), &mut buffer).expect("encodes");
+        stream.write_all(&buffer).await.expect("writes");
+        idle.push(stream);
+    }
+    // A real member still gets in while they are held.
+    let (mut stream, answer) = handshaken(listener.address, good_hello()).await;
+    assert!(
+        matches!(answer, Some(Frame::HelloAccepted(_))),
+        "{answer:?}"
+    );
+    stream
+        .write_all(&encoded(&sample_message(1)))
+        .await
+        .expect("writes");
+    assert_eq!(listener.receive().await.1, sample_message(1));
+    // And the idle ones are closed by the handshake timeout.
+    for stream in &mut idle {
+        let mut sink = [0u8; 256];
+        let closed = tokio::time::timeout(WAIT, async {
+            while matches!(stream.read(&mut sink).await, Ok(n) if n > 0) {}
+        })
+        .await;
+        assert!(closed.is_ok(), "an idle handshake outlived its timeout");
+    }
+    assert_eq!(
+        listener
+            .state
+            .stats
+            .handshake_timeouts
+            .load(Ordering::Relaxed),
+        5
+    );
+}
+
+#[tokio::test]
+async fn a_members_new_connection_replaces_its_old_one_and_idle_ones_close() {
+    let config = TransportConfig {
+        peer_connections_max: 1,
+        peer_idle_timeout_ms: 400,
+        keepalive_interval_ms: 100,
+        ..TransportConfig::new(CLUSTER_ID, 2)
+    };
+    let mut listener = Listener::start_with(config, "127.0.0.1:0").await;
+    let (mut old, _) = handshaken(listener.address, good_hello()).await;
+    let (mut new, answer) = handshaken(listener.address, good_hello()).await;
+    assert!(
+        matches!(answer, Some(Frame::HelloAccepted(_))),
+        "{answer:?}"
+    );
+    assert_closed_by_listener(&mut old).await;
+    new.write_all(&encoded(&sample_message(1)))
+        .await
+        .expect("writes");
+    assert_eq!(listener.receive().await.1, sample_message(1));
+    // Another member is refused while the only slot is held...
+    let (_, answer) = handshaken(
+        listener.address,
+        Hello {
+            from: 3,
+            ..good_hello()
+        },
+    )
+    .await;
+    assert!(
+        matches!(&answer, Some(Frame::HelloRejected(r)) if r.reason.contains("too many")),
+        "{answer:?}"
+    );
+    // ...until the holder goes idle and is closed.
+    assert_closed_by_listener(&mut new).await;
+    let (_, answer) = handshaken(
+        listener.address,
+        Hello {
+            from: 3,
+            ..good_hello()
+        },
+    )
+    .await;
+    assert!(
+        matches!(answer, Some(Frame::HelloAccepted(_))),
+        "{answer:?}"
+    );
+    let stats = &listener.state.stats;
+    assert_eq!(stats.connections_replaced.load(Ordering::Relaxed), 1);
+    assert!(stats.connections_idle_closed.load(Ordering::Relaxed) >= 1);
+    // The announced attributes are there for the leader to record.
+    let announced = listener.state.announced().borrow().clone();
+    assert_eq!(announced.get(&1).map(|a| a.name.as_str()), Some("node1"));
+}
+
+#[tokio::test]
+async fn keepalives_hold_an_idle_link_open() {
+    let config = TransportConfig {
+        peer_idle_timeout_ms: 300,
+        keepalive_interval_ms: 50,
+        ..TransportConfig::new(CLUSTER_ID, 2)
+    };
+    let mut listener = Listener::start_with(config.clone(), "127.0.0.1:0").await;
+    let mut transport = PeerTransport::new(TransportConfig {
+        node_id: 1,
+        ..config
+    })
+    .expect("valid");
+    transport
+        .add_peer(2, listener.address.to_string())
+        .expect("valid peer");
+    send_all(&transport, [sample_message(1)]).await;
+    assert_eq!(listener.receive().await.1, sample_message(1));
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    send_all(&transport, [sample_message(2)]).await;
+    assert_eq!(listener.receive().await.1, sample_message(2));
+    assert_eq!(transport.peer_stats(2).expect("added").connections, 1);
+    assert_eq!(
+        listener
+            .state
+            .stats
+            .connections_idle_closed
+            .load(Ordering::Relaxed),
+        0
+    );
 }
 
 #[tokio::test]

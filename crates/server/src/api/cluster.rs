@@ -393,7 +393,7 @@ impl Membership for MembershipService {
     ) -> Result<tonic::Response<cv1::PublishAttributesResponse>, Status> {
         let refused = PUBLISH_ATTRIBUTES_REFUSED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         // The first refusal and then one in a thousand: a caller in a loop must not flood the log.
-        if refused % 1000 == 0 {
+        if refused.is_multiple_of(1000) {
             tracing::warn!(
                 remote = ?request.remote_addr(),
                 member = request.get_ref().id,

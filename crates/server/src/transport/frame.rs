@@ -560,4 +560,139 @@ mod tests {
             "a refused frame leaves the buffer untouched"
         );
     }
+
+    mod fuzz {
+        use super::*;
+        use proptest::prelude::*;
+
+        fn message() -> impl Strategy<Value = Message> {
+            let body = prop_oneof![
+                (
+                    any::<u64>(),
+                    any::<u64>(),
+                    any::<u64>(),
+                    proptest::collection::vec(
+                        (
+                            any::<u64>(),
+                            any::<u64>(),
+                            proptest::collection::vec(any::<u8>(), 0..64)
+                        ),
+                        0..4
+                    )
+                )
+                    .prop_map(|(prev_index, prev_term, commit, entries)| {
+                        MessageBody::Append {
+                            prev_index,
+                            prev_term,
+                            commit,
+                            entries: entries
+                                .into_iter()
+                                .map(|(term, index, data)| Entry {
+                                    term,
+                                    index,
+                                    kind: EntryKind::Normal,
+                                    data: Bytes::from(data),
+                                })
+                                .collect(),
+                        }
+                    }),
+                (any::<u64>(), any::<bool>(), any::<u64>(), any::<u64>()).prop_map(
+                    |(index, reject, hint_index, hint_term)| MessageBody::AppendResponse {
+                        index,
+                        reject,
+                        hint_index,
+                        hint_term,
+                    }
+                ),
+                (
+                    any::<u64>(),
+                    proptest::option::of(proptest::collection::vec(any::<u8>(), 0..16))
+                )
+                    .prop_map(|(commit, context)| MessageBody::Heartbeat {
+                        commit,
+                        context: context.map(Bytes::from),
+                    }),
+                Just(MessageBody::TimeoutNow),
+            ];
+            (any::<u64>(), any::<u64>(), any::<u64>(), body).prop_map(|(from, to, term, body)| {
+                Message {
+                    from,
+                    to,
+                    term,
+                    body,
+                }
+            })
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(2000))]
+
+            #[test]
+            fn messages_round_trip(message in message()) {
+                let mut wire = Vec::new();
+                encode_message(&message, &mut wire).expect("encodes");
+                let frames = block_on(read_all(&wire)).expect("decodes");
+                prop_assert_eq!(frames, vec![Frame::Message(message)]);
+            }
+
+            /// Random bytes on the stream, with or without a plausible header in front: the
+            /// reader returns frames or an error, never panics, and never reserves room for a
+            /// body longer than its limit.
+            #[test]
+            fn random_streams_never_panic_or_overreserve(
+                length in any::<u32>(),
+                bytes in proptest::collection::vec(any::<u8>(), 0..512),
+                handshake in any::<bool>(),
+            ) {
+                let mut wire = length.to_be_bytes().to_vec();
+                wire.extend_from_slice(&bytes);
+                for stream in [&wire[..], &bytes[..]] {
+                    let mut reader = FrameReader::new(stream);
+                    let limit = if handshake { HANDSHAKE_FRAME_BYTES_MAX } else { MAX_PEER_FRAME_BYTES };
+                    reader.set_frame_bytes_max(limit);
+                    let _ = block_on(async {
+                        while reader.next_frame().await?.is_some() {}
+                        Ok::<_, Error>(())
+                    });
+                    prop_assert!(
+                        reader.buffer.capacity() <= limit + FRAME_HEADER_BYTES + READ_CHUNK_BYTES,
+                        "reserved {} bytes for a stream of {}", reader.buffer.capacity(), stream.len()
+                    );
+                }
+            }
+
+            /// Valid frames with bytes of the body changed and the checksum made to match, so
+            /// the decoder itself (not the checksum) sees the damage.
+            #[test]
+            fn mutated_bodies_never_panic(
+                message in message(),
+                mutations in proptest::collection::vec((any::<usize>(), any::<u8>()), 1..8),
+                cut in any::<usize>(),
+            ) {
+                let mut wire = Vec::new();
+                encode_message(&message, &mut wire).expect("encodes");
+                let mut body = wire[FRAME_HEADER_BYTES..].to_vec();
+                for (position, value) in mutations {
+                    let position = position % body.len();
+                    body[position] = value;
+                }
+                let _ = decode_body(&body, crc32c::crc32c(&body));
+                body.truncate(cut % (body.len() + 1));
+                let _ = decode_body(&body, crc32c::crc32c(&body));
+            }
+        }
+
+        #[test]
+        fn a_handshake_reader_refuses_a_large_frame_before_reserving_it() {
+            let mut wire = (MAX_PEER_FRAME_BYTES as u32).to_be_bytes().to_vec();
+            wire.extend_from_slice(&[0; 4]);
+            let mut reader = FrameReader::new(&wire[..]);
+            reader.set_frame_bytes_max(HANDSHAKE_FRAME_BYTES_MAX);
+            assert!(matches!(
+                block_on(reader.next_frame()),
+                Err(Error::FrameTooLarge { .. })
+            ));
+            assert!(reader.buffer.capacity() < 2 * READ_CHUNK_BYTES);
+        }
+    }
 }
