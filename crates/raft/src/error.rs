@@ -95,6 +95,8 @@ pub enum Refusal {
     /// The entries of an Append are not numbered `prev_index + 1, prev_index + 2, ...`, or
     /// their terms go backwards.
     EntriesNotContiguous { position: usize, index: Index },
+    /// An Append carries a membership-change entry that does not decode.
+    UndecodableConfChange { index: Index },
     /// An Append would replace an entry at or below the commit index.
     ConflictBelowCommit { index: Index, committed: Index },
     /// A snapshot chunk starts past the bytes received so far.
@@ -138,6 +140,12 @@ impl fmt::Display for Refusal {
                 "entry {position} has index {index}: entries must follow prev_index one by one \
                  with terms that never go back"
             ),
+            Refusal::UndecodableConfChange { index } => {
+                write!(
+                    f,
+                    "entry {index} is a membership change that does not decode"
+                )
+            }
             Refusal::ConflictBelowCommit { index, committed } => write!(
                 f,
                 "entry {index} conflicts with the log at or below the commit index {committed}"

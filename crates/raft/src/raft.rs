@@ -601,9 +601,12 @@ impl<S: Storage> Raft<S> {
                     return Err(Refusal::SnapshotWithoutVoters);
                 }
                 let limit = self.config.max_snapshot_bytes;
-                let size = offset.saturating_add(data.len() as u64);
-                if size > limit {
-                    return Err(Refusal::SnapshotTooLarge { size, limit });
+                let chunk_end = offset.saturating_add(data.len() as u64);
+                if chunk_end > limit {
+                    return Err(Refusal::SnapshotTooLarge {
+                        size: chunk_end,
+                        limit,
+                    });
                 }
             }
             MessageBody::SnapshotResponse {
@@ -658,6 +661,9 @@ impl<S: Storage> Raft<S> {
                     term: entry.term,
                     message_term,
                 });
+            }
+            if entry.kind == EntryKind::ConfChange && ConfChange::decode(&entry.data).is_none() {
+                return Err(Refusal::UndecodableConfChange { index: entry.index });
             }
             floor_term = entry.term;
             let committed = self.log.committed;
@@ -1367,21 +1373,19 @@ impl<S: Storage> Raft<S> {
     }
 
     /// Applies a committed membership change (called as the application applies it).
+    ///
+    /// A real leader only proposes changes it decoded and validated against this same
+    /// configuration, so neither failure below happens between honest members. A member's
+    /// forged entry could still get here: it is skipped, the same way on every node (all
+    /// apply the same entries in the same order), rather than stopping the node.
     fn apply_conf_change(&mut self, entry: &Entry) {
         let Some(change) = ConfChange::decode(&entry.data) else {
-            panic!(
-                "conclave-raft: undecodable membership change at index {}",
-                entry.index
-            );
+            return;
         };
         let new_conf = match change {
             ConfChange::Enter(steps) => match apply_steps(&self.conf, &steps) {
                 Ok(conf) => conf,
-                // Validated by the leader against the same configuration; every node applies
-                // the same entries in the same order, so this cannot differ here.
-                Err(reason) => {
-                    panic!("conclave-raft: committed membership change invalid: {reason}")
-                }
+                Err(_) => return,
             },
             ConfChange::Leave => {
                 let mut conf = self.conf.clone();

@@ -783,3 +783,24 @@ fn a_joining_node_accepts_its_leader_and_then_refuses_strangers() {
     );
     assert_still_commits(&mut net, &[1, 2, 3, 4]);
 }
+
+/// A membership-change entry that does not decode would stop every node that applies it; a
+/// real leader never sends one.
+#[test]
+fn an_undecodable_membership_change_entry_is_refused() {
+    let mut net = Net::new(3);
+    net.elect(1);
+    let term = net.node(1).term();
+    let last = net.node(2).last_index();
+    let prev_term = net.node(2).store().term(last).expect("in the log");
+    let garbage = Entry {
+        index: last + 1,
+        term,
+        kind: conclave_raft::EntryKind::ConfChange,
+        data: Bytes::from_static(b"\x01garbage"),
+    };
+    let body = append(last, prev_term, vec![garbage], last + 1);
+    let reason = Refusal::UndecodableConfChange { index: last + 1 };
+    assert_refused(&mut net, msg(1, 2, term, body), reason);
+    assert_still_commits(&mut net, &[1, 2, 3]);
+}

@@ -208,6 +208,9 @@ pub struct Stats {
     pub sent_by_kind: BTreeMap<&'static str, u64>,
     /// Every read answered, as (node, context, read index), so scenarios can check them.
     pub served_reads: Vec<(NodeId, Bytes, u64)>,
+    /// Messages a core refused (`Error::is_refused_message`): forged ones, and stale ones
+    /// from nodes a configuration no longer holds.
+    pub refused_messages: u64,
 }
 
 impl Stats {
@@ -484,10 +487,21 @@ impl Simulation {
         };
         self.stats.messages_delivered += 1;
         let line = format!("{} -> {} t{} {}", m.from, m.to, m.term, m.body.name());
-        // Errors here are operating errors (a message from a node we no longer track).
-        let _ = raw.step(m);
+        // Errors here are operating errors: a refused message, or a TimeoutNow a node whose
+        // term is exhausted cannot act on. Neither stops the node.
+        if let Err(error) = raw.step(m)
+            && error.is_refused_message()
+        {
+            self.stats.refused_messages += 1;
+        }
         self.trace(line);
         self.process(to);
+    }
+
+    /// Delivers `m` now, as if it came off the network, for fuzzing with forged messages. It
+    /// bypasses `send`, so the checker does not take a forged vote for one the sender cast.
+    pub fn inject(&mut self, m: Message) {
+        self.deliver(m);
     }
 
     /// Cuts every link between `a` and the rest, both ways.

@@ -534,11 +534,11 @@ impl<M: ReplicatedMachine, D: Duties<M>> Driver<M, D> {
         self.duties
             .role_changed(core.raw.role(), core.raw.leader(), core.raw.term());
         // A one-member cluster need not wait out an election timeout.
-        if core.raw.conf_state().voters.len() == 1 && core.raw.conf_state().is_voter(core.raw.id())
+        if core.raw.conf_state().voters.len() == 1
+            && core.raw.conf_state().is_voter(core.raw.id())
+            && let Err(error) = core.raw.campaign()
         {
-            if let Err(error) = core.raw.campaign() {
-                tracing::warn!(%error, "not campaigning");
-            }
+            tracing::warn!(%error, "not campaigning");
         }
         let mut stopping_since: Option<Instant> = None;
         loop {
