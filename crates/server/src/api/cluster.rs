@@ -23,7 +23,7 @@ use tonic::{Status, async_trait};
 use super::{Api, CallContext, FORWARDED_HEADER, to_status};
 use crate::config::Member;
 use crate::error::Error;
-use crate::node::{MEMBER_FIELD_BYTES_MAX, PeerMatch};
+use crate::node::{MEMBER_FIELD_BYTES_MAX, NodeStatus, PeerMatch};
 
 /// etcd's Cluster responses carry the member, cluster and term but no revision.
 const NO_REVISION: i64 = 0;
@@ -420,84 +420,85 @@ pub async fn record_member_attributes(
 ) {
     let mut status = api.node.status.clone();
     let retry = Duration::from_millis(PUBLISH_RETRY_MS);
+    // Evaluated on every status change without copying it: only a leader with an incomplete
+    // configuration member's record has anything to do.
+    let needed = |s: &NodeStatus| {
+        s.stopped.is_some()
+            || (s.role == Some(conclave_raft::Role::Leader)
+                && s.members
+                    .iter()
+                    .any(|m| s.conf_state.contains(m.id) && incomplete(m)))
+    };
     loop {
-        let current = status.borrow_and_update().clone();
+        let current = tokio::select! {
+            current = status.wait_for(needed) => match current {
+                Ok(current) => current.clone(),
+                Err(_) => return,
+            },
+            _ = api.draining() => return,
+        };
         if current.stopped.is_some() {
             return;
         }
-        let leading = current.role == Some(conclave_raft::Role::Leader);
-        let mut failed = false;
-        if leading {
-            let own = api.config.this_member().map(|me| {
-                (
-                    me.id,
-                    crate::transport::PeerAttributes {
-                        name: me.name.clone(),
-                        client_address: me.client_addr.clone(),
-                    },
-                )
-            });
-            let peers: Vec<_> = announced
-                .borrow_and_update()
+        let own = api.config.this_member().map(|me| {
+            (
+                me.id,
+                crate::transport::PeerAttributes {
+                    name: me.name.clone(),
+                    client_address: me.client_addr.clone(),
+                },
+            )
+        });
+        let peers: Vec<_> = announced
+            .borrow_and_update()
+            .iter()
+            .map(|(id, attributes)| (*id, attributes.clone()))
+            .collect();
+        for (id, attributes) in own.into_iter().chain(peers) {
+            let Some(record) = current
+                .members
                 .iter()
-                .map(|(id, attributes)| (*id, attributes.clone()))
-                .collect();
-            for (id, attributes) in own.into_iter().chain(peers) {
-                let Some(record) = current
-                    .members
-                    .iter()
-                    .find(|m| m.id == id && current.conf_state.contains(m.id))
-                else {
-                    continue;
-                };
-                if !record.name.is_empty() && !record.client_addr.is_empty() {
-                    continue;
+                .find(|m| m.id == id && current.conf_state.contains(m.id) && incomplete(m))
+            else {
+                continue;
+            };
+            if let Err(reason) = check_attributes(&attributes.name, &attributes.client_address) {
+                tracing::warn!(member = id, %reason, "ignoring the attributes a member announced");
+                continue;
+            }
+            let member = Member {
+                id,
+                name: attributes.name.clone(),
+                peer_addr: record.peer_addr.clone(),
+                client_addr: attributes.client_address.clone(),
+            };
+            match tokio::time::timeout(retry, api.node.update_member(member)).await {
+                Ok(Ok(())) => tracing::info!(
+                    member = id,
+                    name = %attributes.name,
+                    client = %attributes.client_address,
+                    "member attributes recorded"
+                ),
+                Ok(Err(error)) => {
+                    tracing::debug!(member = id, %error, "member attributes not recorded yet")
                 }
-                if let Err(reason) = check_attributes(&attributes.name, &attributes.client_address)
-                {
-                    tracing::warn!(member = id, %reason, "ignoring the attributes a member announced");
-                    continue;
-                }
-                let member = Member {
-                    id,
-                    name: attributes.name.clone(),
-                    peer_addr: record.peer_addr.clone(),
-                    client_addr: attributes.client_address.clone(),
-                };
-                match tokio::time::timeout(retry, api.node.update_member(member)).await {
-                    Ok(Ok(())) => tracing::info!(
-                        member = id,
-                        name = %attributes.name,
-                        client = %attributes.client_address,
-                        "member attributes recorded"
-                    ),
-                    Ok(Err(error)) => {
-                        tracing::debug!(member = id, %error, "member attributes not recorded yet");
-                        failed = true;
-                    }
-                    Err(_) => failed = true,
-                }
+                Err(_) => tracing::debug!(member = id, "member attributes not recorded in time"),
             }
         }
-        let changed = async {
-            if failed {
-                tokio::time::sleep(retry).await;
-                return true;
-            }
-            tokio::select! {
-                changed = status.changed() => changed.is_ok(),
-                // A closed channel (the listener stopped) disables this branch.
-                Ok(()) = announced.changed() => true,
-            }
-        };
-        let go_on = tokio::select! {
-            go_on = changed => go_on,
-            _ = api.draining() => false,
-        };
-        if !go_on {
-            return;
+        // A record may stay incomplete until its member connects (a new announcement) or an
+        // update commits; look again then, or after the retry interval at the latest.
+        tokio::select! {
+            // A closed channel (the listener stopped) disables this branch.
+            Ok(()) = announced.changed() => {}
+            () = tokio::time::sleep(retry) => {}
+            _ = api.draining() => return,
         }
     }
+}
+
+/// A member record still without the name or client address its member announces.
+fn incomplete(member: &Member) -> bool {
+    member.name.is_empty() || member.client_addr.is_empty()
 }
 
 #[cfg(test)]
