@@ -143,6 +143,18 @@ fn dev_reports_the_failover_and_stops_every_node_on_sigint() {
     }
     assert_eq!(names, ["node1", "node2", "node3"]);
 
+    // The nodes authenticate to each other with a secret generated for this cluster, kept
+    // private, not with the weak key derived from the cluster id.
+    let secret = dev.dir.join("peer-secret");
+    let mode = std::os::unix::fs::PermissionsExt::mode(
+        &std::fs::metadata(&secret)
+            .unwrap_or_else(|e| panic!("{}: {e}", secret.display()))
+            .permissions(),
+    );
+    assert_eq!(mode & 0o777, 0o600, "{}", secret.display());
+    let text = std::fs::read_to_string(&secret).expect("read the secret");
+    assert_eq!(text.trim().len(), 64, "32 random bytes, hex-encoded");
+
     let started = Instant::now();
     let first = dev
         .line_where(FIRST_LEADER_TIMEOUT, |l| {
