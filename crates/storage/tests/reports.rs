@@ -235,3 +235,31 @@ fn a_snapshot_that_does_not_read_back_is_never_renamed_into_place() {
         "neither the snapshot nor its temporary file is left"
     );
 }
+
+#[test]
+fn a_segment_longer_than_any_the_log_writes_is_refused_before_it_is_read() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let dir = root.path().join("data");
+    let storage = WalStorage::open(Arc::new(OsDisk), &dir, small_options()).expect("open");
+    drop(storage);
+    let segment = std::fs::read_dir(dir.join("wal"))
+        .expect("list")
+        .next()
+        .expect("a segment")
+        .expect("entry")
+        .path();
+    // Sparse: no disk space, but reading it whole would take more than a gigabyte of memory.
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&segment)
+        .expect("open the segment");
+    file.set_len(conclave_storage::wal::SEGMENT_FILE_BYTES_MAX + 1)
+        .expect("grow");
+    drop(file);
+    let error = WalStorage::open(Arc::new(OsDisk), &dir, small_options())
+        .expect_err("an impossible segment length is corruption");
+    assert!(
+        error.to_string().contains("longer than any segment"),
+        "{error}"
+    );
+}
