@@ -196,8 +196,15 @@ async fn a_flipped_byte_in_the_last_wal_record_is_dropped_with_a_warn_and_the_wr
         .find(|(_, _, kind)| *kind == ENTRY_RECORD_KIND)
         .expect("an entry record");
     bytes[offset + len..].fill(0);
-    bytes[offset + len - 1] ^= 0x20;
+    bytes[offset + len / 2] ^= 0x20;
     std::fs::write(&segment, &bytes).expect("damage the segment");
+    // What the WARN must count: the frame up to its last non-zero byte (the zeros after it
+    // cannot be told from never-written space).
+    let dropped_bytes = bytes[offset..]
+        .iter()
+        .rposition(|&b| b != 0)
+        .map_or(0, |last| last + 1);
+    assert!(dropped_bytes > len / 2);
 
     cluster.spawn(follower);
     rejoin(&mut cluster, follower, "tail/after-restart").await;
@@ -210,7 +217,7 @@ async fn a_flipped_byte_in_the_last_wal_record_is_dropped_with_a_warn_and_the_wr
         format!("file={}", segment.display()),
         format!("offset={offset}"),
         "records=1".to_string(),
-        format!("bytes={len}"),
+        format!("bytes={dropped_bytes}"),
     ] {
         assert!(warn.contains(&field), "{field} missing from: {warn}");
     }
@@ -366,6 +373,16 @@ async fn data_directories_are_0700_and_their_files_0600_and_older_ones_are_tight
     };
     check(&data_dir);
     assert!(data_dir.join("IDENTITY").is_file());
+    // A running node's log is not repaired under it: repair takes the same lock as serve.
+    let data_dir_text = data_dir.display().to_string();
+    for args in [vec!["--dry-run"], vec![]] {
+        let mut argv = vec!["repair", "--data-dir", data_dir_text.as_str()];
+        argv.extend(args);
+        let refused = conclave(&argv);
+        let stderr = String::from_utf8_lossy(&refused.stderr);
+        assert_eq!(refused.status.code(), Some(11), "{argv:?}: {stderr}");
+        assert!(stderr.contains("stop the node"), "{stderr}");
+    }
 
     // As an older version left it: readable by everyone.
     assert!(cluster.terminate(1));
