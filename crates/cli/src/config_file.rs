@@ -320,6 +320,47 @@ request-timeout-ms = 900
     }
 
     #[test]
+    fn every_numeric_value_out_of_range_is_one_sentence_naming_its_flag() {
+        let huge = u64::MAX.to_string();
+        let cases = [
+            ("tick-ms", "0"),
+            ("tick-ms", huge.as_str()),
+            ("heartbeat-ms", "0"),
+            ("heartbeat-ms", huge.as_str()),
+            ("election-timeout-ms", huge.as_str()),
+            ("election-timeout-ms", "0"),
+            ("request-timeout-ms", huge.as_str()),
+            ("request-timeout-ms", "0"),
+            ("snapshot-entries", "0"),
+            ("snapshot-entries", huge.as_str()),
+            ("id", "0"),
+        ];
+        for (key, value) in cases {
+            // The same value as a flag and as a key of the file: both reach the same check.
+            let flag = format!("--{key}");
+            let mut argv = vec!["conclave", "serve", &flag, value];
+            if key != "tick-ms" {
+                // The case: a 1 ms tick makes the election timeout overflow in ticks.
+                argv.extend(["--tick-ms", "1"]);
+            }
+            let (args, _) = serve(&argv);
+            let error = args.serve.to_config().expect_err(&flag);
+            assert_eq!(error.exit_code(), 2, "{flag} {value}");
+            let text = error.to_string();
+            assert!(text.starts_with(&flag), "{flag} {value}: {text}");
+            assert!(!text.contains('\n'), "{text}");
+            let (mut args, matches) = serve(&["conclave", "serve"]);
+            let file = ConfigFile::parse(&format!("{key} = {value}\n")).expect("valid TOML");
+            args.merge(file, &matches);
+            let text = args.serve.to_config().expect_err(key).to_string();
+            assert!(text.starts_with(&flag), "file {key} = {value}: {text}");
+        }
+        let (args, _) = serve(&["conclave", "serve", "--heartbeat-ms", "150"]);
+        let text = args.serve.to_config().expect_err("heartbeat").to_string();
+        assert!(text.contains("--election-timeout-ms"), "{text}");
+    }
+
+    #[test]
     fn a_missing_file_is_one_sentence_naming_it() {
         let path =
             std::env::temp_dir().join(format!("conclave-no-such-{}.toml", std::process::id()));

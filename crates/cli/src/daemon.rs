@@ -2,6 +2,7 @@
 //! file in its data directory.
 
 use std::ffi::OsString;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
@@ -166,12 +167,17 @@ async fn start(out: &Output, mut full: ServeCommandArgs, matches: &ArgMatches) -
             format!("a daemon (pid {pid}) already runs over {}", dir.display()),
         ));
     }
-    std::fs::create_dir_all(&dir)
+    // Owner only, like everything `serve` keeps in its data directory.
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(conclave_storage::disk::DIR_MODE)
+        .create(&dir)
         .map_err(|e| Failure::io(format!("cannot create {}: {e}", dir.display())))?;
     let log_path = dir.join(LOG_FILE);
     let log = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
+        .mode(conclave_storage::disk::FILE_MODE)
         .open(&log_path)
         .map_err(|e| Failure::io(format!("cannot open {}: {e}", log_path.display())))?;
     let log_err = log
@@ -202,7 +208,13 @@ async fn start(out: &Output, mut full: ServeCommandArgs, matches: &ArgMatches) -
         .map_err(|e| Failure::io(format!("cannot start conclave serve: {e}")))?;
     let pid = child.id();
     let pid_path = dir.join(PID_FILE);
-    std::fs::write(&pid_path, format!("{pid}\n"))
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(conclave_storage::disk::FILE_MODE)
+        .open(&pid_path)
+        .and_then(|mut file| std::io::Write::write_all(&mut file, format!("{pid}\n").as_bytes()))
         .map_err(|e| Failure::io(format!("cannot write {}: {e}", pid_path.display())))?;
     let url = format!("http://{}", args.listen_client);
     let started = Instant::now();

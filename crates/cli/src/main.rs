@@ -154,9 +154,7 @@ pub struct ServeArgs {
 impl ServeArgs {
     /// Turns the flags into a validated server configuration.
     pub fn to_config(&self) -> Result<ServerConfig, CliError> {
-        if self.tick_ms == 0 {
-            return Err(CliError::Usage("--tick-ms must be at least 1".into()));
-        }
+        self.check_ranges()?;
         let spec = self
             .initial_cluster
             .clone()
@@ -188,6 +186,12 @@ impl ServeArgs {
         config.tick_ms = self.tick_ms;
         config.election_ticks = (self.election_timeout_ms / self.tick_ms).max(1);
         config.heartbeat_ticks = (self.heartbeat_ms / self.tick_ms).max(1);
+        if config.election_ticks <= config.heartbeat_ticks {
+            return Err(CliError::Usage(format!(
+                "--election-timeout-ms ({}) must exceed --heartbeat-ms ({}) by at least one tick of --tick-ms ({})",
+                self.election_timeout_ms, self.heartbeat_ms, self.tick_ms
+            )));
+        }
         config.snapshot_entries = self.snapshot_entries;
         config.request_timeout_ms = self.request_timeout_ms;
         config.peer_secret_file = self.peer_secret_file.clone();
@@ -195,6 +199,49 @@ impl ServeArgs {
             .validate()
             .map_err(|e| CliError::Usage(e.to_string()))?;
         Ok(config)
+    }
+}
+
+impl ServeArgs {
+    /// Every numeric flag against its documented range, so a wild value is one sentence naming
+    /// the flag rather than an overflow later (the same values come from `--config` keys).
+    fn check_ranges(&self) -> Result<(), CliError> {
+        use conclave_server::config::{
+            ELECTION_TIMEOUT_MS_MAX, HEARTBEAT_MS_MAX, REQUEST_TIMEOUT_MS_MAX,
+            SNAPSHOT_ENTRIES_MAX, TICK_MS_MAX,
+        };
+        let ranges = [
+            ("--tick-ms", self.tick_ms, TICK_MS_MAX),
+            ("--heartbeat-ms", self.heartbeat_ms, HEARTBEAT_MS_MAX),
+            (
+                "--election-timeout-ms",
+                self.election_timeout_ms,
+                ELECTION_TIMEOUT_MS_MAX,
+            ),
+            (
+                "--request-timeout-ms",
+                self.request_timeout_ms,
+                REQUEST_TIMEOUT_MS_MAX,
+            ),
+            (
+                "--snapshot-entries",
+                self.snapshot_entries,
+                SNAPSHOT_ENTRIES_MAX,
+            ),
+        ];
+        for (flag, value, max) in ranges {
+            if !(1..=max).contains(&value) {
+                return Err(CliError::Usage(format!(
+                    "{flag} must be between 1 and {max}, not {value}"
+                )));
+            }
+        }
+        if self.id == Some(0) {
+            return Err(CliError::Usage(
+                "--id must be at least 1 (0 is reserved)".into(),
+            ));
+        }
+        Ok(())
     }
 }
 

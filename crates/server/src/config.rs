@@ -73,6 +73,24 @@ pub struct ServerConfig {
     pub peer_secret_file: Option<PathBuf>,
 }
 
+/// The longest Raft tick: slower ticks make failure detection coarser than any deployment wants.
+pub const TICK_MS_MAX: u64 = 1_000;
+/// The longest heartbeat interval.
+pub const HEARTBEAT_MS_MAX: u64 = 10_000;
+/// The longest election timeout (etcd allows 50 s); it also keeps `tick_ms * election_ticks`
+/// and the core's randomized `2 * election_ticks` far from overflow.
+pub const ELECTION_TIMEOUT_MS_MAX: u64 = 60_000;
+/// The longest a request may wait by default.
+pub const REQUEST_TIMEOUT_MS_MAX: u64 = 600_000;
+/// The longest a leader shutting down waits for its successor.
+pub const SHUTDOWN_TRANSFER_TIMEOUT_MS_MAX: u64 = 60_000;
+/// The most applied entries between snapshots (the log between them is kept on disk).
+pub const SNAPSHOT_ENTRIES_MAX: u64 = 100_000_000;
+/// The most proposals, reads or queued driver requests/messages a limit may allow.
+pub const QUEUE_LIMIT_MAX: usize = 1_000_000;
+/// The largest client request a node may accept: the largest WAL record, less framing.
+pub const REQUEST_BYTES_LIMIT_MAX: usize = 32 * 1024 * 1024;
+
 /// Snapshot the state machine every this many applied entries unless told otherwise (etcd's
 /// default too). The Raft driver thread encodes the snapshot and pauses while it does (a helper
 /// thread writes the file), so more often costs tail latency; see docs/performance.md.
@@ -110,7 +128,8 @@ impl ServerConfig {
 
     /// The election timeout T in milliseconds (a follower campaigns after [T, 2T) of silence).
     pub fn election_timeout_ms(&self) -> u64 {
-        self.tick_ms * self.election_ticks
+        // Saturating: a configuration that fails validation must not panic while it is reported.
+        self.tick_ms.saturating_mul(self.election_ticks)
     }
 
     /// The member entry of this node.
@@ -169,32 +188,71 @@ impl ServerConfig {
                 self.id
             ));
         }
-        if self.tick_ms == 0 {
-            return invalid("tick_ms must be at least 1".into());
-        }
+        in_range("tick_ms", self.tick_ms, 1, TICK_MS_MAX)?;
+        let heartbeat_ms = self.tick_ms.saturating_mul(self.heartbeat_ticks);
+        in_range(
+            "the heartbeat interval in ms (tick_ms * heartbeat_ticks)",
+            heartbeat_ms,
+            1,
+            HEARTBEAT_MS_MAX,
+        )?;
+        let election_ms = self.election_timeout_ms();
+        in_range(
+            "the election timeout in ms (tick_ms * election_ticks)",
+            election_ms,
+            1,
+            ELECTION_TIMEOUT_MS_MAX,
+        )?;
         if self.heartbeat_ticks == 0 || self.election_ticks <= self.heartbeat_ticks {
             return invalid(format!(
                 "the election timeout ({} ticks) must exceed the heartbeat interval ({} ticks)",
                 self.election_ticks, self.heartbeat_ticks
             ));
         }
-        if self.snapshot_entries == 0 {
-            return invalid("snapshot_entries must be at least 1".into());
+        in_range(
+            "snapshot_entries",
+            self.snapshot_entries,
+            1,
+            SNAPSHOT_ENTRIES_MAX,
+        )?;
+        in_range(
+            "request_timeout_ms",
+            self.request_timeout_ms,
+            1,
+            REQUEST_TIMEOUT_MS_MAX,
+        )?;
+        in_range(
+            "shutdown_transfer_timeout_ms",
+            self.shutdown_transfer_timeout_ms,
+            0,
+            SHUTDOWN_TRANSFER_TIMEOUT_MS_MAX,
+        )?;
+        for (name, value) in [
+            ("proposals_inflight_max", self.proposals_inflight_max),
+            ("reads_inflight_max", self.reads_inflight_max),
+            ("driver_queue_requests_max", self.driver_queue_requests_max),
+            ("driver_queue_messages_max", self.driver_queue_messages_max),
+        ] {
+            in_range(name, value as u64, 1, QUEUE_LIMIT_MAX as u64)?;
         }
-        if self.request_timeout_ms == 0 {
-            return invalid("request_timeout_ms must be at least 1".into());
-        }
-        if self.proposals_inflight_max == 0
-            || self.reads_inflight_max == 0
-            || self.driver_queue_requests_max == 0
-            || self.driver_queue_messages_max == 0
-        {
-            return invalid("in-flight and queue limits must be at least 1".into());
-        }
-        if self.request_bytes_max == 0 {
-            return invalid("request_bytes_max must be at least 1".into());
-        }
+        in_range(
+            "request_bytes_max",
+            self.request_bytes_max as u64,
+            1,
+            REQUEST_BYTES_LIMIT_MAX as u64,
+        )?;
         Ok(())
+    }
+}
+
+/// `Ok` if `value` lies in `[min, max]`, else the one sentence naming `name` and the range.
+fn in_range(name: &str, value: u64, min: u64, max: u64) -> Result<(), Error> {
+    if (min..=max).contains(&value) {
+        Ok(())
+    } else {
+        Err(Error::InvalidConfig {
+            reason: format!("{name} must be between {min} and {max}, not {value}"),
+        })
     }
 }
 
@@ -245,5 +303,39 @@ mod tests {
         config.id = 1;
         config.election_ticks = config.heartbeat_ticks;
         assert!(config.validate().is_err());
+    }
+
+    #[test]
+    fn every_value_out_of_its_range_is_refused_without_overflow() {
+        let base = ServerConfig::single("/tmp/x", "127.0.0.1:2379", "127.0.0.1:2380");
+        type Spoil = fn(&mut ServerConfig);
+        let cases: [(&str, Spoil); 10] = [
+            ("tick_ms", |c| c.tick_ms = TICK_MS_MAX + 1),
+            ("election timeout", |c| {
+                c.tick_ms = 1;
+                c.election_ticks = u64::MAX;
+            }),
+            ("election timeout", |c| c.election_ticks = u64::MAX / 2),
+            ("heartbeat", |c| c.heartbeat_ticks = u64::MAX),
+            ("snapshot_entries", |c| c.snapshot_entries = 0),
+            ("request_timeout_ms", |c| c.request_timeout_ms = u64::MAX),
+            ("shutdown_transfer_timeout_ms", |c| {
+                c.shutdown_transfer_timeout_ms = u64::MAX
+            }),
+            ("proposals_inflight_max", |c| {
+                c.proposals_inflight_max = usize::MAX
+            }),
+            ("driver_queue_messages_max", |c| {
+                c.driver_queue_messages_max = 0
+            }),
+            ("request_bytes_max", |c| c.request_bytes_max = usize::MAX),
+        ];
+        for (name, spoil) in cases {
+            let mut config = base.clone();
+            spoil(&mut config);
+            let error = config.validate().expect_err(name).to_string();
+            assert!(error.contains(name), "{name}: {error}");
+            assert!(error.contains("between"), "{name}: {error}");
+        }
     }
 }

@@ -114,7 +114,7 @@ pub enum Error {
 
     // ---- Fatal errors ----
     /// A configuration value is out of range.
-    #[error("invalid transport configuration: {reason}")]
+    #[error("invalid configuration: {reason}")]
     InvalidConfig { reason: String },
 
     /// The peer address cannot be listened on (in use, not local, no permission).
@@ -128,6 +128,18 @@ pub enum Error {
     /// The write-ahead log or a snapshot failed (I/O, corruption, directory locked).
     #[error("storage: {0}")]
     Storage(#[from] conclave_storage::Error),
+
+    /// The write-ahead log is damaged before its end, where no torn write can explain it; only
+    /// an operator may decide to cut it.
+    #[error(
+        "storage: {corruption}; the log is damaged before its end, so the node will not start: \
+         `conclave repair --data-dir {data_dir} --dry-run` shows what cutting it there loses and \
+         `conclave repair --data-dir {data_dir}` cuts it (the node then catches up from its peers)"
+    )]
+    CorruptLog {
+        corruption: String,
+        data_dir: String,
+    },
 
     /// The data directory was made by another cluster, or by another member of this one.
     #[error(
@@ -169,6 +181,7 @@ impl Error {
             | Error::PeerListen { .. }
             | Error::ClientListen { .. }
             | Error::Storage(_)
+            | Error::CorruptLog { .. }
             | Error::OtherCluster { .. }
             | Error::Identity { .. }
             | Error::StateRestore(_)

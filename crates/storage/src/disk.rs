@@ -11,9 +11,9 @@
 //! - make creations, renames and removals durable only on [`Disk::sync_dir`] of the parent;
 //! - let [`Disk::lock_dir`] fail with [`io::ErrorKind::WouldBlock`] while another lock is held.
 
-use std::fs::{self, File, OpenOptions};
+use std::fs::{self, DirBuilder, File, OpenOptions};
 use std::io;
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{DirBuilderExt, FileExt, OpenOptionsExt, PermissionsExt};
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 
@@ -34,6 +34,12 @@ pub trait Disk: Send + Sync {
     fn sync_dir(&self, dir: &Path) -> io::Result<()>;
     /// Takes an exclusive lock on `dir` held until the guard is dropped.
     fn lock_dir(&self, dir: &Path) -> io::Result<Box<dyn DirLock>>;
+    /// Takes away every permission of the group and of others on `path` (a file or a
+    /// directory); returns whether there were any. A disk without permissions has none.
+    fn restrict_to_owner(&self, path: &Path) -> io::Result<bool> {
+        let _ = path;
+        Ok(false)
+    }
 }
 
 /// An open file.
@@ -80,13 +86,21 @@ pub fn read_to_end(file: &dyn DiskFile) -> io::Result<Vec<u8>> {
     Ok(bytes)
 }
 
-/// The real file system.
+/// Mode of the directories [`OsDisk`] creates: the node's data is its own (etcd does the same).
+pub const DIR_MODE: u32 = 0o700;
+/// Mode of the files [`OsDisk`] creates.
+pub const FILE_MODE: u32 = 0o600;
+/// The permission bits of the group and of others.
+const GROUP_AND_OTHER_BITS: u32 = 0o077;
+
+/// The real file system. Directories it creates are [`DIR_MODE`] and files [`FILE_MODE`],
+/// whatever the umask allows.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct OsDisk;
 
 impl Disk for OsDisk {
     fn create_dir_all(&self, dir: &Path) -> io::Result<()> {
-        fs::create_dir_all(dir)
+        DirBuilder::new().recursive(true).mode(DIR_MODE).create(dir)
     }
 
     fn list_files(&self, dir: &Path) -> io::Result<Vec<String>> {
@@ -109,6 +123,7 @@ impl Disk for OsDisk {
             .write(true)
             .create(true)
             .truncate(true)
+            .mode(FILE_MODE)
             .open(path)?;
         Ok(Box::new(OsFile { file }))
     }
@@ -137,6 +152,7 @@ impl Disk for OsDisk {
             .write(true)
             .create(true)
             .truncate(false)
+            .mode(FILE_MODE)
             .open(&path)?;
         // flock locks belong to the open file description, so a second open in this very
         // process conflicts too, and the kernel drops the lock when the process dies.
@@ -149,6 +165,23 @@ impl Disk for OsDisk {
             _file: file,
             _path: path,
         }))
+    }
+
+    fn restrict_to_owner(&self, path: &Path) -> io::Result<bool> {
+        // symlink_metadata: a link planted in the directory is not followed to its target.
+        let metadata = fs::symlink_metadata(path)?;
+        if metadata.file_type().is_symlink() {
+            return Ok(false);
+        }
+        let mode = metadata.permissions().mode();
+        if mode & GROUP_AND_OTHER_BITS == 0 {
+            return Ok(false);
+        }
+        fs::set_permissions(
+            path,
+            fs::Permissions::from_mode(mode & !GROUP_AND_OTHER_BITS),
+        )?;
+        Ok(true)
     }
 }
 

@@ -59,6 +59,24 @@ impl Error {
         matches!(self, Error::Fatal(_))
     }
 
+    /// Whether this is damage inside the write-ahead log, which [`crate::repair`] can cut off
+    /// (as opposed to a damaged snapshot or an I/O error, which cutting the log cannot fix).
+    pub fn is_repairable_log_corruption(&self) -> bool {
+        let Error::Fatal(FatalError::Corrupt { file, .. }) = self else {
+            return false;
+        };
+        let in_wal_dir = file
+            .parent()
+            .and_then(|dir| dir.file_name())
+            .is_some_and(|name| name == "wal");
+        let is_segment = file
+            .file_name()
+            .and_then(|name| name.to_str())
+            .and_then(crate::wal::segment::parse_segment_file_name)
+            .is_some();
+        in_wal_dir && is_segment
+    }
+
     pub(crate) fn io(path: impl Into<PathBuf>, source: io::Error) -> Error {
         Error::Fatal(FatalError::Io {
             path: path.into(),

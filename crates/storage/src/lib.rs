@@ -40,9 +40,9 @@ pub mod wal;
 
 pub use disk::{Disk, DiskFile, OsDisk};
 pub use error::{Error, FatalError, Result};
-pub use repair::{RepairReport, repair};
+pub use repair::{RepairCut, RepairMode, RepairReport, repair, repair_with};
 pub use sim_disk::{SimDisk, SimDiskOptions};
 pub use snapshot::{SnapshotFile, SnapshotReader, SnapshotWriter};
 pub use storage::{RecoveryReport, StorageOptions, Ticket, WalStorage};
-pub use wal::WalOptions;
 pub use wal::record::RECORD_BYTES_MAX;
+pub use wal::{DroppedTail, WalOptions, WalRecovery};

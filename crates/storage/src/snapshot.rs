@@ -189,6 +189,13 @@ impl SnapshotWriter {
             .write_at(self.offset_bytes, &trailer)
             .map_err(|e| Error::io(&temp, e))?;
         self.file.sync_data().map_err(|e| Error::io(&temp, e))?;
+        // Read back before it replaces anything: a file that does not verify now would stop
+        // the node at its next start.
+        match verify_snapshot_file(self.disk.as_ref(), &temp) {
+            Ok(verified) if verified.meta == self.meta => {}
+            Ok(_) => return Err(self.discard("snapshot file reads back with other metadata")),
+            Err(reason) => return Err(self.discard(&reason)),
+        }
         let path = self
             .dir
             .join(snapshot_file_name(self.meta.index, self.meta.term));
@@ -205,6 +212,19 @@ impl SnapshotWriter {
             data_offset_bytes,
             data_len_bytes: self.data_len_bytes,
         })
+    }
+}
+
+impl SnapshotWriter {
+    /// Removes the unfinished file after a failed verification; the error names it.
+    fn discard(&self, reason: &str) -> Error {
+        // The file is garbage either way; start-up removes it if this removal fails.
+        let _ = self.disk.remove_file(&self.temp_path);
+        Error::corrupt(
+            &self.temp_path,
+            0,
+            format!("snapshot failed verification before it was renamed into place: {reason}"),
+        )
     }
 }
 

@@ -91,6 +91,9 @@ pub struct RecoveryReport {
     /// A snapshot file newer than the log's record of it was adopted (a crash came between
     /// writing the file and logging it).
     pub adopted_snapshot: Option<Index>,
+    /// Directories and files that group or others could access (made by an older version or
+    /// by hand), now restricted to the owner.
+    pub tightened_permissions: Vec<PathBuf>,
 }
 
 /// The most recent entries, contiguous and ending at the log's last index.
@@ -199,8 +202,13 @@ impl WalStorage {
         let snap_dir = dir.join("snap");
         disk.create_dir_all(&snap_dir)
             .map_err(|e| Error::io(&snap_dir, e))?;
+        let wal_dir = dir.join("wal");
+        disk.create_dir_all(&wal_dir)
+            .map_err(|e| Error::io(&wal_dir, e))?;
+        let tightened = restrict_to_owner(disk.as_ref(), &[dir, &wal_dir, &snap_dir])?;
         let (candidates, mut recovery) = find_snapshots(disk.as_ref(), &snap_dir)?;
-        let (wal, wal_recovery) = Wal::open(disk.clone(), &dir.join("wal"), options.wal)?;
+        recovery.tightened_permissions = tightened;
+        let (wal, wal_recovery) = Wal::open(disk.clone(), &wal_dir, options.wal)?;
         recovery.wal = wal_recovery;
         let mut storage = WalStorage {
             disk,
@@ -241,8 +249,17 @@ impl WalStorage {
                         let expected = self
                             .snap_dir
                             .join(snapshot::snapshot_file_name(base_index, base_term));
-                        let reason = "the log is compacted up to this snapshot but no valid file holds it; \
-                                      the node must be restored from a peer";
+                        let found = self
+                            .recovery
+                            .invalid_snapshots
+                            .iter()
+                            .find(|(path, _)| path == &expected)
+                            .map_or("the file is missing", |(_, reason)| reason.as_str());
+                        // Older snapshots cannot stand in: the log after them was compacted.
+                        let reason = format!(
+                            "{found}; the log is compacted up to this snapshot, so no older one can \
+                             replace it: remove the data directory and let the node rejoin from its peers"
+                        );
                         return Err(Error::corrupt(expected, 0, reason));
                     }
                 }
@@ -651,6 +668,24 @@ impl Storage for WalStorage {
             data,
         })
     }
+}
+
+/// Restricts `dirs` and the files in them to the owner; returns what had to change.
+fn restrict_to_owner(disk: &dyn Disk, dirs: &[&Path]) -> Result<Vec<PathBuf>> {
+    let mut tightened = Vec::new();
+    for dir in dirs {
+        let names = disk.list_files(dir).map_err(|e| Error::io(*dir, e))?;
+        let files = names.into_iter().map(|name| dir.join(name));
+        for path in std::iter::once(dir.to_path_buf()).chain(files) {
+            if disk
+                .restrict_to_owner(&path)
+                .map_err(|e| Error::io(&path, e))?
+            {
+                tightened.push(path);
+            }
+        }
+    }
+    Ok(tightened)
 }
 
 /// The verified snapshot files in `dir`, newest first, stopping at the first valid one (older

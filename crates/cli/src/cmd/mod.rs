@@ -12,6 +12,7 @@ mod kv;
 mod lease;
 mod lock;
 pub mod output;
+mod repair;
 mod topic;
 mod txn;
 
@@ -108,6 +109,9 @@ pub enum ClientCommand {
     /// Load generator (etcd v3 put, get, txn, lock) and election failover timer.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
+    /// Cut a stopped node's write-ahead log at damage `serve` refused to start over, saying
+    /// what is lost (--dry-run: only say it).
+    Repair(repair::RepairArgs),
 }
 
 /// Why a command failed: a stable code, one sentence, and the exit code for its class.
@@ -318,6 +322,7 @@ pub async fn run(global: GlobalArgs, command: ClientCommand) -> i32 {
         ClientCommand::TransferLeader(args) => cluster::transfer_leader(&ctx, args).await,
         ClientCommand::Snapshot(command) => cluster::snapshot(&ctx, command).await,
         ClientCommand::Bench(command) => bench::run(&ctx, command).await,
+        ClientCommand::Repair(args) => repair::run(&ctx, args),
     };
     match result {
         Ok(code) => code,

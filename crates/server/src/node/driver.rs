@@ -12,7 +12,7 @@ use conclave_raft::{
     ConfChange, ConfChangeStep, ConfState, Config as RaftConfig, EntryKind, Message, MessageBody,
     NodeId, RawNode, Ready, Role, Snapshot, Storage,
 };
-use conclave_storage::{OsDisk, StorageOptions, WalStorage};
+use conclave_storage::{OsDisk, RecoveryReport, StorageOptions, WalStorage};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use super::entries::{self, EntryBody};
@@ -245,7 +245,15 @@ pub(crate) fn open_storage<M: ReplicatedMachine>(
         Arc::new(OsDisk),
         &config.data_dir,
         StorageOptions::default(),
-    )?;
+    )
+    .map_err(|error| match error {
+        error if error.is_repairable_log_corruption() => Error::CorruptLog {
+            corruption: error.to_string(),
+            data_dir: config.data_dir.display().to_string(),
+        },
+        error => Error::Storage(error),
+    })?;
+    log_recovery(store.recovery_report());
     // After the open, so the directory's lock is held: two nodes cannot race here.
     super::identity::check_or_record(&config.data_dir, config.cluster_id(), config.id)?;
     // A joining node waits for the leader's snapshot, which carries the membership.
@@ -263,6 +271,39 @@ pub(crate) fn open_storage<M: ReplicatedMachine>(
         .map(|m| (m.id, m))
         .collect();
     Ok((store, machine, members))
+}
+
+/// Says what opening the data directory changed or passed over: an operator must hear of every
+/// record dropped and every file that failed verification.
+fn log_recovery(report: &RecoveryReport) {
+    if let Some(tail) = &report.wal.dropped_tail {
+        tracing::warn!(
+            file = %tail.file.display(),
+            offset = tail.offset_bytes,
+            records = tail.records,
+            bytes = tail.bytes,
+            reason = %tail.reason,
+            "recovery dropped a damaged end of the write-ahead log (a torn final write, or a last \
+             record that fails its checksum); the node catches up from its peers"
+        );
+    }
+    for (file, reason) in &report.invalid_snapshots {
+        tracing::warn!(file = %file.display(), %reason, "snapshot file failed verification and was passed over");
+    }
+    if let Some(index) = report.adopted_snapshot {
+        tracing::info!(index, "adopted a snapshot file written just before a crash");
+    }
+    if !report.tightened_permissions.is_empty() {
+        let paths: Vec<String> = report
+            .tightened_permissions
+            .iter()
+            .map(|path| path.display().to_string())
+            .collect();
+        tracing::warn!(
+            paths = %paths.join(","),
+            "data directory entries were open to group or others; restricted them to the owner"
+        );
+    }
 }
 
 /// Restores `machine` from a snapshot; returns the snapshot's member records, if it has them.

@@ -9,6 +9,7 @@
 
 use std::fs;
 use std::io::Write;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
 use crate::error::Error;
@@ -54,7 +55,13 @@ pub(crate) fn check_or_record(data_dir: &Path, cluster: u64, member: u64) -> Res
     }
     let temporary = data_dir.join(format!("{IDENTITY_FILE_NAME}.tmp"));
     let write = || -> std::io::Result<()> {
-        let mut file = fs::File::create(&temporary)?;
+        // Owner only, like everything else in the data directory.
+        let mut file = fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&temporary)?;
         file.write_all(render(cluster, member).as_bytes())?;
         file.sync_all()?;
         fs::rename(&temporary, &path)?;

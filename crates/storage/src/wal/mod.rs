@@ -49,12 +49,19 @@ impl Default for WalOptions {
     }
 }
 
+/// The largest segment size the options may ask for.
+pub const SEGMENT_SIZE_BYTES_MAX: u64 = 1 << 30;
+/// The largest segment file recovery reads into memory: a full segment plus one oversized
+/// record and its checkpoint. A longer file was not written by this code; refusing it keeps a
+/// damaged or planted file from making recovery allocate without bound.
+pub const SEGMENT_FILE_BYTES_MAX: u64 = SEGMENT_SIZE_BYTES_MAX + 2 * (RECORD_BYTES_MAX as u64 + 64);
+
 impl WalOptions {
     pub fn validate(&self) -> Result<()> {
-        if self.segment_size_bytes < 4096 {
-            return Err(Error::InvalidOptions(
-                "segment_size_bytes must be at least 4096".into(),
-            ));
+        if !(4096..=SEGMENT_SIZE_BYTES_MAX).contains(&self.segment_size_bytes) {
+            return Err(Error::InvalidOptions(format!(
+                "segment_size_bytes must be between 4096 and {SEGMENT_SIZE_BYTES_MAX}"
+            )));
         }
         if self.write_buffer_bytes == 0 {
             return Err(Error::InvalidOptions(
@@ -82,8 +89,24 @@ struct Segment {
 pub struct WalRecovery {
     pub segment_count: usize,
     pub record_count: u64,
-    /// A torn final write that was cut off: the file and the offset it now ends at.
-    pub torn_tail: Option<(PathBuf, u64)>,
+    /// A damaged end of the last segment that recovery cut off (a torn final write, or a last
+    /// record that fails its checksum); the node logs it.
+    pub dropped_tail: Option<DroppedTail>,
+}
+
+/// The end of the log that recovery dropped: what, where and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DroppedTail {
+    /// The segment that was cut.
+    pub file: PathBuf,
+    /// Where the segment now ends: just after the last intact record.
+    pub offset_bytes: u64,
+    /// Records dropped, counted by their length fields (at least the damaged one).
+    pub records: u64,
+    /// Bytes dropped: from `offset_bytes` to the last non-zero byte of the segment.
+    pub bytes: u64,
+    /// Why the first dropped record failed (checksum mismatch, incomplete record, ...).
+    pub reason: String,
 }
 
 /// The write-ahead log over some [`Disk`].
@@ -159,6 +182,13 @@ impl Wal {
     ) -> Result<()> {
         let path = segment::segment_path(&self.dir, first_seq);
         let mut file = self.disk.open(&path).map_err(|e| Error::io(&path, e))?;
+        let file_len = file.len_bytes().map_err(|e| Error::io(&path, e))?;
+        if file_len > SEGMENT_FILE_BYTES_MAX {
+            let reason = format!(
+                "segment of {file_len} bytes is longer than any segment this code writes ({SEGMENT_FILE_BYTES_MAX})"
+            );
+            return Err(Error::corrupt(&path, 0, reason));
+        }
         let bytes = read_to_end(file.as_ref()).map_err(|e| Error::io(&path, e))?;
         let header_seq =
             segment::decode_header(&bytes).map_err(|reason| Error::corrupt(&path, 0, reason))?;
@@ -237,13 +267,20 @@ impl Wal {
             }
             // A torn final write: cut it off so new records follow the last valid one.
             let valid_len = offset as u64;
+            let dropped = dropped_extent(&bytes[offset..]);
             file.set_len(valid_len).map_err(|e| Error::io(&path, e))?;
             if self.options.preallocate {
                 file.preallocate(self.options.segment_size_bytes)
                     .map_err(|e| Error::io(&path, e))?;
             }
             file.sync_data().map_err(|e| Error::io(&path, e))?;
-            recovery.torn_tail = Some((path.clone(), valid_len));
+            recovery.dropped_tail = Some(DroppedTail {
+                file: path.clone(),
+                offset_bytes: valid_len,
+                records: dropped.0,
+                bytes: dropped.1,
+                reason: reason.to_string(),
+            });
             break;
         }
         recovery.record_count += record_count;
@@ -507,6 +544,29 @@ fn valid_record_after(bytes: &[u8], from: usize) -> bool {
             _ => false,
         }
     })
+}
+
+/// How many records and bytes a damaged tail holds: bytes up to the last non-zero one (the rest
+/// is preallocated or never written), records by walking the length fields through them.
+fn dropped_extent(tail: &[u8]) -> (u64, u64) {
+    let bytes = tail
+        .iter()
+        .rposition(|&b| b != 0)
+        .map_or(0, |last| last + 1);
+    let mut records = 0u64;
+    let mut at = 0usize;
+    while at < bytes {
+        records += 1;
+        let Some(header) = tail.get(at..at + FRAME_HEADER_BYTES) else {
+            break;
+        };
+        let body_len = u32::from_le_bytes([header[0], header[1], header[2], header[3]]) as usize;
+        if body_len == 0 || body_len > RECORD_BYTES_MAX {
+            break;
+        }
+        at += FRAME_HEADER_BYTES + body_len;
+    }
+    (records, bytes as u64)
 }
 
 /// The first sequence numbers of the segments in `dir`, ascending; removes leftover temp files.

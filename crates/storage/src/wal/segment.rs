@@ -60,6 +60,11 @@ pub fn decode_header(bytes: &[u8]) -> Result<u64, String> {
     if crc32c::crc32c(&header[..24]) != crc {
         return Err("segment header checksum mismatch".into());
     }
+    // The last four bytes lie outside the checksum: insisting on zeros keeps every header
+    // byte verified.
+    if header[28..].iter().any(|&b| b != 0) {
+        return Err("segment header reserved bytes are not zero".into());
+    }
     let version = u32::from_le_bytes([header[8], header[9], header[10], header[11]]);
     if version != WAL_FORMAT_VERSION {
         return Err(format!("unsupported WAL format version {version}"));
