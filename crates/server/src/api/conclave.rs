@@ -1012,15 +1012,18 @@ impl SessionApi for SessionService {
         let message = request.into_inner();
         let api = &self.api;
         let session_ttl_ms = api.node.read_state(|state| state.config().session_ttl_ms);
+        // Chosen here and carried in the entry, so every replica stores the same secret.
+        let secret = super::new_session_secret()?;
         let response = api
             .write(
                 &ctx,
-                Request::OpenSession,
+                Request::OpenSessionWithSecret { secret },
                 |applied| match answer(&applied)? {
                     Response::SessionOpened { client_id } => Ok(cv1::OpenSessionResponse {
                         header: Some(header(api, applied.output.revision)),
                         client_id: *client_id,
                         session_ttl_ms,
+                        session_secret: secret.to_be_bytes().to_vec().into(),
                     }),
                     other => Err(unexpected(other)),
                 },
@@ -1046,8 +1049,18 @@ impl SessionApi for SessionService {
         ctx.session = None;
         let message = request.into_inner();
         let api = &self.api;
-        let command = Request::CloseSession {
-            client_id: message.client_id,
+        let secret = super::session_secret_from_bytes(&message.session_secret)?;
+        // Without a secret, only a session opened before secrets can match; the older
+        // variant keeps such entries readable by members that predate secrets.
+        let command = if secret == 0 {
+            Request::CloseSession {
+                client_id: message.client_id,
+            }
+        } else {
+            Request::CloseSessionWithSecret {
+                client_id: message.client_id,
+                secret,
+            }
         };
         let response = api
             .write(
@@ -1060,6 +1073,7 @@ impl SessionApi for SessionService {
                     other => Err(unexpected(other)),
                 },
                 |channel, ctx| {
+                    let message = message.clone();
                     Box::pin(async move {
                         let request = Api::forwarded_request(message, &ctx);
                         Ok(SessionClient::new(channel)
