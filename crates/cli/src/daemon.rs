@@ -24,6 +24,8 @@ const START_TIMEOUT: Duration = Duration::from_secs(15);
 const STOP_TIMEOUT: Duration = Duration::from_secs(15);
 const POLL: Duration = Duration::from_millis(50);
 
+// Parsed once per process; the size of the Start variant costs nothing worth boxing for.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand, Debug)]
 pub enum DaemonCommand {
     /// Start `conclave serve` in the background with these serve flags (every flag `serve`
@@ -85,6 +87,7 @@ impl ServeArgs {
             heartbeat_ms,
             election_timeout_ms,
             request_timeout_ms,
+            client_limits,
         } = self;
         let mut args: Vec<OsString> = vec!["serve".into(), "--name".into(), name.into()];
         if let Some(id) = id {
@@ -108,6 +111,7 @@ impl ServeArgs {
         ] {
             args.extend([flag.into(), value.to_string().into()]);
         }
+        args.extend(client_limits.to_args());
         args
     }
 }

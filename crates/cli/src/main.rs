@@ -7,6 +7,7 @@
 //!
 //! Errors end the process with one sentence on stderr and a non-zero exit code.
 
+mod client_limits;
 mod cluster_spec;
 mod cmd;
 mod config_file;
@@ -144,6 +145,8 @@ pub struct ServeArgs {
     /// Longest a request waits for a leader or a commit when the client set no deadline.
     #[arg(long, env = "CONCLAVE_REQUEST_TIMEOUT_MS", default_value_t = 5_000)]
     pub request_timeout_ms: u64,
+    #[command(flatten)]
+    pub client_limits: client_limits::ClientLimitArgs,
 }
 
 impl ServeArgs {
@@ -185,6 +188,7 @@ impl ServeArgs {
         config.heartbeat_ticks = (self.heartbeat_ms / self.tick_ms).max(1);
         config.snapshot_entries = self.snapshot_entries;
         config.request_timeout_ms = self.request_timeout_ms;
+        config.client_limits = self.client_limits.to_limits();
         config
             .validate()
             .map_err(|e| CliError::Usage(e.to_string()))?;

@@ -32,7 +32,7 @@ use crate::error::{Error, Result};
 use crate::lease::{Lease, LeaseTable};
 use crate::mvcc::{KeyValue, KvStore, RangeRequest, RangeResponse, WatchEvent, prefix_end};
 use crate::session::{SessionCheck, Sessions};
-use crate::topic::{Retention, TopicRead, Topics};
+use crate::topic::{ReadBudget, Retention, TopicRead, Topics};
 use crate::txn::{
     self, DeleteRangeRequest, DeleteRangeResponse, PutRequest, PutResponse, RequestOp, ResponseOp,
     TxnPath, TxnRequest, TxnResponse,
@@ -1189,6 +1189,27 @@ impl StateMachine {
     /// What `consumer` has not acknowledged on `topics`.
     pub fn inbox(&self, consumer: &str, topics: &[String], limit: usize) -> Vec<TopicRead> {
         self.state.topics.inbox(consumer, topics, limit)
+    }
+
+    /// Read a topic from `from_seq`, as much as `budget` allows (see [`ReadBudget`]).
+    pub fn topic_read_within(
+        &self,
+        topic: &str,
+        from_seq: u64,
+        budget: &mut ReadBudget,
+    ) -> TopicRead {
+        self.state.topics.read_within(topic, from_seq, budget)
+    }
+
+    /// What `consumer` has not acknowledged on `topics`, each read once, as much as `budget`
+    /// allows over all of them.
+    pub fn inbox_within(
+        &self,
+        consumer: &str,
+        topics: &[String],
+        budget: &mut ReadBudget,
+    ) -> Vec<TopicRead> {
+        self.state.topics.inbox_within(consumer, topics, budget)
     }
 
     /// The topics.

@@ -15,6 +15,7 @@ pub mod convert;
 pub mod election;
 pub mod kv;
 pub mod lease;
+pub mod limits;
 pub mod lock;
 pub mod maintenance;
 pub mod watch;
@@ -174,6 +175,8 @@ pub struct Api {
     /// Set when a graceful shutdown starts draining the client API: long waits and streams
     /// end then, so they cannot hold the drain up, while ordinary requests finish.
     draining: tokio::sync::watch::Sender<bool>,
+    /// Slots and counters of the client caps.
+    pub limits: Arc<limits::Limits>,
 }
 
 /// Lazily connected channels to members' client addresses, by member id. A channel is made
@@ -215,12 +218,14 @@ enum Route {
 
 impl Api {
     pub fn new(node: NodeHandle, config: ServerConfig) -> Arc<Api> {
+        let limits = Arc::new(limits::Limits::new(config.client_limits.clone()));
         Arc::new(Api {
             cluster_id: config.cluster_id(),
             node,
             config,
             channels: MemberChannels::default(),
             draining: tokio::sync::watch::Sender::new(false),
+            limits,
         })
     }
 
