@@ -124,8 +124,16 @@ fn populated_snapshot() -> Vec<u8> {
     machine.snapshot_to_vec()
 }
 
+/// Cases per property: 2,000 in CI, `PROPTEST_CASES` for a longer run.
+fn cases() -> u32 {
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|cases| cases.parse().ok())
+        .unwrap_or(2_000)
+}
+
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 2_000, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig::with_cases(cases()))]
 
     #[test]
     fn commands_round_trip(command in command()) {
