@@ -125,6 +125,9 @@ fn populated_snapshot() -> Vec<u8> {
 }
 
 /// Cases per property: 2,000 in CI, `PROPTEST_CASES` for a longer run.
+// The lint keeps the machine's configuration out of the environment; this sets only how long
+// the test runs.
+#[allow(clippy::disallowed_methods)]
 fn cases() -> u32 {
     std::env::var("PROPTEST_CASES")
         .ok()
