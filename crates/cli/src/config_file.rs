@@ -33,6 +33,13 @@ pub struct ConfigFile {
     pub election_timeout_ms: Option<u64>,
     pub request_timeout_ms: Option<u64>,
     pub peer_secret_file: Option<PathBuf>,
+    pub client_connections_max: Option<usize>,
+    pub client_idle_timeout_ms: Option<u64>,
+    pub grpc_streams_per_connection_max: Option<u32>,
+    pub watches_max: Option<usize>,
+    pub lease_keepalive_streams_max: Option<usize>,
+    pub topics_per_request_max: Option<usize>,
+    pub read_response_bytes_max: Option<usize>,
 }
 
 impl ConfigFile {
@@ -114,6 +121,13 @@ impl ServeCommandArgs {
             election_timeout_ms,
             request_timeout_ms,
             peer_secret_file,
+            client_connections_max,
+            client_idle_timeout_ms,
+            grpc_streams_per_connection_max,
+            watches_max,
+            lease_keepalive_streams_max,
+            topics_per_request_max,
+            read_response_bytes_max,
         } = file;
         macro_rules! fill {
             ($key:ident => $target:expr) => {
@@ -139,6 +153,14 @@ impl ServeCommandArgs {
         fill!(request_timeout_ms => serve.request_timeout_ms);
         fill!(peer_secret_file => serve.peer_secret_file);
         fill!(initial_cluster_state => self.initial_cluster_state);
+        let limits = &mut self.serve.client_limits;
+        fill!(client_connections_max => limits.client_connections_max);
+        fill!(client_idle_timeout_ms => limits.client_idle_timeout_ms);
+        fill!(grpc_streams_per_connection_max => limits.grpc_streams_per_connection_max);
+        fill!(watches_max => limits.watches_max);
+        fill!(lease_keepalive_streams_max => limits.lease_keepalive_streams_max);
+        fill!(topics_per_request_max => limits.topics_per_request_max);
+        fill!(read_response_bytes_max => limits.read_response_bytes_max);
     }
 }
 
@@ -197,6 +219,13 @@ tick-ms = 5
 heartbeat-ms = 25
 election-timeout-ms = 300
 request-timeout-ms = 900
+client-connections-max = 100
+client-idle-timeout-ms = 60000
+grpc-streams-per-connection-max = 64
+watches-max = 1000
+lease-keepalive-streams-max = 100
+topics-per-request-max = 16
+read-response-bytes-max = 65536
 "#;
 
     #[test]

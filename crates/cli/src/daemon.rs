@@ -25,6 +25,8 @@ const START_TIMEOUT: Duration = Duration::from_secs(15);
 const STOP_TIMEOUT: Duration = Duration::from_secs(15);
 const POLL: Duration = Duration::from_millis(50);
 
+// Parsed once per process; the size of the Start variant costs nothing worth boxing for.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand, Debug)]
 // Parsed once per process; boxing the serve flags would only complicate clap's derive.
 #[allow(clippy::large_enum_variant)]
@@ -89,6 +91,7 @@ impl ServeArgs {
             election_timeout_ms,
             request_timeout_ms,
             peer_secret_file,
+            client_limits,
         } = self;
         let mut args: Vec<OsString> = vec!["serve".into(), "--name".into(), name.into()];
         if let Some(id) = id {
@@ -115,6 +118,7 @@ impl ServeArgs {
         ] {
             args.extend([flag.into(), value.to_string().into()]);
         }
+        args.extend(client_limits.to_args());
         args
     }
 }

@@ -7,6 +7,7 @@
 //!
 //! Errors end the process with one sentence on stderr and a non-zero exit code.
 
+mod client_limits;
 mod cluster_spec;
 mod cmd;
 mod config_file;
@@ -149,6 +150,8 @@ pub struct ServeArgs {
     /// key is derived from the cluster id, which anyone who can reach a client port can learn.
     #[arg(long, env = "CONCLAVE_PEER_SECRET_FILE", value_name = "FILE")]
     pub peer_secret_file: Option<PathBuf>,
+    #[command(flatten)]
+    pub client_limits: client_limits::ClientLimitArgs,
 }
 
 impl ServeArgs {
@@ -195,6 +198,7 @@ impl ServeArgs {
         config.snapshot_entries = self.snapshot_entries;
         config.request_timeout_ms = self.request_timeout_ms;
         config.peer_secret_file = self.peer_secret_file.clone();
+        config.client_limits = self.client_limits.to_limits();
         config
             .validate()
             .map_err(|e| CliError::Usage(e.to_string()))?;

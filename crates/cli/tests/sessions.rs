@@ -17,6 +17,14 @@ use tonic::transport::Channel;
 
 const SESSION_CLIENT: &str = "conclave-session-client";
 const SESSION_SEQ: &str = "conclave-session-seq";
+const SESSION_SECRET: &str = "conclave-session-secret";
+
+/// A session as OpenSession answered it.
+#[derive(Clone, Copy, Debug)]
+struct Session {
+    client_id: u64,
+    secret: u128,
+}
 
 fn channel(cluster: &Cluster, id: u64) -> Channel {
     Channel::from_shared(cluster.endpoint(id))
@@ -25,17 +33,25 @@ fn channel(cluster: &Cluster, id: u64) -> Channel {
 }
 
 /// `message` with a session position in its metadata (when given) and a deadline.
-fn at<T>(message: T, position: Option<(u64, u64)>) -> tonic::Request<T> {
+fn at<T>(message: T, position: Option<(Session, u64)>) -> tonic::Request<T> {
     let mut request = tonic::Request::new(message);
     request.set_timeout(Duration::from_secs(5));
-    if let Some((client, seq)) = position {
-        request.metadata_mut().insert(SESSION_CLIENT, client.into());
-        request.metadata_mut().insert(SESSION_SEQ, seq.into());
+    if let Some((session, seq)) = position {
+        let metadata = request.metadata_mut();
+        metadata.insert(SESSION_CLIENT, session.client_id.into());
+        metadata.insert(SESSION_SEQ, seq.into());
+        let secret = format!("{:032x}", session.secret);
+        metadata.insert(SESSION_SECRET, secret.parse().expect("hex is ASCII"));
     }
     request
 }
 
-async fn publish(channel: Channel, topic: &str, data: &str, position: Option<(u64, u64)>) -> u64 {
+async fn publish(
+    channel: Channel,
+    topic: &str,
+    data: &str,
+    position: Option<(Session, u64)>,
+) -> u64 {
     TopicClient::new(channel)
         .publish(at(
             PublishRequest {
@@ -101,8 +117,14 @@ async fn a_write_sent_twice_with_one_session_position_is_applied_once() {
         .await
         .expect("open a session")
         .into_inner();
-    let client = opened.client_id;
-    assert!(client > 0, "{opened:?}");
+    let secret_bytes: [u8; 16] = opened.session_secret[..]
+        .try_into()
+        .expect("a 16-byte secret");
+    let client = Session {
+        client_id: opened.client_id,
+        secret: u128::from_be_bytes(secret_bytes),
+    };
+    assert!(client.client_id > 0 && client.secret != 0, "{opened:?}");
     assert!(opened.session_ttl_ms > 0, "{opened:?}");
 
     // The same publish, same position, to two members (the follower forwards to the leader
@@ -170,7 +192,13 @@ async fn a_write_sent_twice_with_one_session_position_is_applied_once() {
 
     // A closed session is gone for good.
     SessionClient::new(channel(&cluster, leader))
-        .close_session(at(CloseSessionRequest { client_id: client }, None))
+        .close_session(at(
+            CloseSessionRequest {
+                client_id: client.client_id,
+                session_secret: opened.session_secret.clone(),
+            },
+            None,
+        ))
         .await
         .expect("close");
     let closed = TopicClient::new(channel(&cluster, follower))

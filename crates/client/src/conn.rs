@@ -492,6 +492,7 @@ impl Inner {
         match opened {
             Some(opened) => Ok(Some(Session::opened(
                 opened.client_id,
+                crate::session::secret_from_bytes(&opened.session_secret),
                 Duration::from_millis(opened.session_ttl_ms),
             ))),
             None => {
@@ -513,6 +514,7 @@ impl Inner {
         runtime.spawn(async move {
             let message = cv1::CloseSessionRequest {
                 client_id: session.client_id,
+                session_secret: session.secret_bytes(),
             };
             let _ = SessionClient::new(active.channel)
                 .close_session(request(message, timeout))
@@ -525,16 +527,20 @@ impl Inner {
         for session in self.sessions.drain() {
             let message = cv1::CloseSessionRequest {
                 client_id: session.client_id,
+                session_secret: session.secret_bytes(),
             };
             let closed = self
                 .call(
                     Retry::Idempotent,
                     ErrorContext::default(),
                     self.options.request_timeout,
-                    |channel, timeout| async move {
-                        SessionClient::new(channel)
-                            .close_session(request(message, timeout))
-                            .await
+                    |channel, timeout| {
+                        let message = message.clone();
+                        async move {
+                            SessionClient::new(channel)
+                                .close_session(request(message, timeout))
+                                .await
+                        }
                     },
                 )
                 .await;

@@ -2,7 +2,7 @@
 //!
 //! ```text
 //!  write ─► take an idle session (or OpenSession) ─► position = (client id, next seq)
-//!        ─► send with metadata conclave-session-client / conclave-session-seq
+//!        ─► send with metadata conclave-session-client / -secret / -seq
 //!        ─► transient failure: send again, same position (the state machine answers a
 //!           position it already applied from its cache, so nothing applies twice)
 //!        ─► answer or final error: the session goes back to the pool for the next write
@@ -25,33 +25,42 @@ use tokio::time::Instant;
 pub(crate) const SESSION_CLIENT_HEADER: &str = "conclave-session-client";
 /// Metadata key of the request's sequence number in its session.
 pub(crate) const SESSION_SEQ_HEADER: &str = "conclave-session-seq";
+/// Metadata key of the session's secret, 32 hex digits: the server acts on a session position
+/// only with its session's secret.
+pub(crate) const SESSION_SECRET_HEADER: &str = "conclave-session-secret";
 /// Idle sessions kept for later writes; one more finished write closes its session instead.
 pub const SESSIONS_IDLE_MAX: usize = 8;
 
 /// Where a write stands in its session; [`Position::NONE`] for writes without one.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub(crate) struct Position(Option<(u64, u64)>);
+pub(crate) struct Position(Option<(u64, u64, u128)>);
 
 impl Position {
     pub(crate) const NONE: Position = Position(None);
 
-    pub(crate) fn at(client_id: u64, seq: u64) -> Position {
-        Position(Some((client_id, seq)))
+    pub(crate) fn at(client_id: u64, seq: u64, secret: u128) -> Position {
+        Position(Some((client_id, seq, secret)))
     }
 
     /// `(client id, sequence number)`, if any.
     #[cfg(test)]
     pub(crate) fn get(self) -> Option<(u64, u64)> {
-        self.0
+        self.0.map(|(client_id, seq, _)| (client_id, seq))
     }
 
     /// A request carrying its deadline as `grpc-timeout` and this position as metadata.
     pub(crate) fn request<T>(self, message: T, timeout: Duration) -> tonic::Request<T> {
         let mut request = crate::conn::request(message, timeout);
-        if let Some((client_id, seq)) = self.0 {
+        if let Some((client_id, seq, secret)) = self.0 {
             let metadata = request.metadata_mut();
             metadata.insert(SESSION_CLIENT_HEADER, client_id.into());
             metadata.insert(SESSION_SEQ_HEADER, seq.into());
+            // Secret 0: a server from before secrets, which would not know the key.
+            if secret != 0
+                && let Ok(value) = format!("{secret:032x}").parse()
+            {
+                metadata.insert(SESSION_SECRET_HEADER, value);
+            }
         }
         request
     }
@@ -61,6 +70,8 @@ impl Position {
 #[derive(Debug)]
 pub(crate) struct Session {
     pub client_id: u64,
+    /// From OpenSession; 0 when the server predates session secrets.
+    pub secret: u128,
     /// The sequence number the next write takes (the first is 1).
     pub next_seq: u64,
     /// The server forgets the session after this long without a write.
@@ -70,18 +81,27 @@ pub(crate) struct Session {
 }
 
 impl Session {
-    pub(crate) fn opened(client_id: u64, idle_ttl: Duration) -> Session {
+    pub(crate) fn opened(client_id: u64, secret: u128, idle_ttl: Duration) -> Session {
         Session {
             client_id,
+            secret,
             next_seq: 1,
             idle_ttl,
             last_used: Instant::now(),
         }
     }
 
+    /// The secret as CloseSession carries it (empty for a server from before secrets).
+    pub(crate) fn secret_bytes(&self) -> prost::bytes::Bytes {
+        if self.secret == 0 {
+            return prost::bytes::Bytes::new();
+        }
+        prost::bytes::Bytes::copy_from_slice(&self.secret.to_be_bytes())
+    }
+
     /// Takes the next position.
     pub(crate) fn advance(&mut self) -> Position {
-        let position = Position::at(self.client_id, self.next_seq);
+        let position = Position::at(self.client_id, self.next_seq, self.secret);
         self.next_seq = self.next_seq.saturating_add(1);
         position
     }
@@ -149,6 +169,12 @@ impl SessionPool {
     }
 }
 
+/// The secret from OpenSession's answer: 16 bytes, big-endian; anything else (a server from
+/// before secrets sends none) is 0, and writes then carry no secret.
+pub(crate) fn secret_from_bytes(bytes: &[u8]) -> u128 {
+    <[u8; 16]>::try_from(bytes).map_or(0, u128::from_be_bytes)
+}
+
 /// Whether an error says the server no longer knows the write's session (expired after
 /// `session_ttl_ms` idle, evicted beyond `sessions_max`, or closed). The state machine
 /// checks the session before anything else, so the write that got this was not applied.
@@ -162,7 +188,7 @@ mod tests {
 
     #[test]
     fn positions_travel_as_metadata() {
-        let request = Position::at(7, 3).request((), Duration::from_secs(1));
+        let request = Position::at(7, 3, 0xabc).request((), Duration::from_secs(1));
         let metadata = request.metadata();
         assert_eq!(
             metadata
@@ -176,6 +202,12 @@ mod tests {
                 .and_then(|v| v.to_str().ok()),
             Some("3")
         );
+        assert_eq!(
+            metadata
+                .get(SESSION_SECRET_HEADER)
+                .and_then(|v| v.to_str().ok()),
+            Some("00000000000000000000000000000abc")
+        );
         let plain = Position::NONE.request((), Duration::from_secs(1));
         assert!(plain.metadata().get(SESSION_CLIENT_HEADER).is_none());
         assert!(plain.metadata().get(SESSION_SEQ_HEADER).is_none());
@@ -183,7 +215,7 @@ mod tests {
 
     #[test]
     fn sequence_numbers_start_at_one_and_never_repeat() {
-        let mut session = Session::opened(9, Duration::from_secs(60));
+        let mut session = Session::opened(9, 1, Duration::from_secs(60));
         assert_eq!(session.advance().get(), Some((9, 1)));
         assert_eq!(session.advance().get(), Some((9, 2)));
         let pool = SessionPool::default();
@@ -204,7 +236,7 @@ mod tests {
     async fn idle_sessions_are_replaced_before_the_server_forgets_them() {
         let pool = SessionPool::default();
         assert!(
-            pool.put_back(Session::opened(1, Duration::from_secs(10)))
+            pool.put_back(Session::opened(1, 1, Duration::from_secs(10)))
                 .is_none()
         );
         tokio::time::advance(Duration::from_millis(4_900)).await;
@@ -219,11 +251,11 @@ mod tests {
         let pool = SessionPool::default();
         for id in 0..SESSIONS_IDLE_MAX as u64 {
             assert!(
-                pool.put_back(Session::opened(id, Duration::from_secs(60)))
+                pool.put_back(Session::opened(id, 1, Duration::from_secs(60)))
                     .is_none()
             );
         }
-        let extra = pool.put_back(Session::opened(99, Duration::from_secs(60)));
+        let extra = pool.put_back(Session::opened(99, 1, Duration::from_secs(60)));
         assert_eq!(extra.map(|s| s.client_id), Some(99), "returned for closing");
         assert_eq!(pool.drain().len(), SESSIONS_IDLE_MAX);
     }

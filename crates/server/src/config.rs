@@ -71,6 +71,74 @@ pub struct ServerConfig {
     /// member. Without one, peers authenticate with a key derived from the cluster id, which
     /// anyone who can read a response header knows (see docs/security.md, The peer port).
     pub peer_secret_file: Option<PathBuf>,
+    /// What clients may hold on this node (connections, streams, watches, ...).
+    pub client_limits: ClientLimits,
+}
+
+/// Caps on what clients may hold or make a node copy, so that no client (or crowd of them)
+/// can exhaust a node. Each is a serve flag of the same name (`--watches-max`); hitting one
+/// gives the client RESOURCE_EXHAUSTED (or etcd's own answer) with one sentence, never memory
+/// growth. `docs/security.md` lists them with their defaults.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClientLimits {
+    /// Client TCP connections open at once; a connection beyond it is closed on accept.
+    pub client_connections_max: usize,
+    /// A client connection from which nothing arrives for this long is closed. The server's
+    /// HTTP/2 pings (every third of it) make a live client answer, so only a silent socket
+    /// reaches it.
+    pub client_idle_timeout_ms: u64,
+    /// gRPC calls (HTTP/2 streams) open at once on one connection (`max_concurrent_streams`).
+    pub grpc_streams_per_connection_max: u32,
+    /// Watches open at once on this node, over all streams and clients.
+    pub watches_max: usize,
+    /// LeaseKeepAlive streams open at once on this node.
+    pub lease_keepalive_streams_max: usize,
+    /// Distinct topics one Inbox request may name.
+    pub topics_per_request_max: usize,
+    /// Message bytes one Read or Inbox answer copies out of the state (at least one message
+    /// is always returned, so a reader makes progress).
+    pub read_response_bytes_max: usize,
+}
+
+impl Default for ClientLimits {
+    fn default() -> Self {
+        ClientLimits {
+            client_connections_max: 4096,
+            client_idle_timeout_ms: 90_000,
+            grpc_streams_per_connection_max: 1024,
+            watches_max: 16_384,
+            lease_keepalive_streams_max: 4096,
+            topics_per_request_max: 256,
+            read_response_bytes_max: 4 * 1024 * 1024,
+        }
+    }
+}
+
+impl ClientLimits {
+    /// Every cap must allow at least one of what it bounds.
+    pub fn validate(&self) -> Result<(), Error> {
+        let zero = [
+            ("client_connections_max", self.client_connections_max == 0),
+            ("client_idle_timeout_ms", self.client_idle_timeout_ms == 0),
+            (
+                "grpc_streams_per_connection_max",
+                self.grpc_streams_per_connection_max == 0,
+            ),
+            ("watches_max", self.watches_max == 0),
+            (
+                "lease_keepalive_streams_max",
+                self.lease_keepalive_streams_max == 0,
+            ),
+            ("topics_per_request_max", self.topics_per_request_max == 0),
+            ("read_response_bytes_max", self.read_response_bytes_max == 0),
+        ];
+        match zero.iter().find(|(_, is_zero)| *is_zero) {
+            Some((name, _)) => Err(Error::InvalidConfig {
+                reason: format!("{name} must be at least 1"),
+            }),
+            None => Ok(()),
+        }
+    }
 }
 
 /// The longest Raft tick: slower ticks make failure detection coarser than any deployment wants.
@@ -123,6 +191,7 @@ impl ServerConfig {
             shutdown_transfer_timeout_ms: 1_000,
             join: false,
             peer_secret_file: None,
+            client_limits: ClientLimits::default(),
         }
     }
 
@@ -241,6 +310,7 @@ impl ServerConfig {
             1,
             REQUEST_BYTES_LIMIT_MAX as u64,
         )?;
+        self.client_limits.validate()?;
         Ok(())
     }
 }

@@ -11,6 +11,7 @@
 //! ```
 
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
 use conclave_proto::etcdserverpb::cluster_server::ClusterServer;
@@ -23,6 +24,7 @@ use tokio::sync::{mpsc, oneshot};
 use crate::api::Api;
 use crate::api::cluster::ClusterService;
 use crate::api::kv::KvService;
+use crate::api::limits::{IdleClosing, Limits};
 use crate::api::maintenance::MaintenanceService;
 use crate::api::watch::WatchService;
 use crate::authority::ClientStream;
@@ -34,7 +36,8 @@ use crate::transport::{
     serve_peers_with,
 };
 
-/// A client connection that sends nothing for this long gets an HTTP/2 ping.
+/// A client connection that sends nothing for this long gets an HTTP/2 ping (or after a third
+/// of `client_idle_timeout_ms`, if sooner, so that a live client answers before it is idle).
 const CLIENT_KEEPALIVE_INTERVAL_MS: u64 = 30_000;
 /// A graceful shutdown waits for accepted client requests at most their longest deadline
 /// (`request_timeout_ms`) plus this, then stops the driver, which ends whatever is left.
@@ -92,9 +95,12 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> Re
         .max_decoding_message_size(decode_max)
         .max_encoding_message_size(GRPC_RESPONSE_BYTES_MAX);
     let (stop_grpc, grpc_stopped) = oneshot::channel::<()>();
+    let caps = &config.client_limits;
+    let keepalive_ms = CLIENT_KEEPALIVE_INTERVAL_MS.min((caps.client_idle_timeout_ms / 3).max(1));
     let mut grpc = tokio::spawn(
         tonic::transport::Server::builder()
-            .http2_keepalive_interval(Some(Duration::from_millis(CLIENT_KEEPALIVE_INTERVAL_MS)))
+            .http2_keepalive_interval(Some(Duration::from_millis(keepalive_ms)))
+            .max_concurrent_streams(Some(caps.grpc_streams_per_connection_max))
             .add_service(kv)
             .add_service(maintenance)
             .add_service(cluster)
@@ -107,9 +113,12 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> Re
             .add_service(crate::api::conclave::session_server(&api))
             .add_service(crate::api::conclave::status_server(&api))
             .add_service(crate::api::cluster::membership_server(&api))
-            .serve_with_incoming_shutdown(client_connections(client_listener), async move {
-                let _ = grpc_stopped.await;
-            }),
+            .serve_with_incoming_shutdown(
+                client_connections(client_listener, api.limits.clone()),
+                async move {
+                    let _ = grpc_stopped.await;
+                },
+            ),
     );
     tokio::spawn(crate::api::cluster::record_member_attributes(
         api.clone(),
@@ -213,14 +222,26 @@ async fn hand_off(api: &Api, timeout_ms: u64) {
 /// for the client's delayed ACK (about 40 ms per small read on Linux).
 ///
 /// Each is wrapped in a [`ClientStream`], which repairs the URL-valued `:authority` etcdctl
-/// sends when it dials a member's advertised client URL.
+/// sends when it dials a member's advertised client URL, and in an [`IdleClosing`], which
+/// holds one of `client_connections_max` slots and closes a silent connection. A connection
+/// beyond the cap is closed as soon as it is accepted.
 fn client_connections(
     listener: tokio::net::TcpListener,
-) -> impl tokio_stream::Stream<Item = std::io::Result<ClientStream>> {
+    limits: Arc<Limits>,
+) -> impl tokio_stream::Stream<Item = std::io::Result<IdleClosing<ClientStream>>> {
     use tokio_stream::StreamExt;
-    tokio_stream::wrappers::TcpListenerStream::new(listener).map(|accepted| {
-        let stream = accepted?;
-        stream.set_nodelay(true)?;
-        Ok(ClientStream::new(stream))
+    tokio_stream::wrappers::TcpListenerStream::new(listener).filter_map(move |accepted| {
+        let stream = match accepted {
+            Ok(stream) => stream,
+            Err(error) => return Some(Err(error)),
+        };
+        let peer = stream.peer_addr().ok();
+        // Dropping the stream closes it: the client sees its connection end.
+        let slot = limits.connection(peer)?;
+        if let Err(error) = stream.set_nodelay(true) {
+            return Some(Err(error));
+        }
+        let stream = ClientStream::new(stream);
+        Some(Ok(IdleClosing::new(stream, limits.clone(), peer, slot)))
     })
 }

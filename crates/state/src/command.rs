@@ -20,6 +20,11 @@ use crate::txn::{
 /// are bounded by `Config::request_bytes_max` plus framing).
 pub const ENCODED_COMMAND_BYTES_MAX: usize = 64 * 1024 * 1024;
 
+/// Starts the encoding of a command whose session carries a secret. A command in the older
+/// format cannot start with it (leader time 0, then the invalid option tag 2), so both formats
+/// decode without a version field and commands without a secret keep their old bytes.
+pub const SECRET_COMMAND_PREFIX: &[u8] = b"\x00\x02";
+
 /// The client's position in its session: retries carry the same `seq`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SessionSeq {
@@ -27,6 +32,32 @@ pub struct SessionSeq {
     pub client_id: u64,
     /// Strictly increasing per client, one per distinct request.
     pub seq: u64,
+    /// The session's secret from `OpenSession`'s response: a command whose secret differs
+    /// from the session's is answered as if the session did not exist. 0 only for sessions
+    /// opened by [`Request::OpenSession`] (entries written before secrets existed).
+    pub secret: u128,
+}
+
+/// [`SessionSeq`] as encoded before sessions had secrets.
+#[derive(Clone, Copy, Serialize, Deserialize)]
+struct LegacySessionSeq {
+    client_id: u64,
+    seq: u64,
+}
+
+/// [`Command`] as encoded before sessions had secrets (every command without a secret still is).
+#[derive(Serialize)]
+struct LegacyCommandRef<'a> {
+    leader_time_ms: u64,
+    session: Option<LegacySessionSeq>,
+    request: &'a Request,
+}
+
+#[derive(Deserialize)]
+struct LegacyCommand {
+    leader_time_ms: u64,
+    session: Option<LegacySessionSeq>,
+    request: Request,
 }
 
 /// A replicated command.
@@ -51,10 +82,29 @@ impl Command {
         }
     }
 
-    /// Compact binary encoding for a Raft entry.
+    /// Compact binary encoding for a Raft entry: [`SECRET_COMMAND_PREFIX`] and the command
+    /// when its session has a secret, otherwise the older format, byte for byte.
     pub fn encode(&self) -> Vec<u8> {
         // Encoding plain data into a Vec cannot fail; a failure is a bug in a serde derive.
-        postcard::to_allocvec(self).expect("command encoding is infallible")
+        match self.session {
+            Some(session) if session.secret != 0 => {
+                let mut out = SECRET_COMMAND_PREFIX.to_vec();
+                let body = postcard::to_allocvec(self).expect("command encoding is infallible");
+                out.extend_from_slice(&body);
+                out
+            }
+            _ => {
+                let legacy = LegacyCommandRef {
+                    leader_time_ms: self.leader_time_ms,
+                    session: self.session.map(|at| LegacySessionSeq {
+                        client_id: at.client_id,
+                        seq: at.seq,
+                    }),
+                    request: &self.request,
+                };
+                postcard::to_allocvec(&legacy).expect("command encoding is infallible")
+            }
+        }
     }
 
     /// Decodes [`Command::encode`]'s output. Never panics on arbitrary bytes.
@@ -65,8 +115,34 @@ impl Command {
                 bytes.len()
             )));
         }
-        let (command, rest) = postcard::take_from_bytes::<Command>(bytes)
-            .map_err(|error| Error::Decode(error.to_string()))?;
+        let (command, rest) = match bytes.strip_prefix(SECRET_COMMAND_PREFIX) {
+            Some(body) => {
+                let (command, rest) = postcard::take_from_bytes::<Command>(body)
+                    .map_err(|error| Error::Decode(error.to_string()))?;
+                // Only the older format may carry a session without a secret, so that a
+                // command has exactly one encoding.
+                if command.session.is_some_and(|at| at.secret == 0) {
+                    return Err(Error::Decode(
+                        "session secret 0 in the secret format".into(),
+                    ));
+                }
+                (command, rest)
+            }
+            None => {
+                let (legacy, rest) = postcard::take_from_bytes::<LegacyCommand>(bytes)
+                    .map_err(|error| Error::Decode(error.to_string()))?;
+                let command = Command {
+                    leader_time_ms: legacy.leader_time_ms,
+                    session: legacy.session.map(|at| SessionSeq {
+                        client_id: at.client_id,
+                        seq: at.seq,
+                        secret: 0,
+                    }),
+                    request: legacy.request,
+                };
+                (command, rest)
+            }
+        };
         if !rest.is_empty() {
             return Err(Error::Decode(format!(
                 "{} trailing bytes after command",
@@ -245,6 +321,19 @@ pub enum Request {
     },
     /// Let time pass: handoff timeouts, topic age retention, session expiry.
     Tick,
+    /// Open a client session guarded by `secret` (random, chosen by the member that serves
+    /// OpenSession, so every replica stores the same one); the response carries the client id.
+    OpenSessionWithSecret {
+        /// 128 random bits, never 0; every command in the session must carry them.
+        secret: u128,
+    },
+    /// Close a client session, if `secret` is its secret.
+    CloseSessionWithSecret {
+        /// The client.
+        client_id: u64,
+        /// The session's secret.
+        secret: u128,
+    },
 }
 
 /// etcd Campaign / Lock outcome.

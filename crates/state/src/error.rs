@@ -156,6 +156,19 @@ pub enum Error {
     /// Reading or writing a snapshot stream failed.
     #[error("conclave: snapshot stream: {0}")]
     SnapshotIo(String),
+    /// A sequence number further ahead of the session's last applied one than
+    /// `session::SESSION_SEQ_AHEAD_MAX` allows (a client numbers its requests one by one).
+    #[error(
+        "conclave: client {client_id} sequence {seq} is too far ahead of the last applied {last_seq}"
+    )]
+    SessionSeqTooFar {
+        /// The client id.
+        client_id: u64,
+        /// The sequence number presented.
+        seq: u64,
+        /// The last sequence number applied for this client.
+        last_seq: u64,
+    },
 }
 
 impl Error {
@@ -191,6 +204,7 @@ impl Error {
             Error::SnapshotCorrupt(_) => 1602,
             Error::SnapshotVersion { .. } => 1603,
             Error::SnapshotIo(_) => 1604,
+            Error::SessionSeqTooFar { .. } => 1504,
         }
     }
 }
@@ -306,6 +320,11 @@ mod tests {
                 supported: 0,
             },
             Error::SnapshotIo(String::new()),
+            Error::SessionSeqTooFar {
+                client_id: 0,
+                seq: 0,
+                last_seq: 0,
+            },
         ];
         let codes: std::collections::BTreeSet<u32> = all.iter().map(Error::code).collect();
         assert_eq!(codes.len(), all.len());

@@ -106,7 +106,7 @@ pub use machine::{QueueStatus, RESERVED_PREFIX, StateMachine, group_leader_key, 
 pub use mvcc::{
     EventKind, KeyValue, RangeRequest, RangeResponse, SortOrder, SortTarget, WatchEvent,
 };
-pub use topic::{Message, Retention, TopicRead};
+pub use topic::{Message, ReadBudget, Retention, TopicRead};
 pub use txn::{
     Compare, CompareResult, CompareTarget, DeleteRangeRequest, DeleteRangeResponse, PutRequest,
     PutResponse, RequestOp, ResponseOp, TxnRequest, TxnResponse,

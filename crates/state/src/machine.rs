@@ -32,7 +32,7 @@ use crate::error::{Error, Result};
 use crate::lease::{Lease, LeaseTable};
 use crate::mvcc::{KeyValue, KvStore, RangeRequest, RangeResponse, WatchEvent, prefix_end};
 use crate::session::{SessionCheck, Sessions};
-use crate::topic::{Retention, TopicRead, Topics};
+use crate::topic::{ReadBudget, Retention, TopicRead, Topics};
 use crate::txn::{
     self, DeleteRangeRequest, DeleteRangeResponse, PutRequest, PutResponse, RequestOp, ResponseOp,
     TxnPath, TxnRequest, TxnResponse,
@@ -75,6 +75,32 @@ pub enum QueueStatus {
     /// Its key is gone, was re-created (another fence), or its lease has run out: it will never
     /// own. Tell the client it lost.
     Lost,
+}
+
+/// [`State`] as snapshot format version 1 wrote it (sessions without secrets).
+#[derive(Deserialize)]
+pub(crate) struct StateV1 {
+    last_applied: u64,
+    now_ms: u64,
+    kv: KvStore,
+    leases: LeaseTable,
+    groups: BTreeMap<String, Group>,
+    topics: Topics,
+    sessions: crate::session::SessionsV1,
+}
+
+impl From<StateV1> for State {
+    fn from(old: StateV1) -> State {
+        State {
+            last_applied: old.last_applied,
+            now_ms: old.now_ms,
+            kv: old.kv,
+            leases: old.leases,
+            groups: old.groups,
+            topics: old.topics,
+            sessions: old.sessions.into(),
+        }
+    }
 }
 
 /// Everything that is replicated and goes into a snapshot.
@@ -188,6 +214,14 @@ impl StateMachine {
                 };
                 self.output(result, Vec::new(), false)
             }
+        }
+    }
+
+    fn close_session(&mut self, client_id: u64, secret: u128) -> Result<Response> {
+        if self.state.sessions.close(client_id, secret) {
+            Ok(Response::SessionClosed)
+        } else {
+            Err(Error::SessionNotFound { client_id })
         }
     }
 
@@ -338,17 +372,24 @@ impl StateMachine {
                 let now_ms = self.state.now_ms;
                 self.state
                     .sessions
-                    .open(index, now_ms, self.config.sessions_max);
+                    .open(index, 0, now_ms, self.config.sessions_max);
                 Ok(Response::SessionOpened { client_id: index })
             }
-            Request::CloseSession { client_id } => {
-                if self.state.sessions.close(*client_id) {
-                    Ok(Response::SessionClosed)
-                } else {
-                    Err(Error::SessionNotFound {
-                        client_id: *client_id,
-                    })
+            Request::OpenSessionWithSecret { secret } => {
+                // Secret 0 is the mark of a session from before secrets: refusing it keeps a
+                // new session from being addressable without its secret.
+                if *secret == 0 {
+                    return Err(Error::InvalidArgument("session secret 0".into()));
                 }
+                let now_ms = self.state.now_ms;
+                self.state
+                    .sessions
+                    .open(index, *secret, now_ms, self.config.sessions_max);
+                Ok(Response::SessionOpened { client_id: index })
+            }
+            Request::CloseSession { client_id } => self.close_session(*client_id, 0),
+            Request::CloseSessionWithSecret { client_id, secret } => {
+                self.close_session(*client_id, *secret)
             }
             Request::Tick => {
                 self.tick(events);
@@ -1150,6 +1191,27 @@ impl StateMachine {
         self.state.topics.inbox(consumer, topics, limit)
     }
 
+    /// Read a topic from `from_seq`, as much as `budget` allows (see [`ReadBudget`]).
+    pub fn topic_read_within(
+        &self,
+        topic: &str,
+        from_seq: u64,
+        budget: &mut ReadBudget,
+    ) -> TopicRead {
+        self.state.topics.read_within(topic, from_seq, budget)
+    }
+
+    /// What `consumer` has not acknowledged on `topics`, each read once, as much as `budget`
+    /// allows over all of them.
+    pub fn inbox_within(
+        &self,
+        consumer: &str,
+        topics: &[String],
+        budget: &mut ReadBudget,
+    ) -> Vec<TopicRead> {
+        self.state.topics.inbox_within(consumer, topics, budget)
+    }
+
     /// The topics.
     pub fn topics(&self) -> &Topics {
         &self.state.topics
@@ -1269,6 +1331,8 @@ fn request_payload_bytes(request: &Request) -> usize {
         | Request::LeaseRevoke { .. }
         | Request::OpenSession
         | Request::CloseSession { .. }
+        | Request::OpenSessionWithSecret { .. }
+        | Request::CloseSessionWithSecret { .. }
         | Request::Tick => 0,
     }
 }

@@ -14,13 +14,15 @@ use std::io::{Read, Write};
 
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::machine::{State, StateMachine};
+use crate::machine::{State, StateMachine, StateV1};
 
 /// Magic bytes at the start of every snapshot.
 pub const SNAPSHOT_MAGIC: &[u8; 8] = b"CNCLSTAT";
 /// The format version this build writes and reads. The body is the postcard encoding of the
 /// state types, so any change to them (a field added, a variant moved) must bump this.
-pub const SNAPSHOT_FORMAT_VERSION: u32 = 1;
+pub const SNAPSHOT_FORMAT_VERSION: u32 = 2;
+/// The oldest format version this build reads: version 1 lacks session secrets.
+pub const SNAPSHOT_FORMAT_VERSION_MIN: u32 = 1;
 /// Payload bytes per frame when writing.
 const FRAME_BYTES: usize = 64 * 1024;
 /// Largest frame a reader accepts.
@@ -114,7 +116,7 @@ impl StateMachine {
             return Err(Error::SnapshotCorrupt("bad magic".into()));
         }
         let version = u32::from_le_bytes([header[8], header[9], header[10], header[11]]);
-        if version != SNAPSHOT_FORMAT_VERSION {
+        if !(SNAPSHOT_FORMAT_VERSION_MIN..=SNAPSHOT_FORMAT_VERSION).contains(&version) {
             return Err(Error::SnapshotVersion {
                 found: version,
                 supported: SNAPSHOT_FORMAT_VERSION,
@@ -160,8 +162,16 @@ impl StateMachine {
             }
             body_crc = crc32c::crc32c_append(body_crc, &body[start..]);
         }
-        let (state, rest) = postcard::take_from_bytes::<State>(&body)
-            .map_err(|error| Error::SnapshotCorrupt(format!("state does not decode: {error}")))?;
+        let does_not_decode = |error: postcard::Error| {
+            Error::SnapshotCorrupt(format!("state does not decode: {error}"))
+        };
+        let (state, rest) = if version == 1 {
+            let (old, rest) =
+                postcard::take_from_bytes::<StateV1>(&body).map_err(does_not_decode)?;
+            (State::from(old), rest)
+        } else {
+            postcard::take_from_bytes::<State>(&body).map_err(does_not_decode)?
+        };
         if !rest.is_empty() {
             return Err(Error::SnapshotCorrupt("trailing bytes after state".into()));
         }

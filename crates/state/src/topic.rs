@@ -7,7 +7,7 @@
 //!   retention: count and age (leader-clock timestamps), applied on publish and on Tick
 //! ```
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
@@ -187,6 +187,13 @@ impl Topics {
 
     /// Messages with seq >= `from_seq` (at most `limit`, 0 for all).
     pub fn read(&self, topic: &str, from_seq: u64, limit: usize) -> TopicRead {
+        let messages = if limit == 0 { usize::MAX } else { limit };
+        self.read_within(topic, from_seq, &mut ReadBudget::new(messages, usize::MAX))
+    }
+
+    /// Messages with seq >= `from_seq`, as many as `budget` still allows; what they cost is
+    /// taken from it. Nothing past the budget is copied.
+    pub fn read_within(&self, topic: &str, from_seq: u64, budget: &mut ReadBudget) -> TopicRead {
         let Some(entry) = self.topics.get(topic) else {
             return TopicRead {
                 topic: topic.to_owned(),
@@ -196,12 +203,11 @@ impl Topics {
         };
         let first_seq = entry.first_seq();
         let skip = usize::try_from(from_seq.saturating_sub(first_seq)).unwrap_or(usize::MAX);
-        let take = if limit == 0 { usize::MAX } else { limit };
         let messages = entry
             .messages
             .iter()
             .skip(skip)
-            .take(take)
+            .take_while(|message| budget.take(message))
             .cloned()
             .collect();
         TopicRead {
@@ -222,18 +228,37 @@ impl Topics {
             .unwrap_or(0)
     }
 
-    /// What `consumer` has not acknowledged on each of `topics`, at most `limit` per topic.
+    /// What `consumer` has not acknowledged on `topics`, at most `limit` messages in all (0
+    /// for all). A topic named twice is read once.
     pub fn inbox(&self, consumer: &str, topics: &[String], limit: usize) -> Vec<TopicRead> {
-        topics
-            .iter()
-            .map(|topic| {
-                let acked_seq = self.cursor(consumer, topic);
-                TopicRead {
-                    acked_seq,
-                    ..self.read(topic, acked_seq + 1, limit)
-                }
-            })
-            .collect()
+        let messages = if limit == 0 { usize::MAX } else { limit };
+        self.inbox_within(consumer, topics, &mut ReadBudget::new(messages, usize::MAX))
+    }
+
+    /// What `consumer` has not acknowledged on `topics`, in the order named, as much as
+    /// `budget` allows over all of them. A topic named twice is read once, and once the budget
+    /// is spent no further topic is looked at, so a request naming many topics copies no more
+    /// than one naming a few.
+    pub fn inbox_within(
+        &self,
+        consumer: &str,
+        topics: &[String],
+        budget: &mut ReadBudget,
+    ) -> Vec<TopicRead> {
+        let mut seen = BTreeSet::new();
+        let mut reads = Vec::new();
+        for topic in topics {
+            if budget.spent() {
+                break;
+            }
+            if !seen.insert(topic.as_str()) {
+                continue;
+            }
+            let acked_seq = self.cursor(consumer, topic);
+            let read = self.read_within(topic, acked_seq.saturating_add(1), budget);
+            reads.push(TopicRead { acked_seq, ..read });
+        }
+        reads
     }
 
     /// The earliest time age retention will drop a message, for the server's timer.
@@ -250,6 +275,48 @@ impl Topics {
     /// Topic names.
     pub fn names(&self) -> impl Iterator<Item = &str> {
         self.topics.keys().map(String::as_str)
+    }
+}
+
+/// What one answer may still copy out of the topics: a count of messages and a number of
+/// bytes (each message costs its data and its topic name). The first message is always taken
+/// whatever its size, so a reader makes progress past a message bigger than the budget.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReadBudget {
+    messages_left: usize,
+    bytes_left: usize,
+    taken_any: bool,
+}
+
+impl ReadBudget {
+    /// At most `messages` messages and `bytes` bytes.
+    pub fn new(messages: usize, bytes: usize) -> ReadBudget {
+        ReadBudget {
+            messages_left: messages,
+            bytes_left: bytes,
+            taken_any: false,
+        }
+    }
+
+    /// Takes `message`'s cost if it fits.
+    fn take(&mut self, message: &Message) -> bool {
+        if self.messages_left == 0 {
+            return false;
+        }
+        let cost = message.data.len().saturating_add(message.topic.len());
+        if self.taken_any && cost > self.bytes_left {
+            self.messages_left = 0;
+            return false;
+        }
+        self.messages_left -= 1;
+        self.bytes_left = self.bytes_left.saturating_sub(cost);
+        self.taken_any = true;
+        true
+    }
+
+    /// Whether nothing more can be taken.
+    pub fn spent(&self) -> bool {
+        self.messages_left == 0
     }
 }
 
@@ -303,5 +370,30 @@ mod tests {
         );
         assert!(topics.read("t", 0, 0).messages.is_empty());
         assert_eq!(topics.read("t", 0, 0).first_seq, 6);
+    }
+
+    #[test]
+    fn an_inbox_reads_each_topic_once_within_one_budget() {
+        let mut topics = Topics::default();
+        for (i, topic) in ["a", "a", "a", "b", "b"].into_iter().enumerate() {
+            topics.publish(topic, Bytes::from(vec![0u8; 10]), i as i64, 0, 1000);
+        }
+        // The same topic named 30,000 times is one topic.
+        let named = vec!["a".to_owned(); 30_000];
+        let reads = topics.inbox("me", &named, 0);
+        assert_eq!(reads.len(), 1);
+        assert_eq!(reads[0].messages.len(), 3);
+        // `limit` counts over all topics.
+        let both = ["a".to_owned(), "b".to_owned(), "a".to_owned()];
+        let total = |reads: &[TopicRead]| reads.iter().map(|r| r.messages.len()).sum::<usize>();
+        assert_eq!(total(&topics.inbox("me", &both, 4)), 4);
+        assert_eq!(total(&topics.inbox("me", &both, 0)), 5);
+        // 11 bytes a message (10 of data, 1 of topic name): 25 bytes hold two.
+        let mut budget = ReadBudget::new(usize::MAX, 25);
+        assert_eq!(total(&topics.inbox_within("me", &both, &mut budget)), 2);
+        assert!(budget.spent());
+        // The first message is returned even when it alone is over the budget.
+        let mut tiny = ReadBudget::new(usize::MAX, 1);
+        assert_eq!(topics.read_within("b", 0, &mut tiny).messages.len(), 1);
     }
 }

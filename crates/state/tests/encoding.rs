@@ -24,6 +24,7 @@ fn command_encoding_is_stable() {
                 session: Some(SessionSeq {
                     client_id: 3,
                     seq: 9,
+                    secret: 0,
                 }),
                 request: Request::Txn(TxnRequest {
                     compare: vec![Compare::new(

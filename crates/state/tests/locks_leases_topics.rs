@@ -283,7 +283,11 @@ fn session_retry_gets_the_first_answer_and_changes_nothing() {
     };
     let put = Command {
         leader_time_ms: 0,
-        session: Some(SessionSeq { client_id, seq: 1 }),
+        session: Some(SessionSeq {
+            client_id,
+            seq: 1,
+            secret: 0,
+        }),
         request: Request::Put(PutRequest {
             prev_kv: true,
             ..PutRequest::new("k", "v")
@@ -399,6 +403,7 @@ fn commands_round_trip_and_garbage_does_not_decode() {
         session: Some(SessionSeq {
             client_id: 1,
             seq: 2,
+            secret: 0,
         }),
         request: Request::Txn(TxnRequest {
             success: vec![RequestOp::Put(PutRequest::new("k", "v"))],

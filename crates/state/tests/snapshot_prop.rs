@@ -172,6 +172,7 @@ fn run_straight(steps: &[Step]) -> (Vec<Command>, Vec<ApplyOutput>, StateMachine
                 .map(|client_id| SessionSeq {
                     client_id: *client_id,
                     seq,
+                    secret: 0,
                 })
         });
         let command = Command {

@@ -204,7 +204,7 @@ pub async fn member(ctx: &Ctx, command: MemberCommand) -> CmdResult {
                 }),
                 || {
                     format!(
-                        "member {} added{}; start it with an empty data directory:\n  conclave serve {} --listen-client HOST:PORT --initial-cluster-clients ...",
+                        "member {} added{}; start it with an empty data directory:\n  conclave serve {} --listen-client HOST:PORT --initial-cluster-clients ... --peer-secret-file FILE\n(FILE: the cluster's peer secret, the one its other members were given)",
                         id_hex(added.id),
                         if learner { " as a learner" } else { "" },
                         flags.join(" ")

@@ -70,6 +70,8 @@ pub struct Cluster {
     pub root: PathBuf,
     pub nodes: Vec<Node>,
     initial_cluster: String,
+    /// Serve flags every node gets besides the harness's own (e.g. a smaller cap).
+    extra_args: Vec<String>,
 }
 
 /// The peer secret every harness cluster's members share (`--peer-secret-file`).
@@ -80,8 +82,14 @@ impl Cluster {
     /// start-up (its port was taken between choosing and binding it) makes the whole cluster
     /// start over on fresh ports, a few times at most.
     pub async fn start(size: u64) -> Cluster {
+        Cluster::start_with_args(size, &[]).await
+    }
+
+    /// [`Cluster::start`] with more serve flags for every node.
+    pub async fn start_with_args(size: u64, extra_args: &[&str]) -> Cluster {
         for attempt in 1..=START_ATTEMPTS {
-            let mut cluster = Cluster::start_once(size);
+            let extra_args = extra_args.iter().map(|arg| arg.to_string()).collect();
+            let mut cluster = Cluster::start_once(size, extra_args);
             if cluster.wait_for_start(STARTUP_TIMEOUT).await {
                 return cluster;
             }
@@ -93,7 +101,7 @@ impl Cluster {
         panic!("no cluster of {size} started in {START_ATTEMPTS} attempts");
     }
 
-    fn start_once(size: u64) -> Cluster {
+    fn start_once(size: u64, extra_args: Vec<String>) -> Cluster {
         let root = std::env::temp_dir().join(format!(
             "conclave-cli-test-{}-{}",
             std::process::id(),
@@ -120,6 +128,7 @@ impl Cluster {
             root,
             nodes,
             initial_cluster,
+            extra_args,
         };
         for id in 1..=size {
             cluster.spawn(id);
@@ -182,6 +191,7 @@ impl Cluster {
             .args(["--snapshot-entries", "50"])
             .arg("--peer-secret-file")
             .arg(self.peer_secret_file())
+            .args(&self.extra_args)
             .env("CONCLAVE_LOG", "info")
             .stdin(Stdio::null())
             .stdout(Stdio::from(log))

@@ -32,8 +32,8 @@ use conclave_proto::conclave::v1::{
 use conclave_proto::etcdserverpb::{StatusRequest, maintenance_client::MaintenanceClient};
 use conclave_state::election::Candidate as StateCandidate;
 use conclave_state::{
-    ElectionEvent, ElectionEventKind, Event, GroupRegister, Message, Request, Response, Seat,
-    StateMachine,
+    ElectionEvent, ElectionEventKind, Event, GroupRegister, Message, ReadBudget, Request, Response,
+    Seat, StateMachine,
 };
 use tokio::sync::{broadcast, mpsc};
 use tokio::time::Instant;
@@ -790,9 +790,11 @@ impl Topic for TopicService {
         let message = request.into_inner();
         self.api.linearizable_barrier(&ctx).await?;
         let limit = read_limit(message.limit);
+        let bytes_max = self.api.config.client_limits.read_response_bytes_max;
         let (read, revision) = self.api.node.read_state(|state| {
+            let mut budget = ReadBudget::new(limit, bytes_max);
             (
-                state.topic_read(&message.topic, message.from_seq, limit),
+                state.topic_read_within(&message.topic, message.from_seq, &mut budget),
                 state.revision(),
             )
         });
@@ -839,19 +841,25 @@ impl Topic for TopicService {
         request: tonic::Request<cv1::InboxRequest>,
     ) -> Result<tonic::Response<cv1::InboxResponse>, Status> {
         let ctx = CallContext::new(&request, self.api.config.request_timeout_ms);
-        let message = request.into_inner();
+        let client = request.remote_addr();
+        let mut message = request.into_inner();
         if message.consumer.is_empty() || message.topics.is_empty() {
             return Err(invalid("an inbox needs a consumer and at least one topic"));
         }
+        // Each topic once, in the order first named; then the cap on how many.
+        let mut seen = std::collections::BTreeSet::new();
+        message.topics.retain(|topic| seen.insert(topic.clone()));
         let api = &self.api;
+        api.limits.inbox_topics(client, message.topics.len())?;
         api.linearizable_barrier(&ctx).await?;
         let limit = read_limit(message.limit);
+        let bytes_max = api.config.client_limits.read_response_bytes_max;
         let read = |state: &StateMachine| {
+            let mut budget = ReadBudget::new(limit, bytes_max);
             let pending: Vec<Message> = state
-                .inbox(&message.consumer, &message.topics, limit)
+                .inbox_within(&message.consumer, &message.topics, &mut budget)
                 .into_iter()
                 .flat_map(|read| read.messages)
-                .take(limit)
                 .collect();
             (pending, state.revision())
         };
@@ -1012,15 +1020,18 @@ impl SessionApi for SessionService {
         let message = request.into_inner();
         let api = &self.api;
         let session_ttl_ms = api.node.read_state(|state| state.config().session_ttl_ms);
+        // Chosen here and carried in the entry, so every replica stores the same secret.
+        let secret = super::new_session_secret()?;
         let response = api
             .write(
                 &ctx,
-                Request::OpenSession,
+                Request::OpenSessionWithSecret { secret },
                 |applied| match answer(&applied)? {
                     Response::SessionOpened { client_id } => Ok(cv1::OpenSessionResponse {
                         header: Some(header(api, applied.output.revision)),
                         client_id: *client_id,
                         session_ttl_ms,
+                        session_secret: secret.to_be_bytes().to_vec().into(),
                     }),
                     other => Err(unexpected(other)),
                 },
@@ -1046,8 +1057,18 @@ impl SessionApi for SessionService {
         ctx.session = None;
         let message = request.into_inner();
         let api = &self.api;
-        let command = Request::CloseSession {
-            client_id: message.client_id,
+        let secret = super::session_secret_from_bytes(&message.session_secret)?;
+        // Without a secret, only a session opened before secrets can match; the older
+        // variant keeps such entries readable by members that predate secrets.
+        let command = if secret == 0 {
+            Request::CloseSession {
+                client_id: message.client_id,
+            }
+        } else {
+            Request::CloseSessionWithSecret {
+                client_id: message.client_id,
+                secret,
+            }
         };
         let response = api
             .write(
@@ -1060,6 +1081,7 @@ impl SessionApi for SessionService {
                     other => Err(unexpected(other)),
                 },
                 |channel, ctx| {
+                    let message = message.clone();
                     Box::pin(async move {
                         let request = Api::forwarded_request(message, &ctx);
                         Ok(SessionClient::new(channel)

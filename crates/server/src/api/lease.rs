@@ -386,10 +386,17 @@ impl Lease for LeaseService {
         request: tonic::Request<Streaming<pb::LeaseKeepAliveRequest>>,
     ) -> Result<tonic::Response<Self::LeaseKeepAliveStream>, Status> {
         let forwarded = request.metadata().get(FORWARDED_HEADER).is_some();
+        // Held by the stream's task until the stream ends (lease_keepalive_streams_max).
+        let slot = self
+            .shared
+            .api
+            .limits
+            .lease_keepalive_stream(request.remote_addr())?;
         let mut incoming = request.into_inner();
         let (responses, output) = mpsc::channel(KEEPALIVE_STREAM_RESPONSES_MAX);
         let shared = self.shared.clone();
         tokio::spawn(async move {
+            let _slot = slot;
             let mut upstream = None;
             // Keepalives on one stream are answered in order, one at a time, as etcd does.
             while let Some(Ok(message)) = incoming.next().await {

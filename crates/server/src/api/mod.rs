@@ -15,6 +15,7 @@ pub mod convert;
 pub mod election;
 pub mod kv;
 pub mod lease;
+pub mod limits;
 pub mod lock;
 pub mod maintenance;
 pub mod watch;
@@ -43,6 +44,9 @@ pub const FORWARDED_HEADER: &str = "conclave-forwarded";
 /// once however often it is retried (the state machine replays its cached answer).
 pub const SESSION_CLIENT_HEADER: &str = "conclave-session-client";
 pub const SESSION_SEQ_HEADER: &str = "conclave-session-seq";
+/// Metadata key of the session's secret (32 lowercase hex digits), without which a session
+/// position addresses only a session opened before secrets existed.
+pub const SESSION_SECRET_HEADER: &str = "conclave-session-secret";
 /// Answers are sent this long before the client's own deadline, so the client sees our error
 /// ("no leader") rather than its own "deadline exceeded".
 const DEADLINE_MARGIN_MS: u64 = 50;
@@ -84,14 +88,63 @@ impl CallContext {
     }
 }
 
-/// The session position of a request. Both keys must be present and numeric; anything else
-/// means no session (the request is then applied like an etcd request, at least once).
+/// The session position of a request. Both numeric keys must be present and numeric, and the
+/// secret, when present, 32 hex digits; anything else means no session (the request is then
+/// applied like an etcd request, at least once). A missing secret is secret 0, which only a
+/// session opened before secrets existed has.
 fn session_from_metadata(metadata: &tonic::metadata::MetadataMap) -> Option<SessionSeq> {
     let number = |key: &str| -> Option<u64> { metadata.get(key)?.to_str().ok()?.parse().ok() };
+    let secret = match metadata.get(SESSION_SECRET_HEADER) {
+        None => 0,
+        Some(value) => parse_session_secret(value.to_str().ok()?)?,
+    };
     Some(SessionSeq {
         client_id: number(SESSION_CLIENT_HEADER)?,
         seq: number(SESSION_SEQ_HEADER)?,
+        secret,
     })
+}
+
+/// A session secret as it travels in metadata: exactly 32 hex digits.
+pub fn parse_session_secret(text: &str) -> Option<u128> {
+    if text.len() != 32 || !text.bytes().all(|byte| byte.is_ascii_hexdigit()) {
+        return None;
+    }
+    u128::from_str_radix(text, 16).ok()
+}
+
+/// A session secret as it travels in metadata.
+pub fn session_secret_hex(secret: u128) -> String {
+    format!("{secret:032x}")
+}
+
+/// A session secret as it travels in protobuf: 16 bytes, big-endian; empty means 0 (no
+/// secret). Any other length is refused.
+pub fn session_secret_from_bytes(bytes: &[u8]) -> Result<u128, Status> {
+    if bytes.is_empty() {
+        return Ok(0);
+    }
+    let array: [u8; 16] = bytes
+        .try_into()
+        .map_err(|_| Status::invalid_argument("conclave: a session secret is 16 bytes"))?;
+    Ok(u128::from_be_bytes(array))
+}
+
+/// A fresh session secret: 128 bits from the operating system's generator, never 0 (0 marks
+/// sessions from before secrets).
+pub fn new_session_secret() -> Result<u128, Status> {
+    use std::io::Read;
+    let unavailable =
+        |error: std::io::Error| Status::internal(format!("conclave: no randomness: {error}"));
+    let mut source = std::fs::File::open("/dev/urandom").map_err(unavailable)?;
+    loop {
+        let mut bytes = [0u8; 16];
+        source.read_exact(&mut bytes).map_err(unavailable)?;
+        let secret = u128::from_be_bytes(bytes);
+        if secret != 0 {
+            return Ok(secret);
+        }
+    }
 }
 
 /// Parses gRPC's `grpc-timeout` header: up to 8 digits and a unit (H, M, S, m, u, n).
@@ -122,6 +175,8 @@ pub struct Api {
     /// Set when a graceful shutdown starts draining the client API: long waits and streams
     /// end then, so they cannot hold the drain up, while ordinary requests finish.
     draining: tokio::sync::watch::Sender<bool>,
+    /// Slots and counters of the client caps.
+    pub limits: Arc<limits::Limits>,
 }
 
 /// Lazily connected channels to members' client addresses, by member id. A channel is made
@@ -163,12 +218,14 @@ enum Route {
 
 impl Api {
     pub fn new(node: NodeHandle, config: ServerConfig) -> Arc<Api> {
+        let limits = Arc::new(limits::Limits::new(config.client_limits.clone()));
         Arc::new(Api {
             cluster_id: config.cluster_id(),
             node,
             config,
             channels: MemberChannels::default(),
             draining: tokio::sync::watch::Sender::new(false),
+            limits,
         })
     }
 
@@ -341,6 +398,11 @@ impl Api {
         if let Some(session) = ctx.session {
             metadata.insert(SESSION_CLIENT_HEADER, session.client_id.into());
             metadata.insert(SESSION_SEQ_HEADER, session.seq.into());
+            if session.secret != 0
+                && let Ok(value) = session_secret_hex(session.secret).parse()
+            {
+                metadata.insert(SESSION_SECRET_HEADER, value);
+            }
         }
         request
     }
@@ -442,9 +504,21 @@ mod tests {
             ctx.session,
             Some(SessionSeq {
                 client_id: 7,
-                seq: 3
+                seq: 3,
+                secret: 0,
             })
         );
+        request
+            .metadata_mut()
+            .insert(SESSION_SECRET_HEADER, "not hex".parse().unwrap());
+        assert_eq!(CallContext::new(&request, 1000).session, None);
+        let secret = 0xabcd_u128 << 100 | 5;
+        request.metadata_mut().insert(
+            SESSION_SECRET_HEADER,
+            session_secret_hex(secret).parse().unwrap(),
+        );
+        let ctx = CallContext::new(&request, 1000);
+        assert_eq!(ctx.session.map(|at| at.secret), Some(secret));
         // A forwarded copy carries the same position to the leader.
         let forwarded = Api::forwarded_request((), &ctx);
         assert_eq!(CallContext::new(&forwarded, 1000).session, ctx.session);

@@ -75,6 +75,16 @@ impl Watch for WatchService {
         &self,
         request: tonic::Request<Streaming<pb::WatchRequest>>,
     ) -> Result<tonic::Response<Self::WatchStream>, Status> {
+        let client = request.remote_addr();
+        // A node with no watch slot left refuses new streams outright; on an open stream a
+        // create beyond the cap gets etcd's refusal (created and canceled) with the reason.
+        if self.api.limits.watches_available() == 0 {
+            return Err(self.api.limits.watch(client).err().unwrap_or_else(|| {
+                Status::resource_exhausted(super::limits::watches_exhausted_reason(
+                    self.api.limits.caps.watches_max,
+                ))
+            }));
+        }
         let mut incoming = request.into_inner();
         let (responses, output) = mpsc::channel(WATCH_STREAM_RESPONSES_MAX);
         let api = self.api.clone();
@@ -119,7 +129,24 @@ impl Watch for WatchService {
                             }
                             continue;
                         }
-                        let task = start_watch(&api, id, create, responses.clone());
+                        let slot = match api.limits.watch(client) {
+                            Ok(slot) => slot,
+                            Err(status) => {
+                                let refused = pb::WatchResponse {
+                                    header: Some(api.read_header()),
+                                    watch_id: id,
+                                    created: true,
+                                    canceled: true,
+                                    cancel_reason: status.message().to_owned(),
+                                    ..Default::default()
+                                };
+                                if responses.send(Ok(refused)).await.is_err() {
+                                    break;
+                                }
+                                continue;
+                            }
+                        };
+                        let task = start_watch(&api, id, create, responses.clone(), slot);
                         watches.insert(id, task);
                     }
                     Some(RequestUnion::CancelRequest(cancel)) => {
@@ -162,6 +189,7 @@ fn start_watch(
     id: i64,
     create: pb::WatchCreateRequest,
     responses: Responses,
+    slot: tokio::sync::OwnedSemaphorePermit,
 ) -> JoinHandle<()> {
     use pb::watch_create_request::FilterType;
     let filter = Filter {
@@ -180,6 +208,8 @@ fn start_watch(
     let start_revision = create.start_revision;
     let api = api.clone();
     tokio::spawn(async move {
+        // One of watches_max, released when the watch ends or is cancelled (abort drops it).
+        let _slot = slot;
         let header = api.header(revision);
         let created = pb::WatchResponse {
             header: Some(header),
