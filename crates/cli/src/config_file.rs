@@ -219,6 +219,7 @@ tick-ms = 5
 heartbeat-ms = 25
 election-timeout-ms = 300
 request-timeout-ms = 900
+peer-secret-file = "/etc/conclave/peer-secret"
 client-connections-max = 100
 client-idle-timeout-ms = 60000
 grpc-streams-per-connection-max = 64
@@ -298,6 +299,10 @@ read-response-bytes-max = 65536
         assert_eq!(s.heartbeat_ms, 25);
         assert_eq!(s.election_timeout_ms, 300);
         assert_eq!(s.request_timeout_ms, 900);
+        assert_eq!(
+            s.peer_secret_file.as_deref(),
+            Some(std::path::Path::new("/etc/conclave/peer-secret"))
+        );
         assert_eq!(args.initial_cluster_state, ClusterState::Existing);
     }
 

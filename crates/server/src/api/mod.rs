@@ -133,13 +133,10 @@ pub fn session_secret_from_bytes(bytes: &[u8]) -> Result<u128, Status> {
 /// A fresh session secret: 128 bits from the operating system's generator, never 0 (0 marks
 /// sessions from before secrets).
 pub fn new_session_secret() -> Result<u128, Status> {
-    use std::io::Read;
-    let unavailable =
-        |error: std::io::Error| Status::internal(format!("conclave: no randomness: {error}"));
-    let mut source = std::fs::File::open("/dev/urandom").map_err(unavailable)?;
     loop {
         let mut bytes = [0u8; 16];
-        source.read_exact(&mut bytes).map_err(unavailable)?;
+        getrandom::fill(&mut bytes)
+            .map_err(|error| Status::internal(format!("conclave: no randomness: {error}")))?;
         let secret = u128::from_be_bytes(bytes);
         if secret != 0 {
             return Ok(secret);
