@@ -28,8 +28,6 @@ const POLL: Duration = Duration::from_millis(50);
 // Parsed once per process; the size of the Start variant costs nothing worth boxing for.
 #[allow(clippy::large_enum_variant)]
 #[derive(Subcommand, Debug)]
-// Parsed once per process; boxing the serve flags would only complicate clap's derive.
-#[allow(clippy::large_enum_variant)]
 pub enum DaemonCommand {
     /// Start `conclave serve` in the background with these serve flags (every flag `serve`
     /// takes: tests compare the two `--help` texts).
