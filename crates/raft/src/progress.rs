@@ -131,6 +131,14 @@ impl Progress {
                 if self.next_index == 0 || rejected != self.next_index - 1 {
                     return false;
                 }
+                if rejected <= self.match_index {
+                    // The follower no longer has an entry it acknowledged: its disk dropped a
+                    // damaged tail, or `conclave repair` cut its log. Believe it and send the
+                    // entries again; otherwise every probe would stop at `match_index + 1` and
+                    // the follower would stay behind until the next leader. Lowering a match
+                    // never lowers the commit index, which only grows.
+                    self.match_index = next_probe.min(rejected).saturating_sub(1);
+                }
                 self.next_index = next_probe.min(rejected).max(self.match_index + 1);
                 self.probe_sent = false;
                 true

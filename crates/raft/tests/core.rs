@@ -482,3 +482,47 @@ fn an_append_response_past_the_leaders_log_is_refused_not_trusted() {
         );
     }
 }
+
+/// A follower whose disk dropped the end of its log (a damaged tail, or `conclave repair`)
+/// no longer has entries it acknowledged. The leader must send them again, without waiting
+/// for a new leader, rather than probe forever at the index it believes the follower holds.
+#[test]
+fn a_follower_that_lost_acknowledged_entries_gets_them_again_from_the_same_leader() {
+    let mut net = Net::new(3);
+    net.elect(1);
+    for i in 0..6 {
+        net.node(1)
+            .propose(Bytes::from(format!("e{i}")))
+            .expect("accepted");
+        net.settle();
+    }
+    let last = net.node(1).last_index();
+    assert_eq!(net.node(3).last_index(), last);
+
+    // Node 3 restarts with its last three entries gone.
+    let kept = last - 3;
+    let old = net.node(3).store().clone();
+    let mut store = MemStorage::new_with_conf_state(ConfState::with_voters([1, 2, 3]));
+    let first = old.first_index().expect("first index");
+    store.append(&old.entries(first, kept + 1, u64::MAX).expect("entries"));
+    let mut hard_state = old.hard_state();
+    hard_state.commit = hard_state.commit.min(kept);
+    store.set_hard_state(hard_state);
+    net.nodes
+        .insert(3, RawNode::new(config(3), store).expect("valid config"));
+    assert_eq!(net.node(3).last_index(), kept);
+
+    let term = net.node(1).term();
+    net.node(1)
+        .propose(Bytes::from_static(b"after"))
+        .expect("accepted");
+    net.settle();
+    net.tick_all(10);
+    assert_eq!(net.leaders(), vec![1], "the same leader");
+    assert_eq!(net.node(1).term(), term, "no new term was needed");
+    assert_eq!(net.node(3).last_index(), net.node(1).last_index());
+    assert_eq!(
+        net.node(3).store().term(kept + 1),
+        net.node(1).store().term(kept + 1)
+    );
+}
