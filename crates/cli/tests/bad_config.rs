@@ -89,6 +89,18 @@ fn wait_listening(address: &str) {
     }
 }
 
+fn wait_for_file(path: &Path) {
+    let started = Instant::now();
+    while !path.exists() {
+        assert!(
+            started.elapsed() < REFUSAL_TIMEOUT,
+            "{} was never written",
+            path.display()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 #[test]
 fn a_data_directory_in_use_or_of_another_cluster_is_refused() {
     let root = std::env::temp_dir().join(format!("conclave-bad-config-{}", std::process::id()));
@@ -106,6 +118,9 @@ fn a_data_directory_in_use_or_of_another_cluster_is_refused() {
             .expect("start the first node"),
     );
     wait_listening(&client);
+    // The client port opens before the node has recorded which cluster made the directory;
+    // killing it in between would leave a directory any flags may adopt.
+    wait_for_file(&data_dir.join("IDENTITY"));
 
     // A second node over the same directory, on other ports.
     let (client2, peer2) = (
