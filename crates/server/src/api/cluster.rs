@@ -17,10 +17,10 @@ use conclave_proto::etcdserverpb::{
     self as pb, cluster_client::ClusterClient, cluster_server::Cluster,
 };
 use conclave_raft::{ConfChangeStep, ConfState, NodeId};
-use tonic::transport::Channel;
 use tonic::{Status, async_trait};
 
-use super::{Api, CallContext, FORWARDED_HEADER, to_status};
+use super::route::leader_call;
+use super::{Api, CallContext, to_status};
 use crate::config::Member;
 use crate::error::Error;
 use crate::node::{MEMBER_FIELD_BYTES_MAX, NodeStatus, PeerMatch};
@@ -60,17 +60,6 @@ impl ClusterService {
     fn members(&self) -> Vec<pb::Member> {
         let (members, conf) = current_members(&self.api);
         members.iter().map(|m| to_pb(m, &conf)).collect()
-    }
-
-    /// `None` when this node leads; otherwise a client for the leader. Waits for a leader
-    /// until the deadline.
-    async fn leader_client(
-        &self,
-        ctx: &CallContext,
-    ) -> Result<Option<ClusterClient<Channel>>, Status> {
-        Ok(leader_channel(&self.api, ctx)
-            .await?
-            .map(ClusterClient::new))
     }
 
     /// Proposes `steps` and waits until they are applied, retrying while another change is
@@ -159,6 +148,46 @@ impl ClusterService {
         })
     }
 
+    async fn remove_local(
+        &self,
+        ctx: &CallContext,
+        id: NodeId,
+    ) -> Result<pb::MemberRemoveResponse, Status> {
+        let _one_at_a_time = self.changing.lock().await;
+        self.existing(id)?;
+        self.change(ctx, vec![ConfChangeStep::RemoveNode(id)])
+            .await?;
+        self.settle(ctx, |conf| !conf.contains(id)).await;
+        Ok(pb::MemberRemoveResponse {
+            header: Some(self.api.header(NO_REVISION)),
+            members: self.members(),
+        })
+    }
+
+    async fn promote_local(
+        &self,
+        ctx: &CallContext,
+        id: NodeId,
+    ) -> Result<pb::MemberPromoteResponse, Status> {
+        let _one_at_a_time = self.changing.lock().await;
+        let conf = self.existing(id)?;
+        if !conf.learners.contains(&id) {
+            return Err(Status::failed_precondition(ERR_NOT_LEARNER));
+        }
+        match self.api.node.peer_match(id).await {
+            Ok(Some(progress)) if learner_ready(progress) => {}
+            Ok(_) => return Err(Status::failed_precondition(ERR_LEARNER_NOT_READY)),
+            Err(error) => return Err(to_status(error)),
+        }
+        self.change(ctx, vec![ConfChangeStep::AddVoter(id)]).await?;
+        self.settle(ctx, |conf| conf.voters.contains(&id) && !conf.is_joint())
+            .await;
+        Ok(pb::MemberPromoteResponse {
+            header: Some(self.api.header(NO_REVISION)),
+            members: self.members(),
+        })
+    }
+
     /// Checks `id` is a member (etcd's "member not found" otherwise).
     fn existing(&self, id: NodeId) -> Result<ConfState, Status> {
         let conf = self.api.node.status().conf_state;
@@ -190,36 +219,6 @@ fn parse_peer_url(url: &str) -> Option<String> {
     Some(rest.to_string())
 }
 
-/// `None` when this node leads; otherwise a channel to the leader's client API. Waits for a
-/// leader until the deadline.
-async fn leader_channel(api: &Api, ctx: &CallContext) -> Result<Option<Channel>, Status> {
-    let mut watch = api.node.status.clone();
-    loop {
-        let leader = watch.borrow_and_update().leader;
-        match leader {
-            Some(leader) if leader == api.config.id => return Ok(None),
-            Some(leader) if !ctx.forwarded => return api.channel(leader).map(Some),
-            _ => {}
-        }
-        if ctx.remaining().is_zero() {
-            return Err(to_status(Error::NoLeader));
-        }
-        let wait = ctx.remaining().min(Duration::from_millis(CHANGE_POLL_MS));
-        let _ = tokio::time::timeout(wait, watch.changed()).await;
-    }
-}
-
-/// Marks a request forwarded and bounds it by what is left of ours.
-fn forwarded<T>(ctx: &CallContext, inner: T) -> tonic::Request<T> {
-    let mut request = tonic::Request::new(inner);
-    request.metadata_mut().insert(
-        FORWARDED_HEADER,
-        tonic::metadata::MetadataValue::from_static("1"),
-    );
-    request.set_timeout(ctx.remaining());
-    request
-}
-
 #[async_trait]
 impl Cluster for ClusterService {
     async fn member_add(
@@ -227,11 +226,15 @@ impl Cluster for ClusterService {
         request: tonic::Request<pb::MemberAddRequest>,
     ) -> Result<tonic::Response<pb::MemberAddResponse>, Status> {
         let ctx = CallContext::new(&request, self.api.config.request_timeout_ms);
-        let inner = request.into_inner();
-        match self.leader_client(&ctx).await? {
-            Some(mut leader) => leader.member_add(forwarded(&ctx, inner)).await,
-            None => self.add_local(&ctx, inner).await.map(tonic::Response::new),
-        }
+        let message = request.into_inner();
+        self.api
+            .serve(
+                &ctx,
+                &message,
+                leader_call!(ClusterClient::member_add),
+                || self.add_local(&ctx, message.clone()),
+            )
+            .await
     }
 
     async fn member_remove(
@@ -239,20 +242,15 @@ impl Cluster for ClusterService {
         request: tonic::Request<pb::MemberRemoveRequest>,
     ) -> Result<tonic::Response<pb::MemberRemoveResponse>, Status> {
         let ctx = CallContext::new(&request, self.api.config.request_timeout_ms);
-        let inner = request.into_inner();
-        if let Some(mut leader) = self.leader_client(&ctx).await? {
-            return leader.member_remove(forwarded(&ctx, inner)).await;
-        }
-        let _one_at_a_time = self.changing.lock().await;
-        let id = inner.id;
-        self.existing(id)?;
-        self.change(&ctx, vec![ConfChangeStep::RemoveNode(id)])
-            .await?;
-        self.settle(&ctx, |conf| !conf.contains(id)).await;
-        Ok(tonic::Response::new(pb::MemberRemoveResponse {
-            header: Some(self.api.header(NO_REVISION)),
-            members: self.members(),
-        }))
+        let message = request.into_inner();
+        self.api
+            .serve(
+                &ctx,
+                &message,
+                leader_call!(ClusterClient::member_remove),
+                || self.remove_local(&ctx, message.id),
+            )
+            .await
     }
 
     async fn member_list(
@@ -270,29 +268,15 @@ impl Cluster for ClusterService {
         request: tonic::Request<pb::MemberPromoteRequest>,
     ) -> Result<tonic::Response<pb::MemberPromoteResponse>, Status> {
         let ctx = CallContext::new(&request, self.api.config.request_timeout_ms);
-        let inner = request.into_inner();
-        if let Some(mut leader) = self.leader_client(&ctx).await? {
-            return leader.member_promote(forwarded(&ctx, inner)).await;
-        }
-        let _one_at_a_time = self.changing.lock().await;
-        let id = inner.id;
-        let conf = self.existing(id)?;
-        if !conf.learners.contains(&id) {
-            return Err(Status::failed_precondition(ERR_NOT_LEARNER));
-        }
-        match self.api.node.peer_match(id).await {
-            Ok(Some(progress)) if learner_ready(progress) => {}
-            Ok(_) => return Err(Status::failed_precondition(ERR_LEARNER_NOT_READY)),
-            Err(error) => return Err(to_status(error)),
-        }
-        self.change(&ctx, vec![ConfChangeStep::AddVoter(id)])
-            .await?;
-        self.settle(&ctx, |conf| conf.voters.contains(&id) && !conf.is_joint())
-            .await;
-        Ok(tonic::Response::new(pb::MemberPromoteResponse {
-            header: Some(self.api.header(NO_REVISION)),
-            members: self.members(),
-        }))
+        let message = request.into_inner();
+        self.api
+            .serve(
+                &ctx,
+                &message,
+                leader_call!(ClusterClient::member_promote),
+                || self.promote_local(&ctx, message.id),
+            )
+            .await
     }
 }
 

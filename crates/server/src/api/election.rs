@@ -22,11 +22,9 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Status, async_trait};
 
 use super::convert::kv_to_pb;
-use super::lock::{
-    Outcome, QueueGuard, answer, node_stopped, queue_prefix, touches_prefix, unexpected,
-    wait_context, wait_for_queue,
-};
-use super::{Api, CallContext, state_status, to_status};
+use super::lock::{node_stopped, queue_prefix, touches_prefix, wait_context, wait_for_turn};
+use super::route::leader_call;
+use super::{Api, CallContext, Served, answer, state_status, to_status, unexpected};
 use crate::error::Error;
 
 /// Leader updates queued for one Observe stream. Observe reports state (the newest leader),
@@ -81,45 +79,23 @@ impl Election for ElectionService {
             lease: message.lease,
             value: message.value.clone(),
         };
-        let outcome = api
-            .write(
+        let served = api
+            .write_routed(
                 &ctx,
                 command,
+                &message,
+                leader_call!(ElectionClient::campaign),
                 |applied| match answer(&applied)? {
-                    Response::Campaign(queued) => {
-                        Ok(Outcome::Local((queued.clone(), applied.output.revision)))
-                    }
+                    Response::Campaign(queued) => Ok((queued.clone(), applied.output.revision)),
                     other => Err(unexpected(other)),
-                },
-                |channel, ctx| {
-                    let message = message.clone();
-                    Box::pin(async move {
-                        let request = Api::forwarded_request(message, &ctx);
-                        Ok(Outcome::Forwarded(
-                            ElectionClient::new(channel).campaign(request).await?,
-                        ))
-                    })
                 },
             )
             .await?;
-        let (queued, revision) = match outcome {
-            Outcome::Forwarded(response) => return Ok(response),
-            Outcome::Local(local) => local,
+        let (queued, revision) = match served {
+            Served::Leader(response) => return Ok(response),
+            Served::Here(local) => local,
         };
-        let revision = if queued.owner {
-            revision
-        } else {
-            let mut guard = QueueGuard::new(api.clone(), queued.key.clone(), queued.fence);
-            let waited =
-                wait_for_queue(api, ctx.deadline, &message.name, &queued.key, queued.fence).await;
-            // On a deadline the candidacy keeps its place (a retried Campaign with the same
-            // lease finds the same key); only a dropped call withdraws it.
-            guard.disarm();
-            match waited? {
-                Some(revision) => revision,
-                None => return Err(to_status(Error::Timeout)),
-            }
-        };
+        let revision = wait_for_turn(api, &ctx, &message.name, &queued, revision).await?;
         Ok(tonic::Response::new(epb::CampaignResponse {
             header: Some(api.header(revision)),
             leader: Some(leader_to_pb(message.name, &queued, message.lease)),
@@ -138,29 +114,19 @@ impl Election for ElectionService {
             leader,
             value: message.value.clone(),
         };
-        let response = api
-            .write(
-                &ctx,
-                command,
-                |applied| match answer(&applied)? {
-                    Response::Proclaimed => Ok(epb::ProclaimResponse {
-                        header: Some(api.header(applied.output.revision)),
-                    }),
-                    other => Err(unexpected(other)),
-                },
-                |channel, ctx| {
-                    let message = message.clone();
-                    Box::pin(async move {
-                        let request = Api::forwarded_request(message, &ctx);
-                        Ok(ElectionClient::new(channel)
-                            .proclaim(request)
-                            .await?
-                            .into_inner())
-                    })
-                },
-            )
-            .await?;
-        Ok(tonic::Response::new(response))
+        api.write(
+            &ctx,
+            command,
+            &message,
+            leader_call!(ElectionClient::proclaim),
+            |applied| match answer(&applied)? {
+                Response::Proclaimed => Ok(epb::ProclaimResponse {
+                    header: Some(api.header(applied.output.revision)),
+                }),
+                other => Err(unexpected(other)),
+            },
+        )
+        .await
     }
 
     async fn leader(
@@ -255,29 +221,19 @@ impl Election for ElectionService {
         let message = request.into_inner();
         let leader = leader_from_pb(message.leader.clone())?;
         let api = &self.api;
-        let response = api
-            .write(
-                &ctx,
-                Request::Resign { leader },
-                |applied| match answer(&applied)? {
-                    // etcd answers a stale resign with success too: the key is not ours.
-                    Response::Resigned { .. } => Ok(epb::ResignResponse {
-                        header: Some(api.header(applied.output.revision)),
-                    }),
-                    other => Err(unexpected(other)),
-                },
-                |channel, ctx| {
-                    let message = message.clone();
-                    Box::pin(async move {
-                        let request = Api::forwarded_request(message, &ctx);
-                        Ok(ElectionClient::new(channel)
-                            .resign(request)
-                            .await?
-                            .into_inner())
-                    })
-                },
-            )
-            .await?;
-        Ok(tonic::Response::new(response))
+        api.write(
+            &ctx,
+            Request::Resign { leader },
+            &message,
+            leader_call!(ElectionClient::resign),
+            |applied| match answer(&applied)? {
+                // etcd answers a stale resign with success too: the key is not ours.
+                Response::Resigned { .. } => Ok(epb::ResignResponse {
+                    header: Some(api.header(applied.output.revision)),
+                }),
+                other => Err(unexpected(other)),
+            },
+        )
+        .await
     }
 }

@@ -7,9 +7,8 @@ use conclave_state::{Request, Response};
 use prost::Message;
 use tonic::{Status, async_trait};
 
-use super::convert;
-use super::{Api, CallContext, state_status};
-use crate::node::Applied;
+use super::route::leader_call;
+use super::{Api, CallContext, answer, convert, state_status, unexpected};
 
 /// The KV service over the shared [`Api`].
 pub struct KvService {
@@ -28,15 +27,6 @@ impl KvService {
         }
         Ok(())
     }
-}
-
-/// The response the state machine gave, or its error as etcd's status.
-fn answer(applied: &Applied) -> Result<&Response, Status> {
-    applied.output.result.as_ref().map_err(state_status)
-}
-
-fn unexpected(response: &Response) -> Status {
-    Status::internal(format!("unexpected state machine answer {response:?}"))
 }
 
 #[async_trait]
@@ -72,27 +62,20 @@ impl Kv for KvService {
         self.check_size(&message)?;
         let api = &self.api;
         let command = Request::Put(convert::put_from_pb(message.clone()));
-        let response = api
-            .write(
-                &ctx,
-                command,
-                |applied| match answer(&applied)? {
-                    Response::Put(put) => Ok(convert::put_to_pb(
-                        put.clone(),
-                        api.header(applied.output.revision),
-                    )),
-                    other => Err(unexpected(other)),
-                },
-                |channel, ctx| {
-                    let message = message.clone();
-                    Box::pin(async move {
-                        let request = Api::forwarded_request(message, &ctx);
-                        Ok(KvClient::new(channel).put(request).await?.into_inner())
-                    })
-                },
-            )
-            .await?;
-        Ok(tonic::Response::new(response))
+        api.write(
+            &ctx,
+            command,
+            &message,
+            leader_call!(KvClient::put),
+            |applied| match answer(&applied)? {
+                Response::Put(put) => Ok(convert::put_to_pb(
+                    put.clone(),
+                    api.header(applied.output.revision),
+                )),
+                other => Err(unexpected(other)),
+            },
+        )
+        .await
     }
 
     async fn delete_range(
@@ -104,30 +87,20 @@ impl Kv for KvService {
         self.check_size(&message)?;
         let api = &self.api;
         let command = Request::DeleteRange(convert::delete_from_pb(message.clone()));
-        let response = api
-            .write(
-                &ctx,
-                command,
-                |applied| match answer(&applied)? {
-                    Response::DeleteRange(deleted) => Ok(convert::delete_to_pb(
-                        deleted.clone(),
-                        api.header(applied.output.revision),
-                    )),
-                    other => Err(unexpected(other)),
-                },
-                |channel, ctx| {
-                    let message = message.clone();
-                    Box::pin(async move {
-                        let request = Api::forwarded_request(message, &ctx);
-                        Ok(KvClient::new(channel)
-                            .delete_range(request)
-                            .await?
-                            .into_inner())
-                    })
-                },
-            )
-            .await?;
-        Ok(tonic::Response::new(response))
+        api.write(
+            &ctx,
+            command,
+            &message,
+            leader_call!(KvClient::delete_range),
+            |applied| match answer(&applied)? {
+                Response::DeleteRange(deleted) => Ok(convert::delete_to_pb(
+                    deleted.clone(),
+                    api.header(applied.output.revision),
+                )),
+                other => Err(unexpected(other)),
+            },
+        )
+        .await
     }
 
     async fn txn(
@@ -139,27 +112,20 @@ impl Kv for KvService {
         self.check_size(&message)?;
         let api = &self.api;
         let command = Request::Txn(convert::txn_from_pb(message.clone())?);
-        let response = api
-            .write(
-                &ctx,
-                command,
-                |applied| match answer(&applied)? {
-                    Response::Txn(txn) => Ok(convert::txn_to_pb(
-                        txn.clone(),
-                        api.header(applied.output.revision),
-                    )),
-                    other => Err(unexpected(other)),
-                },
-                |channel, ctx| {
-                    let message = message.clone();
-                    Box::pin(async move {
-                        let request = Api::forwarded_request(message, &ctx);
-                        Ok(KvClient::new(channel).txn(request).await?.into_inner())
-                    })
-                },
-            )
-            .await?;
-        Ok(tonic::Response::new(response))
+        api.write(
+            &ctx,
+            command,
+            &message,
+            leader_call!(KvClient::txn),
+            |applied| match answer(&applied)? {
+                Response::Txn(txn) => Ok(convert::txn_to_pb(
+                    txn.clone(),
+                    api.header(applied.output.revision),
+                )),
+                other => Err(unexpected(other)),
+            },
+        )
+        .await
     }
 
     async fn compact(
@@ -172,24 +138,18 @@ impl Kv for KvService {
         let command = Request::Compact {
             revision: message.revision,
         };
-        let response = api
-            .write(
-                &ctx,
-                command,
-                |applied| match answer(&applied)? {
-                    Response::Compacted => Ok(pb::CompactionResponse {
-                        header: Some(api.header(applied.output.revision)),
-                    }),
-                    other => Err(unexpected(other)),
-                },
-                |channel, ctx| {
-                    Box::pin(async move {
-                        let request = Api::forwarded_request(message, &ctx);
-                        Ok(KvClient::new(channel).compact(request).await?.into_inner())
-                    })
-                },
-            )
-            .await?;
-        Ok(tonic::Response::new(response))
+        api.write(
+            &ctx,
+            command,
+            &message,
+            leader_call!(KvClient::compact),
+            |applied| match answer(&applied)? {
+                Response::Compacted => Ok(pb::CompactionResponse {
+                    header: Some(api.header(applied.output.revision)),
+                }),
+                other => Err(unexpected(other)),
+            },
+        )
+        .await
     }
 }

@@ -26,29 +26,24 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::transport::Channel;
-use tonic::{Code, Status, Streaming, async_trait};
+use tonic::{Status, Streaming, async_trait};
 
-use super::{Api, CallContext, FORWARDED_HEADER, MemberChannels, state_status, to_status};
+use super::route::{leader_call, mark_forwarded};
+use super::{Api, CallContext, FORWARDED_HEADER, Serve, Target, answer, to_status, unexpected};
 use crate::error::Error;
-use crate::node::{Applied, state_config};
+use crate::node::state_config;
 
 /// Keepalive answers queued for one client stream before we stop reading its requests.
 pub const KEEPALIVE_STREAM_RESPONSES_MAX: usize = 16;
 /// Keepalive requests queued for the upstream stream to the leader (one is in flight at a
 /// time; the slack lets a send never wait).
 const KEEPALIVE_UPSTREAM_REQUESTS_MAX: usize = 4;
-/// While the leader is unknown or moving, re-check at least this often.
-const LEADER_POLL_MS: u64 = 20;
 const MS_PER_SECOND: u64 = 1000;
 
 /// The Lease gRPC server, refusing requests above `decode_max_bytes` before decoding them.
 pub fn server(api: &Arc<Api>, decode_max_bytes: usize) -> LeaseServer<LeaseService> {
     LeaseServer::new(LeaseService {
-        shared: Arc::new(Shared {
-            api: api.clone(),
-            channels: MemberChannels::default(),
-        }),
+        shared: Arc::new(Shared { api: api.clone() }),
     })
     .max_decoding_message_size(decode_max_bytes)
 }
@@ -59,8 +54,6 @@ pub struct LeaseService {
 
 struct Shared {
     api: Arc<Api>,
-    /// Lazily connected channels to other members' client addresses, for forwarding.
-    channels: MemberChannels,
 }
 
 /// The leader's stream a follower forwards one client's keepalives on.
@@ -84,71 +77,9 @@ fn ttl_seconds(ttl_ms: u64) -> i64 {
     i64::try_from(ttl_ms.div_ceil(MS_PER_SECOND)).unwrap_or(i64::MAX)
 }
 
-/// Whether a failed attempt may be retried on the (new) leader within the deadline.
-fn is_retriable(status: &Status) -> bool {
-    let message = status.message();
-    status.code() == Code::Unavailable
-        && (message == Error::LeaderChanged.to_string()
-            || message == Error::NoLeader.to_string()
-            || message.starts_with("etcdserver: not leader")
-            // Transport failures reaching a leader that just died.
-            || !message.starts_with("etcdserver:"))
-}
-
-fn unexpected(response: &Response) -> Status {
-    Status::internal(format!("unexpected state machine answer {response:?}"))
-}
-
-fn answer(applied: &Applied) -> Result<&Response, Status> {
-    applied.output.result.as_ref().map_err(state_status)
-}
-
 impl Shared {
     fn context<T>(&self, request: &tonic::Request<T>) -> CallContext {
         CallContext::new(request, self.api.config.request_timeout_ms)
-    }
-
-    fn channel(&self, id: NodeId) -> Result<Channel, Status> {
-        self.channels.get(&self.api, id)
-    }
-
-    /// The leader: `None` when it is this node, else its id. Waits for one until the deadline.
-    /// A forwarded call that reached a node no longer leading fails at once, so the member
-    /// that forwarded it looks for the new leader itself.
-    async fn leader(&self, ctx: &CallContext) -> Result<Option<NodeId>, Status> {
-        let mut status = self.api.node.status.clone();
-        loop {
-            let current = status.borrow_and_update().clone();
-            if current.stopped.is_some() {
-                return Err(to_status(Error::Stopped));
-            }
-            match current.leader {
-                Some(leader) if leader == self.api.config.id => return Ok(None),
-                Some(leader) if !ctx.forwarded => return Ok(Some(leader)),
-                Some(leader) => {
-                    return Err(to_status(Error::NotLeader {
-                        leader: Some(leader),
-                    }));
-                }
-                None => {}
-            }
-            let remaining = ctx.remaining();
-            if remaining.is_zero() {
-                return Err(to_status(Error::NoLeader));
-            }
-            let wait = remaining.min(Duration::from_millis(LEADER_POLL_MS));
-            let _ = tokio::time::timeout(wait, status.changed()).await;
-        }
-    }
-
-    /// Sleeps before a retry; false when the deadline leaves no time for one.
-    async fn pause_before_retry(&self, ctx: &CallContext) -> bool {
-        let remaining = ctx.remaining();
-        if remaining.is_zero() {
-            return false;
-        }
-        tokio::time::sleep(remaining.min(Duration::from_millis(LEADER_POLL_MS))).await;
-        true
     }
 
     /// One keepalive on this node as leader.
@@ -188,20 +119,18 @@ impl Shared {
     async fn renew_at(
         &self,
         ctx: &CallContext,
-        upstream: &mut Option<Upstream>,
+        upstream: &tokio::sync::Mutex<Option<Upstream>>,
         leader: NodeId,
         id: i64,
     ) -> Result<pb::LeaseKeepAliveResponse, Status> {
+        let mut upstream = upstream.lock().await;
         if upstream.as_ref().is_none_or(|u| u.leader != leader) {
             *upstream = None;
             let (requests, outgoing) = mpsc::channel(KEEPALIVE_UPSTREAM_REQUESTS_MAX);
             // No gRPC timeout: the stream lives as long as the client's.
             let mut request = tonic::Request::new(ReceiverStream::new(outgoing));
-            request.metadata_mut().insert(
-                FORWARDED_HEADER,
-                tonic::metadata::MetadataValue::from_static("1"),
-            );
-            let mut client = LeaseClient::new(self.channel(leader)?);
+            mark_forwarded(&mut request, ctx);
+            let mut client = LeaseClient::new(self.api.channel(leader)?);
             let opened = tokio::time::timeout(ctx.remaining(), client.lease_keep_alive(request))
                 .await
                 .map_err(|_| to_status(Error::Timeout))??;
@@ -237,23 +166,17 @@ impl Shared {
     async fn keep_alive_once(
         &self,
         ctx: &CallContext,
-        upstream: &mut Option<Upstream>,
+        upstream: &tokio::sync::Mutex<Option<Upstream>>,
         id: i64,
     ) -> Result<pb::LeaseKeepAliveResponse, Status> {
-        loop {
-            let outcome = match self.leader(ctx).await {
-                Ok(None) => self.renew_here(ctx, id).await,
-                Ok(Some(leader)) => self.renew_at(ctx, upstream, leader, id).await,
-                Err(status) => Err(status),
-            };
-            match outcome {
-                Ok(response) => return Ok(response),
-                // A forwarded keepalive goes back to its follower, which re-routes it.
-                Err(status) if ctx.forwarded => return Err(status),
-                Err(status) if is_retriable(&status) && self.pause_before_retry(ctx).await => {}
-                Err(status) => return Err(status),
-            }
-        }
+        self.api
+            .route(ctx, Serve::Leader, |target| async move {
+                match target {
+                    Target::Here => self.renew_here(ctx, id).await,
+                    Target::Leader(leader) => self.renew_at(ctx, upstream, leader, id).await,
+                }
+            })
+            .await
     }
 
     /// LeaseTimeToLive answered by this node as leader.
@@ -319,31 +242,22 @@ impl Lease for LeaseService {
             id: message.id,
             ttl_ms: grant_ttl_ms(message.ttl, ttl_min_ms),
         };
-        let response = api
-            .write(
-                &ctx,
-                command,
-                |applied| match answer(&applied)? {
-                    Response::LeaseGranted { id, ttl_ms } => Ok(pb::LeaseGrantResponse {
-                        header: Some(api.header(applied.output.revision)),
-                        id: *id,
-                        ttl: ttl_seconds(*ttl_ms),
-                        error: String::new(),
-                    }),
-                    other => Err(unexpected(other)),
-                },
-                |channel, ctx| {
-                    Box::pin(async move {
-                        let request = Api::forwarded_request(message, &ctx);
-                        Ok(LeaseClient::new(channel)
-                            .lease_grant(request)
-                            .await?
-                            .into_inner())
-                    })
-                },
-            )
-            .await?;
-        Ok(tonic::Response::new(response))
+        api.write(
+            &ctx,
+            command,
+            &message,
+            leader_call!(LeaseClient::lease_grant),
+            |applied| match answer(&applied)? {
+                Response::LeaseGranted { id, ttl_ms } => Ok(pb::LeaseGrantResponse {
+                    header: Some(api.header(applied.output.revision)),
+                    id: *id,
+                    ttl: ttl_seconds(*ttl_ms),
+                    error: String::new(),
+                }),
+                other => Err(unexpected(other)),
+            },
+        )
+        .await
     }
 
     async fn lease_revoke(
@@ -355,28 +269,19 @@ impl Lease for LeaseService {
         let message = request.into_inner();
         let api = &shared.api;
         let command = Request::LeaseRevoke { id: message.id };
-        let response = api
-            .write(
-                &ctx,
-                command,
-                |applied| match answer(&applied)? {
-                    Response::LeaseRevoked => Ok(pb::LeaseRevokeResponse {
-                        header: Some(api.header(applied.output.revision)),
-                    }),
-                    other => Err(unexpected(other)),
-                },
-                |channel, ctx| {
-                    Box::pin(async move {
-                        let request = Api::forwarded_request(message, &ctx);
-                        Ok(LeaseClient::new(channel)
-                            .lease_revoke(request)
-                            .await?
-                            .into_inner())
-                    })
-                },
-            )
-            .await?;
-        Ok(tonic::Response::new(response))
+        api.write(
+            &ctx,
+            command,
+            &message,
+            leader_call!(LeaseClient::lease_revoke),
+            |applied| match answer(&applied)? {
+                Response::LeaseRevoked => Ok(pb::LeaseRevokeResponse {
+                    header: Some(api.header(applied.output.revision)),
+                }),
+                other => Err(unexpected(other)),
+            },
+        )
+        .await
     }
 
     type LeaseKeepAliveStream = ReceiverStream<Result<pb::LeaseKeepAliveResponse, Status>>;
@@ -397,7 +302,8 @@ impl Lease for LeaseService {
         let shared = self.shared.clone();
         tokio::spawn(async move {
             let _slot = slot;
-            let mut upstream = None;
+            // Used by one keepalive at a time; the lock only lets the routing loop lend it out.
+            let upstream = tokio::sync::Mutex::new(None);
             // Keepalives on one stream are answered in order, one at a time, as etcd does.
             while let Some(Ok(message)) = incoming.next().await {
                 // Each keepalive gets the request timeout; the stream itself has none.
@@ -406,10 +312,9 @@ impl Lease for LeaseService {
                         + Duration::from_millis(shared.api.config.request_timeout_ms),
                     forwarded,
                     session: None,
+                    fence: None,
                 };
-                let answer = shared
-                    .keep_alive_once(&ctx, &mut upstream, message.id)
-                    .await;
+                let answer = shared.keep_alive_once(&ctx, &upstream, message.id).await;
                 let failed = answer.is_err();
                 // A failed keepalive ends the stream with its error; clients open a new one.
                 if responses.send(answer).await.is_err() || failed {
@@ -427,29 +332,16 @@ impl Lease for LeaseService {
         let shared = &self.shared;
         let ctx = shared.context(&request);
         let message = request.into_inner();
-        loop {
-            // The remaining TTL lives only in the leader's memory.
-            let outcome = match shared.leader(&ctx).await {
-                Ok(None) => shared.time_to_live_here(&ctx, &message).await,
-                Ok(Some(leader)) => match shared.channel(leader) {
-                    Ok(channel) => {
-                        let request = Api::forwarded_request(message, &ctx);
-                        LeaseClient::new(channel)
-                            .lease_time_to_live(request)
-                            .await
-                            .map(tonic::Response::into_inner)
-                    }
-                    Err(status) => Err(status),
-                },
-                Err(status) => Err(status),
-            };
-            match outcome {
-                Ok(response) => return Ok(tonic::Response::new(response)),
-                Err(status) if ctx.forwarded => return Err(status),
-                Err(status) if is_retriable(&status) && shared.pause_before_retry(&ctx).await => {}
-                Err(status) => return Err(status),
-            }
-        }
+        // The remaining TTL lives only in the leader's memory.
+        shared
+            .api
+            .serve(
+                &ctx,
+                &message,
+                leader_call!(LeaseClient::lease_time_to_live),
+                || shared.time_to_live_here(&ctx, &message),
+            )
+            .await
     }
 
     async fn lease_leases(
@@ -488,18 +380,5 @@ mod tests {
         assert_eq!(grant_ttl_ms(i64::MAX, 225), u64::MAX);
         assert_eq!(ttl_seconds(5000), 5);
         assert_eq!(ttl_seconds(1500), 2);
-    }
-
-    #[test]
-    fn only_leadership_and_transport_failures_are_retried() {
-        assert!(is_retriable(&to_status(Error::LeaderChanged)));
-        assert!(is_retriable(&to_status(Error::NotLeader {
-            leader: Some(2)
-        })));
-        assert!(is_retriable(&Status::unavailable("connection refused")));
-        assert!(!is_retriable(&to_status(Error::Timeout)));
-        assert!(!is_retriable(&state_status(
-            &conclave_state::Error::LeaseNotFound
-        )));
     }
 }

@@ -25,9 +25,10 @@ use tokio::time::Instant;
 use tonic::metadata::MetadataValue;
 use tonic::{Status, async_trait};
 
-use super::{Api, CallContext, state_status, to_status};
+use super::route::leader_call;
+use super::{Api, CallContext, Served, answer, state_status, to_status, unexpected};
 use crate::error::Error;
-use crate::node::{Applied, AppliedEvents};
+use crate::node::AppliedEvents;
 
 /// Request and response metadata carrying a lock's fence (its key's create revision). etcd's
 /// messages have no field for it; Conclave-aware clients read it from Lock and send it with
@@ -50,21 +51,6 @@ pub fn server(api: &Arc<Api>, decode_max: usize) -> LockServer<LockService> {
 /// A waiting call's context: the client's deadline, or [`QUEUE_WAIT_DEFAULT_MS`].
 pub(crate) fn wait_context<T>(request: &tonic::Request<T>) -> CallContext {
     CallContext::new(request, QUEUE_WAIT_DEFAULT_MS)
-}
-
-/// What a write answered: applied here, or the leader's answer to the forwarded call.
-pub(crate) enum Outcome<L, F> {
-    Local(L),
-    Forwarded(tonic::Response<F>),
-}
-
-/// The state machine's answer, or its error as etcd's status.
-pub(crate) fn answer(applied: &Applied) -> Result<&Response, Status> {
-    applied.output.result.as_ref().map_err(state_status)
-}
-
-pub(crate) fn unexpected(response: &Response) -> Status {
-    Status::internal(format!("unexpected state machine answer {response:?}"))
 }
 
 /// `name` followed by `/`: the prefix of a lock's or an election's queue keys.
@@ -159,6 +145,26 @@ pub(crate) async fn wait_for_queue(
     outcome.transpose()
 }
 
+/// After a Lock or an etcd Campaign queued `queued` on `name` at `revision`: the revision at
+/// which the key owns `name`, waiting for its turn when it does not yet. On a deadline the key
+/// keeps its place (etcd's clients retry with the same lease, which finds the same key, and
+/// must not lose their turn); only a dropped call withdraws it.
+pub(crate) async fn wait_for_turn(
+    api: &Arc<Api>,
+    ctx: &CallContext,
+    name: &[u8],
+    queued: &QueueResponse,
+    revision: i64,
+) -> Result<i64, Status> {
+    if queued.owner {
+        return Ok(revision);
+    }
+    let mut guard = QueueGuard::new(api.clone(), queued.key.clone(), queued.fence);
+    let waited = wait_for_queue(api, ctx.deadline, name, &queued.key, queued.fence).await;
+    guard.disarm();
+    waited?.ok_or_else(|| to_status(Error::Timeout))
+}
+
 /// Deletes a queue key if it was still created at `fence` (a waiter that gave up).
 pub(crate) async fn fenced_delete(
     api: &Api,
@@ -170,46 +176,42 @@ pub(crate) async fn fenced_delete(
         key: key.clone(),
         fence: Some(fence),
     };
-    api.write(
-        ctx,
-        command,
-        |applied| match answer(&applied)? {
-            Response::Unlocked { released } => Ok(*released),
-            other => Err(unexpected(other)),
-        },
-        |channel, ctx| {
-            let key = key.clone();
-            Box::pin(async move {
-                // The same fenced delete as a Txn, which every member serves.
-                use pb::compare::{CompareResult, CompareTarget, TargetUnion};
-                let txn = pb::TxnRequest {
-                    compare: vec![pb::Compare {
-                        result: CompareResult::Equal as i32,
-                        target: CompareTarget::Create as i32,
-                        key: key.clone(),
-                        target_union: Some(TargetUnion::CreateRevision(fence)),
-                        ..Default::default()
-                    }],
-                    success: vec![pb::RequestOp {
-                        request: Some(pb::request_op::Request::RequestDeleteRange(
-                            pb::DeleteRangeRequest {
-                                key,
-                                ..Default::default()
-                            },
-                        )),
-                    }],
-                    failure: vec![],
-                };
-                let request = Api::forwarded_request(txn, &ctx);
-                Ok(KvClient::new(channel)
-                    .txn(request)
-                    .await?
-                    .into_inner()
-                    .succeeded)
-            })
-        },
-    )
-    .await
+    // The same fenced delete as a Txn, which every member serves.
+    use pb::compare::{CompareResult, CompareTarget, TargetUnion};
+    let txn = pb::TxnRequest {
+        compare: vec![pb::Compare {
+            result: CompareResult::Equal as i32,
+            target: CompareTarget::Create as i32,
+            key: key.clone(),
+            target_union: Some(TargetUnion::CreateRevision(fence)),
+            ..Default::default()
+        }],
+        success: vec![pb::RequestOp {
+            request: Some(pb::request_op::Request::RequestDeleteRange(
+                pb::DeleteRangeRequest {
+                    key,
+                    ..Default::default()
+                },
+            )),
+        }],
+        failure: vec![],
+    };
+    let served = api
+        .write_routed(
+            ctx,
+            command,
+            &txn,
+            leader_call!(KvClient::txn),
+            |applied| match answer(&applied)? {
+                Response::Unlocked { released } => Ok(*released),
+                other => Err(unexpected(other)),
+            },
+        )
+        .await?;
+    Ok(match served {
+        Served::Here(released) => released,
+        Served::Leader(response) => response.into_inner().succeeded,
+    })
 }
 
 /// Removes a waiter's queue key if the call is dropped while waiting (the client cancelled
@@ -252,6 +254,7 @@ impl Drop for QueueGuard {
                 deadline: Instant::now() + Duration::from_millis(api.config.request_timeout_ms),
                 forwarded: false,
                 session: None,
+                fence: None,
             };
             if let Err(status) = fenced_delete(&api, &ctx, key, fence).await {
                 tracing::debug!(%status, "abandoned queue key not removed; its lease will");
@@ -302,45 +305,23 @@ impl Lock for LockService {
             name: message.name.clone(),
             lease: message.lease,
         };
-        let outcome = api
-            .write(
+        let served = api
+            .write_routed(
                 &ctx,
                 command,
+                &message,
+                leader_call!(LockClient::lock),
                 |applied| match answer(&applied)? {
-                    Response::Lock(queued) => {
-                        Ok(Outcome::Local((queued.clone(), applied.output.revision)))
-                    }
+                    Response::Lock(queued) => Ok((queued.clone(), applied.output.revision)),
                     other => Err(unexpected(other)),
-                },
-                |channel, ctx| {
-                    let message = message.clone();
-                    Box::pin(async move {
-                        let request = Api::forwarded_request(message, &ctx);
-                        Ok(Outcome::Forwarded(
-                            LockClient::new(channel).lock(request).await?,
-                        ))
-                    })
                 },
             )
             .await?;
-        let (queued, revision): (QueueResponse, i64) = match outcome {
-            Outcome::Forwarded(response) => return Ok(response),
-            Outcome::Local(local) => local,
+        let (queued, revision): (QueueResponse, i64) = match served {
+            Served::Leader(response) => return Ok(response),
+            Served::Here(local) => local,
         };
-        let revision = if queued.owner {
-            revision
-        } else {
-            let mut guard = QueueGuard::new(api.clone(), queued.key.clone(), queued.fence);
-            let waited =
-                wait_for_queue(api, ctx.deadline, &message.name, &queued.key, queued.fence).await;
-            // The key keeps its place on a deadline: etcd's clients retry Lock with the same
-            // lease (idempotent) and must not lose their turn.
-            guard.disarm();
-            match waited? {
-                Some(revision) => revision,
-                None => return Err(to_status(Error::Timeout)),
-            }
-        };
+        let revision = wait_for_turn(api, &ctx, &message.name, &queued, revision).await?;
         Ok(with_fence(
             lockpb::LockResponse {
                 header: Some(api.header(revision)),
@@ -354,8 +335,10 @@ impl Lock for LockService {
         &self,
         request: tonic::Request<lockpb::UnlockRequest>,
     ) -> Result<tonic::Response<lockpb::UnlockResponse>, Status> {
-        let ctx = CallContext::new(&request, self.api.config.request_timeout_ms);
+        let mut ctx = CallContext::new(&request, self.api.config.request_timeout_ms);
         let fence = request_fence(&request)?;
+        // Passed on to the leader with the call when this node forwards it.
+        ctx.fence = fence;
         let message = request.into_inner();
         if message.key.is_empty() {
             return Err(state_status(&conclave_state::Error::EmptyKey));
@@ -365,35 +348,21 @@ impl Lock for LockService {
             key: message.key.clone(),
             fence,
         };
-        let outcome = api
-            .write(
+        let served = api
+            .write_routed(
                 &ctx,
                 command,
+                &message,
+                leader_call!(LockClient::unlock),
                 |applied| match answer(&applied)? {
-                    Response::Unlocked { released } => {
-                        Ok(Outcome::Local((*released, applied.output.revision)))
-                    }
+                    Response::Unlocked { released } => Ok((*released, applied.output.revision)),
                     other => Err(unexpected(other)),
-                },
-                |channel, ctx| {
-                    let message = message.clone();
-                    Box::pin(async move {
-                        let mut request = Api::forwarded_request(message, &ctx);
-                        if let Some(fence) = fence
-                            && let Ok(value) = MetadataValue::try_from(fence.to_string())
-                        {
-                            request.metadata_mut().insert(FENCE_METADATA, value);
-                        }
-                        Ok(Outcome::Forwarded(
-                            LockClient::new(channel).unlock(request).await?,
-                        ))
-                    })
                 },
             )
             .await?;
-        let (released, revision) = match outcome {
-            Outcome::Forwarded(response) => return Ok(response),
-            Outcome::Local(local) => local,
+        let (released, revision) = match served {
+            Served::Leader(response) => return Ok(response),
+            Served::Here(local) => local,
         };
         // etcd answers an unlock of a missing key with success; a fenced unlock that released
         // nothing tells its caller it no longer held the lock.

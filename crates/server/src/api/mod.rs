@@ -1,13 +1,15 @@
 //! The client API: etcd v3 gRPC services over the node runtime.
 //!
 //! ```text
-//!  gRPC request ─► CallContext (deadline from grpc-timeout, forwarded?) ─► Api
-//!    write:  leader? ── yes ─► NodeHandle::propose ─► wait for apply ─► response
-//!                    └─ no ──► forward over gRPC to the leader's client address
-//!                    └─ none ─► wait for a leader until the deadline, then "no leader"
-//!    linearizable read: NodeHandle::read_index (the core asks the leader) ─► read state
+//!  gRPC request ─► CallContext (deadline from grpc-timeout, forwarded?, session) ─► Api
+//!    write:  Api::write ─► route ─► leader here ─► NodeHandle::propose ─► apply ─► convert
+//!                                └► leader elsewhere ─► the same method on the leader
+//!                                └► none ─► wait for one until the deadline, "no leader"
+//!    linearizable read: Api::linearizable_barrier (route; the core asks the leader) ─► read
 //!    serializable read: read the local state at once
 //! ```
+//!
+//! Leader wait, forwarding, retries and the forwarded metadata live in [`route`] only.
 
 pub mod cluster;
 pub mod conclave;
@@ -18,24 +20,25 @@ pub mod lease;
 pub mod limits;
 pub mod lock;
 pub mod maintenance;
+pub mod route;
 pub mod watch;
 
-use std::collections::HashMap;
-use std::future::Future;
-use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+pub use route::{
+    ERROR_CODE_HEADER, ErrorCode, MemberChannels, Serve, Served, Target, answer, is_retriable,
+    to_status, unexpected,
+};
+
+use std::sync::Arc;
 use std::time::Duration;
 
 use conclave_proto::etcdserverpb::ResponseHeader;
 use conclave_raft::NodeId;
 use conclave_state::SessionSeq;
 use tokio::time::Instant;
-use tonic::transport::{Channel, Endpoint};
-use tonic::{Code, Status};
+use tonic::Status;
 
 use crate::config::ServerConfig;
-use crate::error::Error;
-use crate::node::{Applied, NodeHandle};
+use crate::node::NodeHandle;
 
 /// Metadata key marking a request a follower forwarded, so the receiver never forwards again.
 pub const FORWARDED_HEADER: &str = "conclave-forwarded";
@@ -50,9 +53,6 @@ pub const SESSION_SECRET_HEADER: &str = "conclave-session-secret";
 /// Answers are sent this long before the client's own deadline, so the client sees our error
 /// ("no leader") rather than its own "deadline exceeded".
 const DEADLINE_MARGIN_MS: u64 = 50;
-/// While no leader is known, re-check at least this often (the status watch usually wakes
-/// the request much sooner).
-const LEADER_POLL_MS: u64 = 20;
 
 /// What every handler knows about its call.
 #[derive(Debug, Clone, Copy)]
@@ -62,6 +62,9 @@ pub struct CallContext {
     pub forwarded: bool,
     /// The client's exactly-once session position, when it sent one.
     pub session: Option<SessionSeq>,
+    /// The lock fence the call carries (`conclave-fence`, set by the handler that checked
+    /// it), passed on to the leader with the call.
+    pub fence: Option<i64>,
 }
 
 impl CallContext {
@@ -80,6 +83,7 @@ impl CallContext {
             deadline: Instant::now() + timeout,
             forwarded: metadata.get(FORWARDED_HEADER).is_some(),
             session: session_from_metadata(metadata),
+            fence: None,
         }
     }
 
@@ -159,9 +163,6 @@ fn parse_grpc_timeout(value: &str) -> Option<Duration> {
     })
 }
 
-/// A boxed forwarding call: given a channel to the leader, send the request there.
-pub type ForwardFuture<R> = Pin<Box<dyn Future<Output = Result<R, Status>> + Send>>;
-
 /// Shared by every service.
 pub struct Api {
     pub node: NodeHandle,
@@ -174,43 +175,6 @@ pub struct Api {
     draining: tokio::sync::watch::Sender<bool>,
     /// Slots and counters of the client caps.
     pub limits: Arc<limits::Limits>,
-}
-
-/// Lazily connected channels to members' client addresses, by member id. A channel is made
-/// again when the member's address changes (a published record replaces a guessed one).
-#[derive(Default)]
-pub struct MemberChannels {
-    channels: Mutex<HashMap<NodeId, (String, Channel)>>,
-}
-
-impl MemberChannels {
-    pub fn get(&self, api: &Api, id: NodeId) -> Result<Channel, Status> {
-        // Without an address the leader cannot be reached: as good as no leader.
-        let address = api
-            .client_address(id)
-            .ok_or_else(|| to_status(Error::NoLeader))?;
-        let mut channels = self
-            .channels
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        if let Some((known, channel)) = channels.get(&id)
-            && *known == address
-        {
-            return Ok(channel.clone());
-        }
-        let endpoint = Endpoint::from_shared(format!("http://{address}"))
-            .map_err(|e| Status::internal(format!("bad client address of member {id}: {e}")))?
-            .connect_timeout(Duration::from_millis(api.config.request_timeout_ms));
-        let channel = endpoint.connect_lazy();
-        channels.insert(id, (address, channel.clone()));
-        Ok(channel)
-    }
-}
-
-/// Where a request goes.
-enum Route {
-    Local,
-    Forward(NodeId),
 }
 
 impl Api {
@@ -273,172 +237,6 @@ impl Api {
                 .map(|m| m.client_addr.clone())
         })
     }
-
-    /// A channel to member `id`'s client API, for forwarding.
-    pub fn channel(&self, id: NodeId) -> Result<Channel, Status> {
-        self.channels.get(self, id)
-    }
-
-    /// Waits until a leader is known (or the deadline), then says where the request goes.
-    async fn route(&self, ctx: &CallContext) -> Result<Route, Status> {
-        let mut status = self.node.status.clone();
-        loop {
-            let current = status.borrow_and_update().clone();
-            if current.stopped.is_some() {
-                return Err(to_status(Error::Stopped));
-            }
-            match current.leader {
-                Some(leader) if leader == self.config.id => return Ok(Route::Local),
-                Some(leader) if !ctx.forwarded => return Ok(Route::Forward(leader)),
-                // A forwarded request that reached a member which knows another leader (this
-                // one just handed over): the forwarding member routes it again at once.
-                Some(leader) => {
-                    return Err(to_status(Error::NotLeader {
-                        leader: Some(leader),
-                    }));
-                }
-                // No leader known: wait for one, which may turn out to be this node.
-                None => {}
-            }
-            let remaining = ctx.remaining();
-            if remaining.is_zero() {
-                return Err(to_status(Error::NoLeader));
-            }
-            let wait = remaining.min(Duration::from_millis(LEADER_POLL_MS));
-            let _ = tokio::time::timeout(wait, status.changed()).await;
-        }
-    }
-
-    /// Replicates `request` through the leader and returns what applying it produced here,
-    /// or forwards the call to the leader with `forward` and returns its answer.
-    pub async fn write<R>(
-        &self,
-        ctx: &CallContext,
-        request: conclave_state::Request,
-        local: impl Fn(Applied) -> Result<R, Status>,
-        forward: impl Fn(Channel, CallContext) -> ForwardFuture<R>,
-    ) -> Result<R, Status> {
-        loop {
-            let outcome = match self.route(ctx).await? {
-                Route::Local => {
-                    // A retry in this loop reuses the session position, so the leader that
-                    // applied the first attempt answers the second from its cache.
-                    let proposal = self.node.propose_in_session(request.clone(), ctx.session);
-                    match tokio::time::timeout(ctx.remaining(), proposal).await {
-                        Err(_) => return Err(to_status(Error::Timeout)),
-                        Ok(Ok(applied)) => return local(applied),
-                        Ok(Err(error)) => Err(to_status(error)),
-                    }
-                }
-                Route::Forward(leader) => {
-                    let channel = self.channel(leader)?;
-                    match tokio::time::timeout(ctx.remaining(), forward(channel, *ctx)).await {
-                        Err(_) => return Err(to_status(Error::Timeout)),
-                        Ok(result) => result,
-                    }
-                }
-            };
-            match outcome {
-                Ok(response) => return Ok(response),
-                Err(status) if is_retriable(&status) && !ctx.remaining().is_zero() => {
-                    // The leader moved or died under us; look again shortly.
-                    tokio::time::sleep(ctx.remaining().min(Duration::from_millis(LEADER_POLL_MS)))
-                        .await;
-                }
-                Err(status) => return Err(status),
-            }
-        }
-    }
-
-    /// Waits until this node's state is at least as new as the leader's commit index when the
-    /// call arrived (etcd's linearizable read), retrying across leader changes.
-    pub async fn linearizable_barrier(&self, ctx: &CallContext) -> Result<(), Status> {
-        loop {
-            // Without a leader the read cannot be confirmed; wait for one (or the deadline).
-            let mut status = self.node.status.clone();
-            while status.borrow_and_update().leader.is_none() {
-                if status.borrow().stopped.is_some() {
-                    return Err(to_status(Error::Stopped));
-                }
-                let remaining = ctx.remaining();
-                if remaining.is_zero() {
-                    return Err(to_status(Error::NoLeader));
-                }
-                let wait = remaining.min(Duration::from_millis(LEADER_POLL_MS));
-                let _ = tokio::time::timeout(wait, status.changed()).await;
-            }
-            let result = tokio::time::timeout(ctx.remaining(), self.node.read_index()).await;
-            match result {
-                Err(_) => return Err(to_status(Error::Timeout)),
-                Ok(Ok(())) => return Ok(()),
-                Ok(Err(Error::NoLeader | Error::NotLeader { .. } | Error::LeaderChanged))
-                    if !ctx.remaining().is_zero() =>
-                {
-                    tokio::time::sleep(ctx.remaining().min(Duration::from_millis(LEADER_POLL_MS)))
-                        .await;
-                }
-                Ok(Err(error)) => return Err(to_status(error)),
-            }
-        }
-    }
-
-    /// Copies the call's remaining deadline, its session position and the forwarded mark onto
-    /// a request for the leader.
-    pub fn forwarded_request<T>(message: T, ctx: &CallContext) -> tonic::Request<T> {
-        let mut request = tonic::Request::new(message);
-        request.set_timeout(ctx.remaining());
-        let metadata = request.metadata_mut();
-        metadata.insert(
-            FORWARDED_HEADER,
-            tonic::metadata::MetadataValue::from_static("1"),
-        );
-        if let Some(session) = ctx.session {
-            metadata.insert(SESSION_CLIENT_HEADER, session.client_id.into());
-            metadata.insert(SESSION_SEQ_HEADER, session.seq.into());
-            if session.secret != 0
-                && let Ok(value) = session_secret_hex(session.secret).parse()
-            {
-                metadata.insert(SESSION_SECRET_HEADER, value);
-            }
-        }
-        request
-    }
-}
-
-/// Whether a failed attempt may be retried (on another leader) within the deadline.
-fn is_retriable(status: &Status) -> bool {
-    let message = status.message();
-    status.code() == Code::Unavailable
-        && (message == Error::LeaderChanged.to_string()
-            || message == Error::NoLeader.to_string()
-            || message.starts_with("etcdserver: not leader")
-            // The leader refuses proposals while it hands over (graceful shutdown,
-            // MoveLeader); its successor takes them moments later.
-            || message.starts_with("etcdserver: leadership transfer to node")
-            // Transport failures reaching a leader that just died.
-            || !message.starts_with("etcdserver:"))
-}
-
-/// The gRPC status etcd returns for each runtime error.
-pub fn to_status(error: Error) -> Status {
-    let message = error.to_string();
-    match error {
-        Error::NoLeader
-        | Error::NotLeader { .. }
-        | Error::LeaderChanged
-        | Error::Timeout
-        | Error::Stopped => Status::unavailable(message),
-        Error::TooManyRequests => Status::resource_exhausted(message),
-        Error::Raft(conclave_raft::Error::ProposalTooLarge { .. }) => {
-            Status::invalid_argument(state_message(&conclave_state::Error::RequestTooLarge))
-        }
-        Error::Raft(_) => Status::unavailable(message),
-        _ => Status::internal(message),
-    }
-}
-
-fn state_message(error: &conclave_state::Error) -> String {
-    error.to_string()
 }
 
 /// The gRPC status etcd returns for each state-machine error, with etcd's exact strings.
@@ -524,29 +322,15 @@ mod tests {
 
     #[test]
     fn etcd_error_strings_and_codes() {
-        let status = to_status(Error::NoLeader);
-        assert_eq!(status.code(), Code::Unavailable);
-        assert_eq!(status.message(), "etcdserver: no leader");
         let status = state_status(&conclave_state::Error::Compacted {
             compact_revision: 3,
         });
-        assert_eq!(status.code(), Code::OutOfRange);
+        assert_eq!(status.code(), tonic::Code::OutOfRange);
         assert_eq!(
             status.message(),
             "etcdserver: mvcc: required revision has been compacted"
         );
         let status = state_status(&conclave_state::Error::EmptyKey);
-        assert_eq!(status.code(), Code::InvalidArgument);
-        assert!(is_retriable(&to_status(Error::LeaderChanged)));
-        assert!(is_retriable(&to_status(Error::Raft(
-            conclave_raft::Error::TransferInProgress { target: 2 }
-        ))));
-        assert!(is_retriable(&to_status(Error::NotLeader {
-            leader: Some(2)
-        })));
-        assert!(!is_retriable(&to_status(Error::Stopped)));
-        assert!(!is_retriable(&state_status(
-            &conclave_state::Error::EmptyKey
-        )));
+        assert_eq!(status.code(), tonic::Code::InvalidArgument);
     }
 }

@@ -13,12 +13,13 @@ use tokio::sync::{broadcast, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Status, async_trait};
 
-use crate::api::lock::{Outcome, answer, node_stopped, unexpected, wait_context, wait_until};
-use crate::api::{Api, CallContext, state_status, to_status};
 use super::{
     STREAM_RESPONSES_MAX, candidate_to_pb, election_events_of, header, invalid, leadership,
     leadership_of,
 };
+use crate::api::lock::{node_stopped, wait_context, wait_until};
+use crate::api::route::leader_call;
+use crate::api::{Api, CallContext, Served, answer, state_status, to_status, unexpected};
 use crate::error::Error;
 use crate::node::AppliedEvents;
 
@@ -75,26 +76,19 @@ impl Election for ElectionService {
             lease_id: message.lease,
             preempt: message.preempt,
         });
-        let outcome = api
-            .write(
+        let served = api
+            .write_routed(
                 &ctx,
                 command,
+                &message,
+                leader_call!(ElectionClient::campaign),
                 |applied| match answer(&applied)? {
-                    Response::Group(_) => Ok(Outcome::Local(applied.output.revision)),
+                    Response::Group(_) => Ok(applied.output.revision),
                     other => Err(unexpected(other)),
-                },
-                |channel, ctx| {
-                    let message = message.clone();
-                    Box::pin(async move {
-                        let request = Api::forwarded_request(message, &ctx);
-                        Ok(Outcome::Forwarded(
-                            ElectionClient::new(channel).campaign(request).await?,
-                        ))
-                    })
                 },
             )
             .await?;
-        if let Outcome::Forwarded(response) = outcome {
+        if let Served::Leader(response) = served {
             return Ok(response);
         }
         let group = message.group.as_str();
@@ -173,30 +167,20 @@ impl Election for ElectionService {
             candidate: message.candidate_id.clone(),
             lease_id,
         };
-        let response = api
-            .write(
-                &ctx,
-                command,
-                |applied| match answer(&applied)? {
-                    Response::Group(_) => Ok(cv1::ResignResponse {
-                        header: Some(header(api, applied.output.revision)),
-                        was_leader,
-                    }),
-                    other => Err(unexpected(other)),
-                },
-                |channel, ctx| {
-                    let message = message.clone();
-                    Box::pin(async move {
-                        let request = Api::forwarded_request(message, &ctx);
-                        Ok(ElectionClient::new(channel)
-                            .resign(request)
-                            .await?
-                            .into_inner())
-                    })
-                },
-            )
-            .await?;
-        Ok(tonic::Response::new(response))
+        api.write(
+            &ctx,
+            command,
+            &message,
+            leader_call!(ElectionClient::resign),
+            |applied| match answer(&applied)? {
+                Response::Group(_) => Ok(cv1::ResignResponse {
+                    header: Some(header(api, applied.output.revision)),
+                    was_leader,
+                }),
+                other => Err(unexpected(other)),
+            },
+        )
+        .await
     }
 
     async fn proclaim(
@@ -212,29 +196,19 @@ impl Election for ElectionService {
             fence: i64::try_from(message.fence).map_err(|_| invalid("fence is out of range"))?,
             value: message.value.clone(),
         };
-        let response = api
-            .write(
-                &ctx,
-                command,
-                |applied| match answer(&applied)? {
-                    Response::Group(_) => Ok(cv1::ProclaimResponse {
-                        header: Some(header(api, applied.output.revision)),
-                    }),
-                    other => Err(unexpected(other)),
-                },
-                |channel, ctx| {
-                    let message = message.clone();
-                    Box::pin(async move {
-                        let request = Api::forwarded_request(message, &ctx);
-                        Ok(ElectionClient::new(channel)
-                            .proclaim(request)
-                            .await?
-                            .into_inner())
-                    })
-                },
-            )
-            .await?;
-        Ok(tonic::Response::new(response))
+        api.write(
+            &ctx,
+            command,
+            &message,
+            leader_call!(ElectionClient::proclaim),
+            |applied| match answer(&applied)? {
+                Response::Group(_) => Ok(cv1::ProclaimResponse {
+                    header: Some(header(api, applied.output.revision)),
+                }),
+                other => Err(unexpected(other)),
+            },
+        )
+        .await
     }
 
     async fn leader(
@@ -557,4 +531,3 @@ async fn observe_group(
         }
     }
 }
-

@@ -127,4 +127,3 @@ pub(super) fn election_events_of<'a>(
         _ => None,
     })
 }
-

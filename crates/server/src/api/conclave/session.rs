@@ -8,9 +8,9 @@ use conclave_proto::conclave::v1::{self as cv1};
 use conclave_state::{Request, Response};
 use tonic::{Status, async_trait};
 
-use crate::api::lock::{answer, unexpected};
-use crate::api::{Api, CallContext};
 use super::header;
+use crate::api::route::leader_call;
+use crate::api::{Api, CallContext, answer, unexpected};
 
 // ---- Session ----------------------------------------------------------------------------
 
@@ -41,31 +41,22 @@ impl SessionApi for SessionService {
         let session_ttl_ms = api.node.read_state(|state| state.config().session_ttl_ms);
         // Chosen here and carried in the entry, so every replica stores the same secret.
         let secret = crate::api::new_session_secret()?;
-        let response = api
-            .write(
-                &ctx,
-                Request::OpenSessionWithSecret { secret },
-                |applied| match answer(&applied)? {
-                    Response::SessionOpened { client_id } => Ok(cv1::OpenSessionResponse {
-                        header: Some(header(api, applied.output.revision)),
-                        client_id: *client_id,
-                        session_ttl_ms,
-                        session_secret: secret.to_be_bytes().to_vec().into(),
-                    }),
-                    other => Err(unexpected(other)),
-                },
-                |channel, ctx| {
-                    Box::pin(async move {
-                        let request = Api::forwarded_request(message, &ctx);
-                        Ok(SessionClient::new(channel)
-                            .open_session(request)
-                            .await?
-                            .into_inner())
-                    })
-                },
-            )
-            .await?;
-        Ok(tonic::Response::new(response))
+        api.write(
+            &ctx,
+            Request::OpenSessionWithSecret { secret },
+            &message,
+            leader_call!(SessionClient::open_session),
+            |applied| match answer(&applied)? {
+                Response::SessionOpened { client_id } => Ok(cv1::OpenSessionResponse {
+                    header: Some(header(api, applied.output.revision)),
+                    client_id: *client_id,
+                    session_ttl_ms,
+                    session_secret: secret.to_be_bytes().to_vec().into(),
+                }),
+                other => Err(unexpected(other)),
+            },
+        )
+        .await
     }
 
     async fn close_session(
@@ -89,29 +80,18 @@ impl SessionApi for SessionService {
                 secret,
             }
         };
-        let response = api
-            .write(
-                &ctx,
-                command,
-                |applied| match answer(&applied)? {
-                    Response::SessionClosed => Ok(cv1::CloseSessionResponse {
-                        header: Some(header(api, applied.output.revision)),
-                    }),
-                    other => Err(unexpected(other)),
-                },
-                |channel, ctx| {
-                    let message = message.clone();
-                    Box::pin(async move {
-                        let request = Api::forwarded_request(message, &ctx);
-                        Ok(SessionClient::new(channel)
-                            .close_session(request)
-                            .await?
-                            .into_inner())
-                    })
-                },
-            )
-            .await?;
-        Ok(tonic::Response::new(response))
+        api.write(
+            &ctx,
+            command,
+            &message,
+            leader_call!(SessionClient::close_session),
+            |applied| match answer(&applied)? {
+                Response::SessionClosed => Ok(cv1::CloseSessionResponse {
+                    header: Some(header(api, applied.output.revision)),
+                }),
+                other => Err(unexpected(other)),
+            },
+        )
+        .await
     }
 }
-

@@ -9,9 +9,9 @@ use conclave_proto::etcdserverpb::{StatusRequest, maintenance_client::Maintenanc
 use tonic::transport::Endpoint;
 use tonic::{Status, async_trait};
 
+use super::header;
 use crate::api::Api;
 use crate::api::maintenance::ETCD_VERSION;
-use super::header;
 
 /// How long ClusterStatus waits for one member's status.
 pub const STATUS_PROBE_TIMEOUT_MS: u64 = 1_000;

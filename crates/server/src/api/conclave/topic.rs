@@ -11,9 +11,10 @@ use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Status, async_trait};
 
-use crate::api::lock::{answer, node_stopped, unexpected, wait_until};
-use crate::api::{Api, CallContext, to_status};
 use super::{STREAM_RESPONSES_MAX, header, invalid, message_to_pb, read_limit};
+use crate::api::lock::{node_stopped, wait_until};
+use crate::api::route::leader_call;
+use crate::api::{Api, CallContext, answer, to_status, unexpected};
 use crate::error::Error;
 use crate::node::AppliedEvents;
 
@@ -60,6 +61,8 @@ async fn ack(
     api.write(
         ctx,
         command,
+        &message,
+        leader_call!(TopicClient::ack),
         |applied| match answer(&applied)? {
             Response::Acked { cursor } => Ok(cv1::AckResponse {
                 header: Some(header(api, applied.output.revision)),
@@ -67,15 +70,9 @@ async fn ack(
             }),
             other => Err(unexpected(other)),
         },
-        |channel, ctx| {
-            let message = message.clone();
-            Box::pin(async move {
-                let request = Api::forwarded_request(message, &ctx);
-                Ok(TopicClient::new(channel).ack(request).await?.into_inner())
-            })
-        },
     )
     .await
+    .map(tonic::Response::into_inner)
 }
 
 #[async_trait]
@@ -94,30 +91,20 @@ impl Topic for TopicService {
             topic: message.topic.clone(),
             data: message.data.clone(),
         };
-        let response = api
-            .write(
-                &ctx,
-                command,
-                |applied| match answer(&applied)? {
-                    Response::Published { seq, revision } => Ok(cv1::PublishResponse {
-                        header: Some(header(api, *revision)),
-                        seq: *seq,
-                    }),
-                    other => Err(unexpected(other)),
-                },
-                |channel, ctx| {
-                    let message = message.clone();
-                    Box::pin(async move {
-                        let request = Api::forwarded_request(message, &ctx);
-                        Ok(TopicClient::new(channel)
-                            .publish(request)
-                            .await?
-                            .into_inner())
-                    })
-                },
-            )
-            .await?;
-        Ok(tonic::Response::new(response))
+        api.write(
+            &ctx,
+            command,
+            &message,
+            leader_call!(TopicClient::publish),
+            |applied| match answer(&applied)? {
+                Response::Published { seq, revision } => Ok(cv1::PublishResponse {
+                    header: Some(header(api, *revision)),
+                    seq: *seq,
+                }),
+                other => Err(unexpected(other)),
+            },
+        )
+        .await
     }
 
     async fn read(
@@ -330,4 +317,3 @@ async fn subscribe_topic(
         }
     }
 }
-
