@@ -32,6 +32,18 @@ pub struct ClientLimitArgs {
     /// Message bytes one topic Read or Inbox answer carries [default: 4194304].
     #[arg(long, env = "CONCLAVE_READ_RESPONSE_BYTES_MAX")]
     pub read_response_bytes_max: Option<usize>,
+    /// Topic Subscribe streams open at once on this node [default: 4096].
+    #[arg(long, env = "CONCLAVE_TOPIC_SUBSCRIPTIONS_MAX")]
+    pub topic_subscriptions_max: Option<usize>,
+    /// Election Observe streams open at once on this node [default: 4096].
+    #[arg(long, env = "CONCLAVE_ELECTION_OBSERVERS_MAX")]
+    pub election_observers_max: Option<usize>,
+    /// Lock calls waiting for their turn at once on this node [default: 4096].
+    #[arg(long, env = "CONCLAVE_LOCK_WAITS_MAX")]
+    pub lock_waits_max: Option<usize>,
+    /// Campaign calls waiting to be elected at once on this node [default: 4096].
+    #[arg(long, env = "CONCLAVE_CAMPAIGN_WAITS_MAX")]
+    pub campaign_waits_max: Option<usize>,
 }
 
 impl ClientLimitArgs {
@@ -46,6 +58,10 @@ impl ClientLimitArgs {
             lease_keepalive_streams_max,
             topics_per_request_max,
             read_response_bytes_max,
+            topic_subscriptions_max,
+            election_observers_max,
+            lock_waits_max,
+            campaign_waits_max,
         } = self.clone();
         macro_rules! set {
             ($($field:ident),*) => {
@@ -61,7 +77,11 @@ impl ClientLimitArgs {
             watches_max,
             lease_keepalive_streams_max,
             topics_per_request_max,
-            read_response_bytes_max
+            read_response_bytes_max,
+            topic_subscriptions_max,
+            election_observers_max,
+            lock_waits_max,
+            campaign_waits_max
         );
         limits
     }
@@ -76,6 +96,10 @@ impl ClientLimitArgs {
             lease_keepalive_streams_max,
             topics_per_request_max,
             read_response_bytes_max,
+            topic_subscriptions_max,
+            election_observers_max,
+            lock_waits_max,
+            campaign_waits_max,
         } = self;
         let flags = [
             (
@@ -102,6 +126,19 @@ impl ClientLimitArgs {
             (
                 "--read-response-bytes-max",
                 read_response_bytes_max.map(|v| v.to_string()),
+            ),
+            (
+                "--topic-subscriptions-max",
+                topic_subscriptions_max.map(|v| v.to_string()),
+            ),
+            (
+                "--election-observers-max",
+                election_observers_max.map(|v| v.to_string()),
+            ),
+            ("--lock-waits-max", lock_waits_max.map(|v| v.to_string())),
+            (
+                "--campaign-waits-max",
+                campaign_waits_max.map(|v| v.to_string()),
             ),
         ];
         let mut args = Vec::new();

@@ -40,6 +40,10 @@ pub struct ConfigFile {
     pub lease_keepalive_streams_max: Option<usize>,
     pub topics_per_request_max: Option<usize>,
     pub read_response_bytes_max: Option<usize>,
+    pub topic_subscriptions_max: Option<usize>,
+    pub election_observers_max: Option<usize>,
+    pub lock_waits_max: Option<usize>,
+    pub campaign_waits_max: Option<usize>,
 }
 
 impl ConfigFile {
@@ -128,6 +132,10 @@ impl ServeCommandArgs {
             lease_keepalive_streams_max,
             topics_per_request_max,
             read_response_bytes_max,
+            topic_subscriptions_max,
+            election_observers_max,
+            lock_waits_max,
+            campaign_waits_max,
         } = file;
         macro_rules! fill {
             ($key:ident => $target:expr) => {
@@ -161,6 +169,10 @@ impl ServeCommandArgs {
         fill!(lease_keepalive_streams_max => limits.lease_keepalive_streams_max);
         fill!(topics_per_request_max => limits.topics_per_request_max);
         fill!(read_response_bytes_max => limits.read_response_bytes_max);
+        fill!(topic_subscriptions_max => limits.topic_subscriptions_max);
+        fill!(election_observers_max => limits.election_observers_max);
+        fill!(lock_waits_max => limits.lock_waits_max);
+        fill!(campaign_waits_max => limits.campaign_waits_max);
     }
 }
 
@@ -227,6 +239,10 @@ watches-max = 1000
 lease-keepalive-streams-max = 100
 topics-per-request-max = 16
 read-response-bytes-max = 65536
+topic-subscriptions-max = 10
+election-observers-max = 11
+lock-waits-max = 12
+campaign-waits-max = 13
 "#;
 
     #[test]

@@ -98,6 +98,14 @@ pub struct ClientLimits {
     /// Message bytes one Read or Inbox answer copies out of the state (at least one message
     /// is always returned, so a reader makes progress).
     pub read_response_bytes_max: usize,
+    /// Topic Subscribe streams open at once on this node.
+    pub topic_subscriptions_max: usize,
+    /// Election Observe streams (etcd's and Conclave's) open at once on this node.
+    pub election_observers_max: usize,
+    /// Lock calls waiting for their turn at once on this node.
+    pub lock_waits_max: usize,
+    /// Campaign calls (etcd's, and Conclave's with `wait`) in progress at once on this node.
+    pub campaign_waits_max: usize,
 }
 
 impl Default for ClientLimits {
@@ -110,6 +118,10 @@ impl Default for ClientLimits {
             lease_keepalive_streams_max: 4096,
             topics_per_request_max: 256,
             read_response_bytes_max: 4 * 1024 * 1024,
+            topic_subscriptions_max: 4096,
+            election_observers_max: 4096,
+            lock_waits_max: 4096,
+            campaign_waits_max: 4096,
         }
     }
 }
@@ -131,6 +143,10 @@ impl ClientLimits {
             ),
             ("topics_per_request_max", self.topics_per_request_max == 0),
             ("read_response_bytes_max", self.read_response_bytes_max == 0),
+            ("topic_subscriptions_max", self.topic_subscriptions_max == 0),
+            ("election_observers_max", self.election_observers_max == 0),
+            ("lock_waits_max", self.lock_waits_max == 0),
+            ("campaign_waits_max", self.campaign_waits_max == 0),
         ];
         match zero.iter().find(|(_, is_zero)| *is_zero) {
             Some((name, _)) => Err(Error::InvalidConfig {

@@ -22,6 +22,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Status, async_trait};
 
 use super::convert::kv_to_pb;
+use super::limits::Wait;
 use super::lock::{node_stopped, queue_prefix, touches_prefix, wait_context, wait_for_turn};
 use super::route::leader_call;
 use super::{Api, CallContext, Served, answer, state_status, to_status, unexpected};
@@ -69,6 +70,7 @@ impl Election for ElectionService {
         request: tonic::Request<epb::CampaignRequest>,
     ) -> Result<tonic::Response<epb::CampaignResponse>, Status> {
         let ctx = wait_context(&request);
+        let client = request.remote_addr();
         let message = request.into_inner();
         if message.name.is_empty() {
             return Err(state_status(&conclave_state::Error::EmptyKey));
@@ -95,7 +97,15 @@ impl Election for ElectionService {
             Served::Leader(response) => return Ok(response),
             Served::Here(local) => local,
         };
-        let revision = wait_for_turn(api, &ctx, &message.name, &queued, revision).await?;
+        let revision = wait_for_turn(
+            api,
+            &ctx,
+            (Wait::Campaign, client),
+            &message.name,
+            &queued,
+            revision,
+        )
+        .await?;
         Ok(tonic::Response::new(epb::CampaignResponse {
             header: Some(api.header(revision)),
             leader: Some(leader_to_pb(message.name, &queued, message.lease)),
@@ -154,6 +164,8 @@ impl Election for ElectionService {
         request: tonic::Request<epb::LeaderRequest>,
     ) -> Result<tonic::Response<Self::ObserveStream>, Status> {
         let ctx = CallContext::new(&request, self.api.config.request_timeout_ms);
+        // Held by the stream's task until the stream ends (election_observers_max).
+        let slot = (self.api.limits).wait(Wait::ElectionObserver, request.remote_addr())?;
         let name = request.into_inner().name;
         // The first answer reflects every write acknowledged before the call, as etcd's Get.
         self.api.linearizable_barrier(&ctx).await?;
@@ -167,6 +179,7 @@ impl Election for ElectionService {
         });
         let prefix = queue_prefix(&name);
         tokio::spawn(async move {
+            let _slot = slot;
             // The last leader key and version sent, so an unchanged leader is not repeated.
             let mut sent: Option<(Bytes, i64)> = None;
             let stopped = node_stopped(&api);

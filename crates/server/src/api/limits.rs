@@ -5,6 +5,7 @@
 //!  accept ─► connection slot? ── no ─► close at once (counted, WARN)
 //!        └─► IdleClosing stream: nothing read for client_idle_timeout_ms ─► closed (counted)
 //!  Watch create / LeaseKeepAlive stream ─► slot? ── no ─► RESOURCE_EXHAUSTED (counted, WARN)
+//!  Subscribe / Observe stream, waiting Lock / Campaign ─► Limits::wait(kind)? ── no ─► the same
 //!  the slot is released when the connection, watch or stream ends
 //! ```
 
@@ -71,6 +72,66 @@ impl WarnGate {
     }
 }
 
+/// A long wait a node caps: a stream or a blocked call that holds the node's memory and a task
+/// for as long as the client likes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Wait {
+    TopicSubscription,
+    ElectionObserver,
+    Lock,
+    Campaign,
+}
+
+impl Wait {
+    pub const ALL: [Wait; 4] = [
+        Wait::TopicSubscription,
+        Wait::ElectionObserver,
+        Wait::Lock,
+        Wait::Campaign,
+    ];
+
+    /// What the cap counts, for the refusal's sentence.
+    fn what(self) -> &'static str {
+        match self {
+            Wait::TopicSubscription => "topic subscriptions open",
+            Wait::ElectionObserver => "election observers open",
+            Wait::Lock => "Lock calls waiting",
+            Wait::Campaign => "Campaign calls waiting",
+        }
+    }
+
+    /// The serve flag that sets the cap.
+    pub fn flag(self) -> &'static str {
+        match self {
+            Wait::TopicSubscription => "--topic-subscriptions-max",
+            Wait::ElectionObserver => "--election-observers-max",
+            Wait::Lock => "--lock-waits-max",
+            Wait::Campaign => "--campaign-waits-max",
+        }
+    }
+
+    fn limit(self, caps: &ClientLimits) -> usize {
+        match self {
+            Wait::TopicSubscription => caps.topic_subscriptions_max,
+            Wait::ElectionObserver => caps.election_observers_max,
+            Wait::Lock => caps.lock_waits_max,
+            Wait::Campaign => caps.campaign_waits_max,
+        }
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// The slots of one [`Wait`] cap, what it refused, and its WARN gate.
+#[derive(Debug)]
+struct WaitSlots {
+    slots: Arc<Semaphore>,
+    refused: AtomicU64,
+    warn: WarnGate,
+}
+
 /// The node's client-resource slots and counters.
 #[derive(Debug)]
 pub struct Limits {
@@ -84,6 +145,7 @@ pub struct Limits {
     watch_warn: WarnGate,
     keepalive_warn: WarnGate,
     inbox_warn: WarnGate,
+    waits: [WaitSlots; 4],
 }
 
 impl Limits {
@@ -92,6 +154,11 @@ impl Limits {
             connections: Arc::new(Semaphore::new(caps.client_connections_max)),
             watches: Arc::new(Semaphore::new(caps.watches_max)),
             lease_keepalive_streams: Arc::new(Semaphore::new(caps.lease_keepalive_streams_max)),
+            waits: Wait::ALL.map(|kind| WaitSlots {
+                slots: Arc::new(Semaphore::new(kind.limit(&caps))),
+                refused: AtomicU64::new(0),
+                warn: WarnGate::default(),
+            }),
             caps,
             stats: LimitStats::default(),
             connection_warn: WarnGate::default(),
@@ -182,6 +249,40 @@ impl Limits {
                      (--lease-keepalive-streams-max); send keepalives for many leases on one stream"
                 ))
             })
+    }
+
+    /// A slot for a long wait of `kind`, held until the stream or wait ends, or
+    /// RESOURCE_EXHAUSTED naming the cap and its flag (counted and logged).
+    pub fn wait(
+        &self,
+        kind: Wait,
+        client: Option<SocketAddr>,
+    ) -> Result<OwnedSemaphorePermit, Status> {
+        let slots = &self.waits[kind.index()];
+        slots.slots.clone().try_acquire_owned().map_err(|_| {
+            let limit = kind.limit(&self.caps);
+            slots.refused.fetch_add(1, Ordering::Relaxed);
+            if slots.warn.allow() {
+                tracing::warn!(
+                    client = ?client,
+                    limit,
+                    flag = kind.flag(),
+                    refused = slots.refused.load(Ordering::Relaxed),
+                    "{} refused: the node is at its cap",
+                    kind.what()
+                );
+            }
+            Status::resource_exhausted(format!(
+                "conclave: this node has its maximum of {limit} {} ({}); retry when one ends",
+                kind.what(),
+                kind.flag()
+            ))
+        })
+    }
+
+    /// How many waits of `kind` were refused since the node started.
+    pub fn waits_refused(&self, kind: Wait) -> u64 {
+        self.waits[kind.index()].refused.load(Ordering::Relaxed)
     }
 
     /// Checks how many distinct topics an Inbox request names.
@@ -336,6 +437,29 @@ mod tests {
         assert_eq!(limits.stats.watches_refused.load(Ordering::Relaxed), 1);
         drop(first);
         assert!(limits.watch(None).is_ok(), "a released slot is reused");
+    }
+
+    #[test]
+    fn each_wait_has_its_own_cap_and_names_its_flag() {
+        let limits = Limits::new(ClientLimits {
+            topic_subscriptions_max: 1,
+            election_observers_max: 2,
+            lock_waits_max: 3,
+            campaign_waits_max: 4,
+            ..ClientLimits::default()
+        });
+        for (kind, cap) in Wait::ALL.into_iter().zip(1..) {
+            let held: Vec<_> = (0..cap)
+                .map(|_| limits.wait(kind, None).expect("a slot"))
+                .collect();
+            let refused = limits.wait(kind, None).expect_err("full");
+            assert_eq!(refused.code(), tonic::Code::ResourceExhausted);
+            assert!(refused.message().contains(kind.flag()), "{refused:?}");
+            assert!(refused.message().contains(&format!("maximum of {cap} ")));
+            assert_eq!(limits.waits_refused(kind), 1);
+            drop(held);
+            assert!(limits.wait(kind, None).is_ok(), "released slots are reused");
+        }
     }
 
     #[test]

@@ -12,6 +12,7 @@
 //! polling. A follower forwards the whole call to the leader, which proposes and waits.
 //! Helpers shared with the election services live here too.
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -25,6 +26,7 @@ use tokio::time::Instant;
 use tonic::metadata::MetadataValue;
 use tonic::{Status, async_trait};
 
+use super::limits::Wait;
 use super::route::leader_call;
 use super::{Api, CallContext, Served, answer, state_status, to_status, unexpected};
 use crate::error::Error;
@@ -148,10 +150,12 @@ pub(crate) async fn wait_for_queue(
 /// After a Lock or an etcd Campaign queued `queued` on `name` at `revision`: the revision at
 /// which the key owns `name`, waiting for its turn when it does not yet. On a deadline the key
 /// keeps its place (etcd's clients retry with the same lease, which finds the same key, and
-/// must not lose their turn); only a dropped call withdraws it.
+/// must not lose their turn); only a dropped call withdraws it. A wait beyond the node's cap
+/// for `cap`'s kind is refused, and the key removed, so a refused call leaves nothing behind.
 pub(crate) async fn wait_for_turn(
     api: &Arc<Api>,
     ctx: &CallContext,
+    cap: (Wait, Option<SocketAddr>),
     name: &[u8],
     queued: &QueueResponse,
     revision: i64,
@@ -159,7 +163,10 @@ pub(crate) async fn wait_for_turn(
     if queued.owner {
         return Ok(revision);
     }
+    // Armed from here on: dropped on a refusal below, it removes the key.
     let mut guard = QueueGuard::new(api.clone(), queued.key.clone(), queued.fence);
+    let (kind, client) = cap;
+    let _slot = api.limits.wait(kind, client)?;
     let waited = wait_for_queue(api, ctx.deadline, name, &queued.key, queued.fence).await;
     guard.disarm();
     waited?.ok_or_else(|| to_status(Error::Timeout))
@@ -296,6 +303,7 @@ impl Lock for LockService {
         request: tonic::Request<lockpb::LockRequest>,
     ) -> Result<tonic::Response<lockpb::LockResponse>, Status> {
         let ctx = wait_context(&request);
+        let client = request.remote_addr();
         let message = request.into_inner();
         if message.name.is_empty() {
             return Err(state_status(&conclave_state::Error::EmptyKey));
@@ -321,7 +329,15 @@ impl Lock for LockService {
             Served::Leader(response) => return Ok(response),
             Served::Here(local) => local,
         };
-        let revision = wait_for_turn(api, &ctx, &message.name, &queued, revision).await?;
+        let revision = wait_for_turn(
+            api,
+            &ctx,
+            (Wait::Lock, client),
+            &message.name,
+            &queued,
+            revision,
+        )
+        .await?;
         Ok(with_fence(
             lockpb::LockResponse {
                 header: Some(api.header(revision)),

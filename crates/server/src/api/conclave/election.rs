@@ -17,6 +17,7 @@ use super::{
     STREAM_RESPONSES_MAX, candidate_to_pb, election_events_of, header, invalid, leadership,
     leadership_of,
 };
+use crate::api::limits::Wait;
 use crate::api::lock::{node_stopped, wait_context, wait_until};
 use crate::api::route::leader_call;
 use crate::api::{Api, CallContext, Served, answer, state_status, to_status, unexpected};
@@ -63,10 +64,17 @@ impl Election for ElectionService {
         request: tonic::Request<cv1::CampaignRequest>,
     ) -> Result<tonic::Response<cv1::CampaignResponse>, Status> {
         let ctx = wait_context(&request);
+        let client = request.remote_addr();
         let message = request.into_inner();
         if message.lease == 0 {
             return Err(invalid("a campaign needs a lease"));
         }
+        // Taken before anything is proposed, so a refused campaign leaves no candidacy
+        // (campaign_waits_max); held until the answer.
+        let _slot = match message.wait {
+            true => Some((self.api.limits).wait(Wait::Campaign, client)?),
+            false => None,
+        };
         let api = &self.api;
         let command = Request::GroupRegister(GroupRegister {
             group: message.group.clone(),
@@ -265,6 +273,8 @@ impl Election for ElectionService {
         request: tonic::Request<cv1::ObserveRequest>,
     ) -> Result<tonic::Response<Self::ObserveStream>, Status> {
         let ctx = CallContext::new(&request, self.api.config.request_timeout_ms);
+        // Held by the stream's task until the stream ends (election_observers_max).
+        let slot = (self.api.limits).wait(Wait::ElectionObserver, request.remote_addr())?;
         // The group's history is not retained as events; every stream starts with CURRENT,
         // whatever `start_revision` asks (the client resumes from the state it describes).
         let group = request.into_inner().group;
@@ -277,7 +287,10 @@ impl Election for ElectionService {
                 GroupView::current(state, &group),
             )
         });
-        tokio::spawn(observe_group(api, group, events, first, responses));
+        tokio::spawn(async move {
+            let _slot = slot;
+            observe_group(api, group, events, first, responses).await;
+        });
         Ok(tonic::Response::new(ReceiverStream::new(output)))
     }
 }

@@ -12,6 +12,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Status, async_trait};
 
 use super::{STREAM_RESPONSES_MAX, header, invalid, message_to_pb, read_limit};
+use crate::api::limits::Wait;
 use crate::api::lock::{node_stopped, wait_until};
 use crate::api::route::leader_call;
 use crate::api::{Api, CallContext, answer, to_status, unexpected};
@@ -142,6 +143,8 @@ impl Topic for TopicService {
         request: tonic::Request<cv1::SubscribeRequest>,
     ) -> Result<tonic::Response<Self::SubscribeStream>, Status> {
         let ctx = CallContext::new(&request, self.api.config.request_timeout_ms);
+        // Held by the stream's task until the stream ends (topic_subscriptions_max).
+        let slot = (self.api.limits).wait(Wait::TopicSubscription, request.remote_addr())?;
         let message = request.into_inner();
         if message.topic.is_empty() {
             return Err(invalid("topic name is empty"));
@@ -157,7 +160,10 @@ impl Topic for TopicService {
             (api.node.events.subscribe(), next)
         });
         let (responses, output) = mpsc::channel(STREAM_RESPONSES_MAX);
-        tokio::spawn(subscribe_topic(api, message.topic, next, events, responses));
+        tokio::spawn(async move {
+            let _slot = slot;
+            subscribe_topic(api, message.topic, next, events, responses).await;
+        });
         Ok(tonic::Response::new(ReceiverStream::new(output)))
     }
 
