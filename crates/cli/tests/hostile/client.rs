@@ -1,15 +1,20 @@
 //! Hostile input on the client port: another client's session, runaway sequence numbers, an
-//! Inbox naming one topic 30,000 times, and crowds of connections, streams, watches and
-//! keepalive streams beyond their caps. Each test runs a single member with small caps (serve
+//! Inbox naming one topic 30,000 times, and crowds of connections, streams, watches,
+//! keepalive streams, topic subscriptions, election observers and waiting Lock and Campaign
+//! calls beyond their caps. Each test runs a single member with small caps (serve
 //! flags), sends what no honest client would with raw gRPC from `conclave_proto`, then checks
 //! that the node still answers, that acknowledged writes are intact, that a put completes
 //! within [`PUT_BOUND`] and, for exhaustion, that the node's RSS stayed under [`RSS_BOUND_KB`].
 
 use std::time::{Duration, Instant};
 
+use conclave_proto::conclave::v1::election_client::ElectionClient as GroupClient;
 use conclave_proto::conclave::v1::session_client::SessionClient;
 use conclave_proto::conclave::v1::topic_client::TopicClient;
-use conclave_proto::conclave::v1::{InboxRequest, OpenSessionRequest, PublishRequest};
+use conclave_proto::conclave::v1::{
+    CampaignRequest as GroupCampaignRequest, CandidatesRequest, InboxRequest, ObserveRequest,
+    OpenSessionRequest, PublishRequest, SubscribeRequest,
+};
 use conclave_proto::etcdserverpb::lease_client::LeaseClient;
 use conclave_proto::etcdserverpb::watch_client::WatchClient;
 use conclave_proto::etcdserverpb::watch_request::RequestUnion;
@@ -17,6 +22,12 @@ use conclave_proto::etcdserverpb::{
     LeaseGrantRequest, LeaseKeepAliveRequest, PutRequest, RangeRequest, WatchCreateRequest,
     WatchRequest, WatchResponse,
 };
+use conclave_proto::v3electionpb::election_client::ElectionClient as EtcdElectionClient;
+use conclave_proto::v3electionpb::{
+    CampaignRequest as EtcdCampaignRequest, LeaderRequest as EtcdLeaderRequest,
+};
+use conclave_proto::v3lockpb::LockRequest;
+use conclave_proto::v3lockpb::lock_client::LockClient;
 use tokio::io::AsyncReadExt;
 use tokio::sync::mpsc;
 use tonic::Code;
@@ -482,4 +493,236 @@ async fn lease_keepalive_streams_beyond_the_cap_get_resource_exhausted() {
     assert_eq!(refused.code(), Code::ResourceExhausted, "{refused:?}");
     assert!(rss_kb(&cluster) < RSS_BOUND_KB);
     assert_healthy(&cluster, "acked", "before").await;
+}
+
+/// A lease of a minute, for locks and campaigns.
+async fn grant(cluster: &Cluster) -> i64 {
+    LeaseClient::new(channel(cluster))
+        .lease_grant(LeaseGrantRequest { ttl: 60, id: 0 })
+        .await
+        .expect("grant")
+        .into_inner()
+        .id
+}
+
+/// How many keys start with `prefix`.
+async fn keys_under(cluster: &Cluster, prefix: &str) -> i64 {
+    let mut end = prefix.as_bytes().to_vec();
+    if let Some(last) = end.last_mut() {
+        *last += 1;
+    }
+    cluster
+        .kv(1)
+        .await
+        .range(RangeRequest {
+            key: prefix.to_string().into(),
+            range_end: end.into(),
+            count_only: true,
+            ..Default::default()
+        })
+        .await
+        .expect("range")
+        .into_inner()
+        .count
+}
+
+/// Waits until `prefix` holds `count` keys.
+async fn until_keys_under(cluster: &Cluster, prefix: &str, count: i64) {
+    let start = Instant::now();
+    while keys_under(cluster, prefix).await != count {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "{prefix} never held {count} keys"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A refusal by a wait cap: RESOURCE_EXHAUSTED, one sentence naming the flag.
+fn assert_refused_by(status: &tonic::Status, flag: &str) {
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+    assert!(status.message().contains(flag), "{status:?}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn topic_subscriptions_beyond_the_cap_get_resource_exhausted() {
+    const CAP: usize = 3;
+    let cluster = start(&["--topic-subscriptions-max", "3"]).await;
+    let mut topics = TopicClient::new(channel(&cluster));
+    let subscribe = |topics: &mut TopicClient<Channel>| {
+        let mut topics = topics.clone();
+        async move {
+            topics
+                .subscribe(SubscribeRequest {
+                    topic: "t".into(),
+                    from_seq: 0,
+                })
+                .await
+        }
+    };
+    let mut open = Vec::new();
+    for _ in 0..CAP {
+        open.push(subscribe(&mut topics).await.expect("within the cap"));
+    }
+    let refused = subscribe(&mut topics).await.expect_err("over the cap");
+    assert_refused_by(&refused, "--topic-subscriptions-max");
+    // The streams within the cap still deliver.
+    topics
+        .publish(PublishRequest {
+            topic: "t".into(),
+            data: "m".into(),
+        })
+        .await
+        .expect("publish");
+    for stream in &mut open {
+        let delivered = tokio::time::timeout(Duration::from_secs(5), stream.get_mut().message())
+            .await
+            .expect("a delivery")
+            .expect("stream open")
+            .expect("a response");
+        assert_eq!(delivered.messages.len(), 1);
+    }
+    // A slot comes back when a stream ends.
+    drop(open.pop());
+    let start_retry = Instant::now();
+    while let Err(status) = subscribe(&mut topics).await {
+        assert!(
+            start_retry.elapsed() < Duration::from_secs(5),
+            "slot not released: {status:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(rss_kb(&cluster) < RSS_BOUND_KB);
+    assert_healthy(&cluster, "acked", "before").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn election_observers_beyond_the_cap_get_resource_exhausted() {
+    let cluster = start(&["--election-observers-max", "3"]).await;
+    let mut etcd = EtcdElectionClient::new(channel(&cluster));
+    let mut groups = GroupClient::new(channel(&cluster));
+    let observe_etcd = EtcdLeaderRequest { name: "e".into() };
+    let observe_group = ObserveRequest {
+        group: "g".into(),
+        start_revision: 0,
+    };
+    // etcd's and Conclave's Observe share the cap.
+    let _first = etcd.observe(observe_etcd.clone()).await.expect("within");
+    let _second = etcd.observe(observe_etcd.clone()).await.expect("within");
+    let mut third = groups
+        .observe(observe_group.clone())
+        .await
+        .expect("within")
+        .into_inner();
+    let refused = etcd.observe(observe_etcd).await.expect_err("over the cap");
+    assert_refused_by(&refused, "--election-observers-max");
+    let refused = groups
+        .observe(observe_group.clone())
+        .await
+        .expect_err("over the cap");
+    assert_refused_by(&refused, "--election-observers-max");
+    // The streams within the cap still answer (CURRENT first).
+    let current = tokio::time::timeout(Duration::from_secs(5), third.message())
+        .await
+        .expect("an answer")
+        .expect("stream open")
+        .expect("a response");
+    assert_eq!(current.events.len(), 1);
+    drop(third);
+    let start_retry = Instant::now();
+    while let Err(status) = groups.observe(observe_group.clone()).await {
+        assert!(
+            start_retry.elapsed() < Duration::from_secs(5),
+            "slot not released: {status:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(rss_kb(&cluster) < RSS_BOUND_KB);
+    assert_healthy(&cluster, "acked", "before").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn waiting_locks_beyond_the_cap_get_resource_exhausted_and_leave_no_key() {
+    const CAP: i64 = 2;
+    let cluster = start(&["--lock-waits-max", "2"]).await;
+    let mut locks = LockClient::new(channel(&cluster));
+    let lock = |lease| LockRequest {
+        name: "lk".into(),
+        lease,
+    };
+    // The holder does not wait, so it takes no slot.
+    let holder = grant(&cluster).await;
+    locks.lock(lock(holder)).await.expect("the first lock");
+    let mut waiters = Vec::new();
+    for _ in 0..CAP {
+        let (mut client, request) = (locks.clone(), lock(grant(&cluster).await));
+        waiters.push(tokio::spawn(async move { client.lock(request).await }));
+    }
+    until_keys_under(&cluster, "lk/", 1 + CAP).await;
+    let refused = locks
+        .lock(lock(grant(&cluster).await))
+        .await
+        .expect_err("over the cap");
+    assert_refused_by(&refused, "--lock-waits-max");
+    // The refused call's queue key is removed; the waiters keep their places.
+    until_keys_under(&cluster, "lk/", 1 + CAP).await;
+    assert!(waiters.iter().all(|waiter| !waiter.is_finished()));
+    assert!(rss_kb(&cluster) < RSS_BOUND_KB);
+    assert_healthy(&cluster, "acked", "before").await;
+    for waiter in waiters {
+        waiter.abort();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn waiting_campaigns_beyond_the_cap_get_resource_exhausted() {
+    const CAP: i64 = 2;
+    let cluster = start(&["--campaign-waits-max", "2"]).await;
+    let mut etcd = EtcdElectionClient::new(channel(&cluster));
+    let campaign = |lease| EtcdCampaignRequest {
+        name: "el".into(),
+        lease,
+        value: "v".into(),
+    };
+    // The first is elected at once and takes no slot.
+    let leader = grant(&cluster).await;
+    etcd.campaign(campaign(leader)).await.expect("elected");
+    let mut waiters = Vec::new();
+    for _ in 0..CAP {
+        let (mut client, request) = (etcd.clone(), campaign(grant(&cluster).await));
+        waiters.push(tokio::spawn(async move { client.campaign(request).await }));
+    }
+    until_keys_under(&cluster, "el/", 1 + CAP).await;
+    let refused = etcd
+        .campaign(campaign(grant(&cluster).await))
+        .await
+        .expect_err("over the cap");
+    assert_refused_by(&refused, "--campaign-waits-max");
+    until_keys_under(&cluster, "el/", 1 + CAP).await;
+    // Conclave's Campaign with `wait` shares the cap and is refused before it registers.
+    let refused = GroupClient::new(channel(&cluster))
+        .campaign(GroupCampaignRequest {
+            group: "g".into(),
+            candidate_id: "c".into(),
+            priority: 1,
+            value: "v".into(),
+            lease: grant(&cluster).await,
+            preempt: false,
+            wait: true,
+        })
+        .await
+        .expect_err("over the cap");
+    assert_refused_by(&refused, "--campaign-waits-max");
+    let candidates = GroupClient::new(channel(&cluster))
+        .candidates(CandidatesRequest { group: "g".into() })
+        .await
+        .expect("candidates")
+        .into_inner();
+    assert!(candidates.candidates.is_empty(), "{candidates:?}");
+    assert!(waiters.iter().all(|waiter| !waiter.is_finished()));
+    assert!(rss_kb(&cluster) < RSS_BOUND_KB);
+    assert_healthy(&cluster, "acked", "before").await;
+    for waiter in waiters {
+        waiter.abort();
+    }
 }
