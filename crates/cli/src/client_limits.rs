@@ -32,6 +32,10 @@ pub struct ClientLimitArgs {
     /// Message bytes one topic Read or Inbox answer carries [default: 4194304].
     #[arg(long, env = "CONCLAVE_READ_RESPONSE_BYTES_MAX")]
     pub read_response_bytes_max: Option<usize>,
+    /// Key and value bytes one KV Range answer may hold; a larger one is refused with
+    /// RESOURCE_EXHAUSTED (1 to 268435456) [default: 67108864].
+    #[arg(long, env = "CONCLAVE_RANGE_RESPONSE_BYTES_MAX")]
+    pub range_response_bytes_max: Option<usize>,
 }
 
 impl ClientLimitArgs {
@@ -46,6 +50,7 @@ impl ClientLimitArgs {
             lease_keepalive_streams_max,
             topics_per_request_max,
             read_response_bytes_max,
+            range_response_bytes_max,
         } = self.clone();
         macro_rules! set {
             ($($field:ident),*) => {
@@ -61,7 +66,8 @@ impl ClientLimitArgs {
             watches_max,
             lease_keepalive_streams_max,
             topics_per_request_max,
-            read_response_bytes_max
+            read_response_bytes_max,
+            range_response_bytes_max
         );
         limits
     }
@@ -76,6 +82,7 @@ impl ClientLimitArgs {
             lease_keepalive_streams_max,
             topics_per_request_max,
             read_response_bytes_max,
+            range_response_bytes_max,
         } = self;
         let flags = [
             (
@@ -102,6 +109,10 @@ impl ClientLimitArgs {
             (
                 "--read-response-bytes-max",
                 read_response_bytes_max.map(|v| v.to_string()),
+            ),
+            (
+                "--range-response-bytes-max",
+                range_response_bytes_max.map(|v| v.to_string()),
             ),
         ];
         let mut args = Vec::new();

@@ -28,6 +28,7 @@ pub struct ConfigFile {
     pub initial_cluster_clients: Option<String>,
     pub initial_cluster_state: Option<ClusterState>,
     pub snapshot_entries: Option<u64>,
+    pub snapshot_bytes_max: Option<u64>,
     pub tick_ms: Option<u64>,
     pub heartbeat_ms: Option<u64>,
     pub election_timeout_ms: Option<u64>,
@@ -40,6 +41,7 @@ pub struct ConfigFile {
     pub lease_keepalive_streams_max: Option<usize>,
     pub topics_per_request_max: Option<usize>,
     pub read_response_bytes_max: Option<usize>,
+    pub range_response_bytes_max: Option<usize>,
 }
 
 impl ConfigFile {
@@ -116,6 +118,7 @@ impl ServeCommandArgs {
             initial_cluster_clients,
             initial_cluster_state,
             snapshot_entries,
+            snapshot_bytes_max,
             tick_ms,
             heartbeat_ms,
             election_timeout_ms,
@@ -128,6 +131,7 @@ impl ServeCommandArgs {
             lease_keepalive_streams_max,
             topics_per_request_max,
             read_response_bytes_max,
+            range_response_bytes_max,
         } = file;
         macro_rules! fill {
             ($key:ident => $target:expr) => {
@@ -147,6 +151,7 @@ impl ServeCommandArgs {
         fill!(initial_cluster => serve.initial_cluster);
         fill!(initial_cluster_clients => serve.initial_cluster_clients);
         fill!(snapshot_entries => serve.snapshot_entries);
+        fill!(snapshot_bytes_max => serve.snapshot_bytes_max);
         fill!(tick_ms => serve.tick_ms);
         fill!(heartbeat_ms => serve.heartbeat_ms);
         fill!(election_timeout_ms => serve.election_timeout_ms);
@@ -161,6 +166,7 @@ impl ServeCommandArgs {
         fill!(lease_keepalive_streams_max => limits.lease_keepalive_streams_max);
         fill!(topics_per_request_max => limits.topics_per_request_max);
         fill!(read_response_bytes_max => limits.read_response_bytes_max);
+        fill!(range_response_bytes_max => limits.range_response_bytes_max);
     }
 }
 
@@ -215,6 +221,7 @@ initial-cluster = "7=10.0.0.1:2380"
 initial-cluster-clients = "7=10.0.0.1:2379"
 initial-cluster-state = "existing"
 snapshot-entries = 500
+snapshot-bytes-max = 1073741824
 tick-ms = 5
 heartbeat-ms = 25
 election-timeout-ms = 300
@@ -227,6 +234,7 @@ watches-max = 1000
 lease-keepalive-streams-max = 100
 topics-per-request-max = 16
 read-response-bytes-max = 65536
+range-response-bytes-max = 1048576
 "#;
 
     #[test]
@@ -295,6 +303,8 @@ read-response-bytes-max = 65536
             Some("7=10.0.0.1:2379")
         );
         assert_eq!(s.snapshot_entries, 500);
+        assert_eq!(s.snapshot_bytes_max, 1 << 30);
+        assert_eq!(s.client_limits.range_response_bytes_max, Some(1 << 20));
         assert_eq!(s.tick_ms, 5);
         assert_eq!(s.heartbeat_ms, 25);
         assert_eq!(s.election_timeout_ms, 300);
