@@ -492,7 +492,7 @@ mod tests {
         let mut first = LeaseKeeper::new(&config);
         first.sync(&table);
         let renewal = first.renew(&table, id, 0).expect("renew");
-        for checkpoint in renewal.checkpoint_before_reply {
+        if let Some(checkpoint) = renewal.checkpoint_before_reply {
             table.checkpoint(&checkpoint, 0);
         }
         // Leader 2 is promoted at 200 and proposes its anchor; a keepalive at 300 is answered
@@ -507,7 +507,7 @@ mod tests {
         for checkpoint in &anchor {
             table.checkpoint(checkpoint, 200);
         }
-        for checkpoint in renewal.checkpoint_before_reply {
+        if let Some(checkpoint) = renewal.checkpoint_before_reply {
             table.checkpoint(&checkpoint, 300);
         }
         // Leader 2 dies; leader 3 is promoted at 500.
@@ -531,7 +531,7 @@ mod tests {
         let mut keeper = LeaseKeeper::new(&config());
         keeper.sync(&table);
         let renewal = keeper.renew(&table, id, 1000).expect("renew");
-        for checkpoint in renewal.checkpoint_before_reply {
+        if let Some(checkpoint) = renewal.checkpoint_before_reply {
             table.checkpoint(&checkpoint, 1000);
         }
         assert_eq!(keeper.expired(4000, 10), Vec::<i64>::new());
