@@ -44,6 +44,10 @@ pub struct ClientLimitArgs {
     /// Campaign calls waiting to be elected at once on this node [default: 4096].
     #[arg(long, env = "CONCLAVE_CAMPAIGN_WAITS_MAX")]
     pub campaign_waits_max: Option<usize>,
+    /// Key and value bytes one KV Range answer may hold; a larger one is refused with
+    /// RESOURCE_EXHAUSTED (1 to 268435456) [default: 67108864].
+    #[arg(long, env = "CONCLAVE_RANGE_RESPONSE_BYTES_MAX")]
+    pub range_response_bytes_max: Option<usize>,
 }
 
 impl ClientLimitArgs {
@@ -62,6 +66,7 @@ impl ClientLimitArgs {
             election_observers_max,
             lock_waits_max,
             campaign_waits_max,
+            range_response_bytes_max,
         } = self.clone();
         macro_rules! set {
             ($($field:ident),*) => {
@@ -81,7 +86,8 @@ impl ClientLimitArgs {
             topic_subscriptions_max,
             election_observers_max,
             lock_waits_max,
-            campaign_waits_max
+            campaign_waits_max,
+            range_response_bytes_max
         );
         limits
     }
@@ -100,6 +106,7 @@ impl ClientLimitArgs {
             election_observers_max,
             lock_waits_max,
             campaign_waits_max,
+            range_response_bytes_max,
         } = self;
         let flags = [
             (
@@ -139,6 +146,8 @@ impl ClientLimitArgs {
             (
                 "--campaign-waits-max",
                 campaign_waits_max.map(|v| v.to_string()),
+                "--range-response-bytes-max",
+                range_response_bytes_max.map(|v| v.to_string()),
             ),
         ];
         let mut args = Vec::new();

@@ -28,6 +28,7 @@ pub struct ConfigFile {
     pub initial_cluster_clients: Option<String>,
     pub initial_cluster_state: Option<ClusterState>,
     pub snapshot_entries: Option<u64>,
+    pub snapshot_bytes_max: Option<u64>,
     pub tick_ms: Option<u64>,
     pub heartbeat_ms: Option<u64>,
     pub election_timeout_ms: Option<u64>,
@@ -44,6 +45,7 @@ pub struct ConfigFile {
     pub election_observers_max: Option<usize>,
     pub lock_waits_max: Option<usize>,
     pub campaign_waits_max: Option<usize>,
+    pub range_response_bytes_max: Option<usize>,
 }
 
 impl ConfigFile {
@@ -120,6 +122,7 @@ impl ServeCommandArgs {
             initial_cluster_clients,
             initial_cluster_state,
             snapshot_entries,
+            snapshot_bytes_max,
             tick_ms,
             heartbeat_ms,
             election_timeout_ms,
@@ -136,6 +139,7 @@ impl ServeCommandArgs {
             election_observers_max,
             lock_waits_max,
             campaign_waits_max,
+            range_response_bytes_max,
         } = file;
         macro_rules! fill {
             ($key:ident => $target:expr) => {
@@ -155,6 +159,7 @@ impl ServeCommandArgs {
         fill!(initial_cluster => serve.initial_cluster);
         fill!(initial_cluster_clients => serve.initial_cluster_clients);
         fill!(snapshot_entries => serve.snapshot_entries);
+        fill!(snapshot_bytes_max => serve.snapshot_bytes_max);
         fill!(tick_ms => serve.tick_ms);
         fill!(heartbeat_ms => serve.heartbeat_ms);
         fill!(election_timeout_ms => serve.election_timeout_ms);
@@ -173,6 +178,7 @@ impl ServeCommandArgs {
         fill!(election_observers_max => limits.election_observers_max);
         fill!(lock_waits_max => limits.lock_waits_max);
         fill!(campaign_waits_max => limits.campaign_waits_max);
+        fill!(range_response_bytes_max => limits.range_response_bytes_max);
     }
 }
 
@@ -227,6 +233,7 @@ initial-cluster = "7=10.0.0.1:2380"
 initial-cluster-clients = "7=10.0.0.1:2379"
 initial-cluster-state = "existing"
 snapshot-entries = 500
+snapshot-bytes-max = 1073741824
 tick-ms = 5
 heartbeat-ms = 25
 election-timeout-ms = 300
@@ -243,6 +250,7 @@ topic-subscriptions-max = 10
 election-observers-max = 11
 lock-waits-max = 12
 campaign-waits-max = 13
+range-response-bytes-max = 1048576
 "#;
 
     #[test]
@@ -311,6 +319,8 @@ campaign-waits-max = 13
             Some("7=10.0.0.1:2379")
         );
         assert_eq!(s.snapshot_entries, 500);
+        assert_eq!(s.snapshot_bytes_max, 1 << 30);
+        assert_eq!(s.client_limits.range_response_bytes_max, Some(1 << 20));
         assert_eq!(s.tick_ms, 5);
         assert_eq!(s.heartbeat_ms, 25);
         assert_eq!(s.election_timeout_ms, 300);

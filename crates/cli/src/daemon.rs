@@ -84,6 +84,7 @@ impl ServeArgs {
             initial_cluster,
             initial_cluster_clients,
             snapshot_entries,
+            snapshot_bytes_max,
             tick_ms,
             heartbeat_ms,
             election_timeout_ms,
@@ -109,6 +110,7 @@ impl ServeArgs {
         }
         for (flag, value) in [
             ("--snapshot-entries", snapshot_entries),
+            ("--snapshot-bytes-max", snapshot_bytes_max),
             ("--tick-ms", tick_ms),
             ("--heartbeat-ms", heartbeat_ms),
             ("--election-timeout-ms", election_timeout_ms),

@@ -133,6 +133,10 @@ pub struct ServeArgs {
     /// Take a snapshot and compact the log every this many applied entries.
     #[arg(long, env = "CONCLAVE_SNAPSHOT_ENTRIES", default_value_t = conclave_server::config::DEFAULT_SNAPSHOT_ENTRIES)]
     pub snapshot_entries: u64,
+    /// Largest snapshot accepted from a leader, in bytes (held in memory while it arrives);
+    /// a larger transfer is refused. Set it alike on every member, above the state's size.
+    #[arg(long, env = "CONCLAVE_SNAPSHOT_BYTES_MAX", default_value_t = conclave_server::config::DEFAULT_SNAPSHOT_BYTES_MAX)]
+    pub snapshot_bytes_max: u64,
     /// Length of one Raft tick.
     #[arg(long, env = "CONCLAVE_TICK_MS", default_value_t = 10)]
     pub tick_ms: u64,
@@ -196,6 +200,7 @@ impl ServeArgs {
             )));
         }
         config.snapshot_entries = self.snapshot_entries;
+        config.snapshot_bytes_max = self.snapshot_bytes_max;
         config.request_timeout_ms = self.request_timeout_ms;
         config.peer_secret_file = self.peer_secret_file.clone();
         config.client_limits = self.client_limits.to_limits();
@@ -212,7 +217,7 @@ impl ServeArgs {
     fn check_ranges(&self) -> Result<(), CliError> {
         use conclave_server::config::{
             ELECTION_TIMEOUT_MS_MAX, HEARTBEAT_MS_MAX, REQUEST_TIMEOUT_MS_MAX,
-            SNAPSHOT_ENTRIES_MAX, TICK_MS_MAX,
+            SNAPSHOT_BYTES_MAX_LIMIT, SNAPSHOT_BYTES_MAX_MIN, SNAPSHOT_ENTRIES_MAX, TICK_MS_MAX,
         };
         let ranges = [
             ("--tick-ms", self.tick_ms, TICK_MS_MAX),
@@ -239,6 +244,21 @@ impl ServeArgs {
                     "{flag} must be between 1 and {max}, not {value}"
                 )));
             }
+        }
+        let (min, max) = (SNAPSHOT_BYTES_MAX_MIN, SNAPSHOT_BYTES_MAX_LIMIT);
+        if !(min..=max).contains(&self.snapshot_bytes_max) {
+            return Err(CliError::Usage(format!(
+                "--snapshot-bytes-max must be between {min} and {max}, not {}",
+                self.snapshot_bytes_max
+            )));
+        }
+        let range_max = conclave_server::config::GRPC_RESPONSE_BYTES_MAX;
+        if let Some(value) = self.client_limits.range_response_bytes_max
+            && !(1..=range_max).contains(&value)
+        {
+            return Err(CliError::Usage(format!(
+                "--range-response-bytes-max must be between 1 and {range_max}, not {value}"
+            )));
         }
         if self.id == Some(0) {
             return Err(CliError::Usage(

@@ -27,7 +27,7 @@ mod raw_node;
 pub mod storage;
 pub mod types;
 
-pub use config::Config;
+pub use config::{Config, DEFAULT_MAX_SNAPSHOT_BYTES};
 pub use error::{Error, Refusal, StorageError};
 pub use prng::Prng;
 pub use raft::apply_steps;

@@ -48,6 +48,10 @@ pub struct ServerConfig {
     pub heartbeat_ticks: u64,
     /// Take a snapshot (and compact the log) every this many applied entries.
     pub snapshot_entries: u64,
+    /// The largest snapshot this node accepts from a leader (`--snapshot-bytes-max`): a
+    /// follower assembles an incoming snapshot in memory, and a transfer that grows past this
+    /// is refused and discarded. Set it alike on every member, above the state's snapshot size.
+    pub snapshot_bytes_max: u64,
     /// Longest a request waits (for a leader, a commit, a read) when the client set no
     /// shorter gRPC deadline.
     pub request_timeout_ms: u64,
@@ -106,6 +110,12 @@ pub struct ClientLimits {
     pub lock_waits_max: usize,
     /// Campaign calls (etcd's, and Conclave's with `wait`) in progress at once on this node.
     pub campaign_waits_max: usize,
+    /// Key and value bytes one KV Range answer may hold (serializable or linearizable, read
+    /// from this node's applied state); a Range past it is refused with RESOURCE_EXHAUSTED
+    /// while it is being built. At most `GRPC_RESPONSE_BYTES_MAX`. The Ranges of a Txn have
+    /// the state machine's own cap (`conclave_state::TXN_RANGE_BYTES_MAX`), the same on
+    /// every member.
+    pub range_response_bytes_max: usize,
 }
 
 impl Default for ClientLimits {
@@ -122,6 +132,7 @@ impl Default for ClientLimits {
             election_observers_max: 4096,
             lock_waits_max: 4096,
             campaign_waits_max: 4096,
+            range_response_bytes_max: conclave_state::TXN_RANGE_BYTES_MAX,
         }
     }
 }
@@ -147,13 +158,21 @@ impl ClientLimits {
             ("election_observers_max", self.election_observers_max == 0),
             ("lock_waits_max", self.lock_waits_max == 0),
             ("campaign_waits_max", self.campaign_waits_max == 0),
+            ("range_response_bytes_max", self.range_response_bytes_max == 0),
         ];
-        match zero.iter().find(|(_, is_zero)| *is_zero) {
-            Some((name, _)) => Err(Error::InvalidConfig {
+        if let Some((name, _)) = zero.iter().find(|(_, is_zero)| *is_zero) {
+            return Err(Error::InvalidConfig {
                 reason: format!("{name} must be at least 1"),
-            }),
-            None => Ok(()),
+            });
         }
+        if self.range_response_bytes_max > GRPC_RESPONSE_BYTES_MAX {
+            return Err(Error::InvalidConfig {
+                reason: format!(
+                    "range_response_bytes_max must be at most {GRPC_RESPONSE_BYTES_MAX} (the largest gRPC answer)"
+                ),
+            });
+        }
+        Ok(())
     }
 }
 
@@ -170,6 +189,13 @@ pub const REQUEST_TIMEOUT_MS_MAX: u64 = 600_000;
 pub const SHUTDOWN_TRANSFER_TIMEOUT_MS_MAX: u64 = 60_000;
 /// The most applied entries between snapshots (the log between them is kept on disk).
 pub const SNAPSHOT_ENTRIES_MAX: u64 = 100_000_000;
+/// The default `snapshot_bytes_max`: the Raft core's own default (4 GiB).
+pub const DEFAULT_SNAPSHOT_BYTES_MAX: u64 = conclave_raft::DEFAULT_MAX_SNAPSHOT_BYTES;
+/// The smallest `snapshot_bytes_max`: an empty state's snapshot is far below it, and a
+/// smaller cap would only keep followers from ever catching up.
+pub const SNAPSHOT_BYTES_MAX_MIN: u64 = 1024 * 1024;
+/// The largest `snapshot_bytes_max`: an incoming snapshot is held in memory.
+pub const SNAPSHOT_BYTES_MAX_LIMIT: u64 = 64 * 1024 * 1024 * 1024;
 /// The most proposals, reads or queued driver requests/messages a limit may allow.
 pub const QUEUE_LIMIT_MAX: usize = 1_000_000;
 /// The largest client request a node may accept: the largest WAL record, less framing.
@@ -198,6 +224,7 @@ impl ServerConfig {
             election_ticks: 15,
             heartbeat_ticks: 5,
             snapshot_entries: DEFAULT_SNAPSHOT_ENTRIES,
+            snapshot_bytes_max: DEFAULT_SNAPSHOT_BYTES_MAX,
             request_timeout_ms: 5_000,
             proposals_inflight_max: 10_000,
             reads_inflight_max: 10_000,
@@ -301,6 +328,12 @@ impl ServerConfig {
             SNAPSHOT_ENTRIES_MAX,
         )?;
         in_range(
+            "snapshot_bytes_max",
+            self.snapshot_bytes_max,
+            SNAPSHOT_BYTES_MAX_MIN,
+            SNAPSHOT_BYTES_MAX_LIMIT,
+        )?;
+        in_range(
             "request_timeout_ms",
             self.request_timeout_ms,
             1,
@@ -395,7 +428,7 @@ mod tests {
     fn every_value_out_of_its_range_is_refused_without_overflow() {
         let base = ServerConfig::single("/tmp/x", "127.0.0.1:2379", "127.0.0.1:2380");
         type Spoil = fn(&mut ServerConfig);
-        let cases: [(&str, Spoil); 10] = [
+        let cases: [(&str, Spoil); 12] = [
             ("tick_ms", |c| c.tick_ms = TICK_MS_MAX + 1),
             ("election timeout", |c| {
                 c.tick_ms = 1;
@@ -404,6 +437,8 @@ mod tests {
             ("election timeout", |c| c.election_ticks = u64::MAX / 2),
             ("heartbeat", |c| c.heartbeat_ticks = u64::MAX),
             ("snapshot_entries", |c| c.snapshot_entries = 0),
+            ("snapshot_bytes_max", |c| c.snapshot_bytes_max = 0),
+            ("snapshot_bytes_max", |c| c.snapshot_bytes_max = u64::MAX),
             ("request_timeout_ms", |c| c.request_timeout_ms = u64::MAX),
             ("shutdown_transfer_timeout_ms", |c| {
                 c.shutdown_transfer_timeout_ms = u64::MAX

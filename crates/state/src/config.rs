@@ -12,6 +12,13 @@ pub const DEFAULT_TXN_OPS_MAX: usize = 128;
 /// etcd's `MaxLeaseTTL`: 9,000,000,000 seconds.
 pub const LEASE_TTL_MS_MAX: u64 = 9_000_000_000 * 1000;
 
+/// The most key and value bytes the Ranges of one Txn may answer, all together (see
+/// [`crate::mvcc::range_answer_bytes`]). A Txn is applied by every member, so this is a
+/// constant of the state machine, not a per-node setting: a Txn over it is refused
+/// ([`Error::RangeTooLarge`]) before any of its writes, alike on every member. The same as
+/// the default cap of a plain Range (`--range-response-bytes-max`).
+pub const TXN_RANGE_BYTES_MAX: usize = 64 * 1024 * 1024;
+
 /// State machine configuration. See [`Config::validate`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Config {

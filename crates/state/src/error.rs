@@ -169,6 +169,16 @@ pub enum Error {
         /// The last sequence number applied for this client.
         last_seq: u64,
     },
+    /// A Range (alone or in a Txn) would answer more key and value bytes than its cap
+    /// (`--range-response-bytes-max` for a read, [`crate::config::TXN_RANGE_BYTES_MAX`] in a
+    /// Txn). The server answers RESOURCE_EXHAUSTED, which etcd clients read as "too large".
+    #[error(
+        "conclave: range answer is larger than the cap of {bytes_max} bytes; ask for fewer keys with `limit` or a narrower range"
+    )]
+    RangeTooLarge {
+        /// The cap that was passed, in bytes.
+        bytes_max: u64,
+    },
 }
 
 impl Error {
@@ -205,6 +215,7 @@ impl Error {
             Error::SnapshotVersion { .. } => 1603,
             Error::SnapshotIo(_) => 1604,
             Error::SessionSeqTooFar { .. } => 1504,
+            Error::RangeTooLarge { .. } => 1010,
         }
     }
 }
@@ -325,6 +336,7 @@ mod tests {
                 seq: 0,
                 last_seq: 0,
             },
+            Error::RangeTooLarge { bytes_max: 0 },
         ];
         let codes: std::collections::BTreeSet<u32> = all.iter().map(Error::code).collect();
         assert_eq!(codes.len(), all.len());

@@ -252,6 +252,11 @@ pub struct Renewal {
     pub checkpoint_before_reply: Option<LeaseCheckpoint>,
 }
 
+/// The leader clock's resolution. A reading of `t` ms means some instant in `[t, t + 1)`, so
+/// a keepalive handled at reading `t` is promised TTL from `t + 1`: counting from `t` would let
+/// the lease end up to a millisecond before its TTL had run from the moment it was handled.
+pub const LEASE_CLOCK_RESOLUTION_MS: u64 = 1;
+
 /// Leader-side lease deadlines. Pure: the server feeds it the leader clock and proposes what it
 /// returns. Only the Raft leader keeps one; followers drop theirs ([`LeaseKeeper::demote`]).
 #[derive(Clone, Debug, Default)]
@@ -260,6 +265,11 @@ pub struct LeaseKeeper {
     checkpoint_interval_ms: u64,
     /// Lease ID -> leader-clock deadline.
     deadlines: BTreeMap<i64, u64>,
+    /// When this keeper last became leader. A "renewed" record stamped before it was written by
+    /// an earlier leader and is about to be replaced by this leader's anchor (the checkpoints
+    /// `promote` returned), which may lie below what a keepalive answered now promises; so it
+    /// does not count as fresh, and such a keepalive records its own renewal first.
+    promoted_at_ms: u64,
 }
 
 impl LeaseKeeper {
@@ -269,6 +279,7 @@ impl LeaseKeeper {
             election_timeout_ms: config.election_timeout_ms,
             checkpoint_interval_ms: config.lease_checkpoint_interval_ms,
             deadlines: BTreeMap::new(),
+            promoted_at_ms: 0,
         }
     }
 
@@ -278,15 +289,17 @@ impl LeaseKeeper {
     /// propose at once so that the next leader resumes from these deadlines.
     pub fn promote(&mut self, table: &LeaseTable, now_ms: u64) -> Vec<LeaseCheckpoint> {
         self.deadlines.clear();
+        self.promoted_at_ms = now_ms;
         let grace_until_ms = now_ms.saturating_add(self.election_timeout_ms);
         let mut checkpoints = Vec::with_capacity(table.len());
         for lease in table.iter() {
             let bound_ms = lease
                 .resume
                 .promise_bound_ms(lease.ttl_ms, self.checkpoint_interval_ms);
-            let deadline_ms = bound_ms
-                .min(now_ms.saturating_add(lease.ttl_ms))
-                .max(grace_until_ms);
+            let full_ttl_ms = now_ms
+                .saturating_add(LEASE_CLOCK_RESOLUTION_MS)
+                .saturating_add(lease.ttl_ms);
+            let deadline_ms = bound_ms.min(full_ttl_ms).max(grace_until_ms);
             self.deadlines.insert(lease.id, deadline_ms);
             checkpoints.push(LeaseCheckpoint {
                 id: lease.id,
@@ -325,11 +338,16 @@ impl LeaseKeeper {
         if *deadline_ms <= now_ms {
             return Err(Error::LeaseNotFound);
         }
-        *deadline_ms = now_ms.saturating_add(lease.ttl_ms);
+        *deadline_ms = now_ms
+            .saturating_add(LEASE_CLOCK_RESOLUTION_MS)
+            .saturating_add(lease.ttl_ms);
         // Without a fresh enough "renewed" record, a later leader could resume the lease at a
-        // deadline earlier than the one just promised.
+        // deadline earlier than the one just promised. A record from before this leader's
+        // promotion is not fresh: this leader's anchor, applied after it, replaces it.
         let recorded = match lease.resume {
-            LeaseResume::Renewed { at_ms } => now_ms < at_ms.saturating_add(interval_ms),
+            LeaseResume::Renewed { at_ms } => {
+                at_ms >= self.promoted_at_ms && now_ms < at_ms.saturating_add(interval_ms)
+            }
             LeaseResume::Deadline { .. } => false,
         };
         let checkpoint_before_reply = (!recorded).then_some(LeaseCheckpoint {
@@ -439,7 +457,8 @@ mod tests {
         );
         let renewal = keeper.renew(&table, id, 2000).expect("renew");
         assert_eq!(renewal.checkpoint_before_reply, None);
-        assert_eq!(keeper.remaining_ms(id, 2000), Some(3000));
+        // TTL from the end of the millisecond read (LEASE_CLOCK_RESOLUTION_MS).
+        assert_eq!(keeper.remaining_ms(id, 2000), Some(3001));
         for now_ms in [4500, 7000, 9500] {
             let renewal = keeper.renew(&table, id, now_ms).expect("renew");
             assert_eq!(renewal.checkpoint_before_reply, None);
@@ -452,7 +471,75 @@ mod tests {
         // A new leader resumes a renewed lease at most a full TTL from now.
         let mut next = LeaseKeeper::new(&config());
         next.promote(&table, 5000);
-        assert_eq!(next.remaining_ms(id, 5000), Some(3000));
+        assert_eq!(next.remaining_ms(id, 5000), Some(3001));
+    }
+
+    /// Two leader changes in quick succession, with a keepalive answered by the middle leader
+    /// before its anchor was applied: the third leader must not end the lease before the
+    /// promise the middle one made (it did, by 100 ms, when a record from the first leader
+    /// still counted as fresh).
+    #[test]
+    fn a_keepalive_before_the_new_leaders_anchor_applies_is_recorded() {
+        let config = Config {
+            election_timeout_ms: 150,
+            lease_checkpoint_interval_ms: 500,
+            ..Config::default()
+        };
+        let ttl_ms = 3000;
+        let mut table = LeaseTable::new();
+        let (id, _) = table.grant(0, ttl_ms, 0, &config).expect("grant");
+        // Leader 1 renews at 0 and records it.
+        let mut first = LeaseKeeper::new(&config);
+        first.sync(&table);
+        let renewal = first.renew(&table, id, 0).expect("renew");
+        if let Some(checkpoint) = renewal.checkpoint_before_reply {
+            table.checkpoint(&checkpoint, 0);
+        }
+        // Leader 2 is promoted at 200 and proposes its anchor; a keepalive at 300 is answered
+        // before the anchor is applied, promising 300 + TTL.
+        let mut second = LeaseKeeper::new(&config);
+        let anchor = second.promote(&table, 200);
+        let renewal = second.renew(&table, id, 300).expect("renew");
+        let promised_ms = 300 + LEASE_CLOCK_RESOLUTION_MS + ttl_ms;
+        assert_eq!(second.remaining_ms(id, 300), Some(promised_ms - 300));
+        // In log order: the anchor (proposed first), then the renewal's record, if any (the
+        // reply waits for it).
+        for checkpoint in &anchor {
+            table.checkpoint(checkpoint, 200);
+        }
+        if let Some(checkpoint) = renewal.checkpoint_before_reply {
+            table.checkpoint(&checkpoint, 300);
+        }
+        // Leader 2 dies; leader 3 is promoted at 500.
+        let mut third = LeaseKeeper::new(&config);
+        third.promote(&table, 500);
+        assert_eq!(
+            third.expired(promised_ms - 1, 10),
+            Vec::<i64>::new(),
+            "expired before the promise of {promised_ms} ms"
+        );
+        assert!(third.remaining_ms(id, 500).expect("kept") >= promised_ms - 500);
+    }
+
+    /// A keepalive handled at clock reading 1000 may have been handled at 1000.9 ms: the
+    /// lease lives until 4000.9 at least, so the leader may not end it at reading 4000 (which
+    /// can be 4000.0). It did when the TTL counted from the reading.
+    #[test]
+    fn the_ttl_counts_from_the_end_of_the_millisecond_read() {
+        let mut table = LeaseTable::new();
+        let (id, _) = table.grant(0, 3000, 0, &config()).expect("grant");
+        let mut keeper = LeaseKeeper::new(&config());
+        keeper.sync(&table);
+        let renewal = keeper.renew(&table, id, 1000).expect("renew");
+        if let Some(checkpoint) = renewal.checkpoint_before_reply {
+            table.checkpoint(&checkpoint, 1000);
+        }
+        assert_eq!(keeper.expired(4000, 10), Vec::<i64>::new());
+        assert_eq!(keeper.expired(4001, 10), vec![id]);
+        // A new leader's clamp to one full TTL counts the same way.
+        let mut next = LeaseKeeper::new(&config());
+        next.promote(&table, 1000);
+        assert_eq!(next.expired(4000, 10), Vec::<i64>::new());
     }
 
     #[test]

@@ -98,13 +98,14 @@ pub use command::{
     ApplyOutput, Command, Event, GroupRegister, GroupStatus, LeaderKey, QueueResponse, Request,
     Response, SessionSeq,
 };
-pub use config::Config;
+pub use config::{Config, TXN_RANGE_BYTES_MAX};
 pub use election::{ElectionEvent, ElectionEventKind, GroupPolicy, Seat};
 pub use error::{Error, Result};
 pub use lease::{LeaseCheckpoint, LeaseKeeper, LeaseResume, Renewal};
 pub use machine::{QueueStatus, RESERVED_PREFIX, StateMachine, group_leader_key, queue_key};
 pub use mvcc::{
     EventKind, KeyValue, RangeRequest, RangeResponse, SortOrder, SortTarget, WatchEvent,
+    range_answer_bytes,
 };
 pub use topic::{Message, ReadBudget, Retention, TopicRead};
 pub use txn::{

@@ -23,7 +23,7 @@ use crate::command::{
     ApplyOutput, Command, Event, GroupRegister, GroupStatus, LeaderKey, QueueResponse, Request,
     Response, SessionSeq,
 };
-use crate::config::Config;
+use crate::config::{Config, TXN_RANGE_BYTES_MAX};
 use crate::election::{
     Candidate, CandidateSummary, Decision, ElectionEvent, ElectionEventKind, Group, GroupPolicy,
     Handoff, Seat,
@@ -257,7 +257,12 @@ impl StateMachine {
             return Err(Error::RequestTooLarge);
         }
         match request {
-            Request::Range(range) => self.state.kv.range(range).map(Response::Range),
+            // Applied by every member: the budget is the state machine's constant.
+            Request::Range(range) => self
+                .state
+                .kv
+                .range_within(range, TXN_RANGE_BYTES_MAX)
+                .map(|(response, _)| Response::Range(response)),
             Request::Put(put) => {
                 self.check_put(put)?;
                 Ok(Response::Put(self.put_checked(put)))
@@ -477,12 +482,29 @@ impl StateMachine {
         txn::check_shape(request, self.config.txn_ops_max)?;
         txn::check_no_duplicate_writes(request)?;
         let path = txn::decide_path(&self.state.kv, request);
-        self.check_txn_path(request, &path)?;
-        Ok(self.execute_txn(request, &path))
+        let mut budget = TxnRangeBudget {
+            bytes_left: TXN_RANGE_BYTES_MAX,
+            written_bytes: 0,
+            wrote: false,
+        };
+        self.check_txn_path(request, &path, &mut budget)?;
+        let mut bytes_left = TXN_RANGE_BYTES_MAX;
+        Ok(self.execute_txn(request, &path, &mut bytes_left))
     }
 
     /// Runs every check that could fail on the branches the Txn will take, before any write.
-    fn check_txn_path(&self, request: &TxnRequest, path: &TxnPath) -> Result<()> {
+    /// That includes the byte budget of its Ranges: each is measured (and stopped at the
+    /// budget) against the state before the Txn. A Range that follows a write of the same Txn
+    /// is charged more, so that it cannot pass its share when it runs: every key and value
+    /// byte written before it, and its `limit` is ignored in the measure (a delete or an
+    /// overwrite can let keys that were past the limit in). The write checks below need
+    /// nothing from execution, so a refused Txn writes nothing, alike on every member.
+    fn check_txn_path(
+        &self,
+        request: &TxnRequest,
+        path: &TxnPath,
+        budget: &mut TxnRangeBudget,
+    ) -> Result<()> {
         let branch = if path.succeeded {
             &request.success
         } else {
@@ -493,14 +515,46 @@ impl StateMachine {
             match op {
                 RequestOp::Range(range) => {
                     self.state.kv.check_revision(range.revision)?;
+                    let too_large = Error::RangeTooLarge {
+                        bytes_max: TXN_RANGE_BYTES_MAX as u64,
+                    };
+                    let room = budget.bytes_left.saturating_sub(budget.written_bytes);
+                    let unlimited;
+                    let measured = if budget.wrote {
+                        unlimited = RangeRequest {
+                            limit: 0,
+                            ..range.clone()
+                        };
+                        &unlimited
+                    } else {
+                        range
+                    };
+                    let (_, bytes) = self.state.kv.range_within(measured, room).map_err(|e| {
+                        match e {
+                            Error::RangeTooLarge { .. } => too_large.clone(),
+                            other => other,
+                        }
+                    })?;
+                    let cost = bytes.saturating_add(budget.written_bytes);
+                    budget.bytes_left = budget
+                        .bytes_left
+                        .checked_sub(cost)
+                        .ok_or(too_large)?;
                 }
-                RequestOp::Put(put) => self.check_put(put)?,
-                RequestOp::DeleteRange(_) => {}
+                RequestOp::Put(put) => {
+                    self.check_put(put)?;
+                    budget.wrote = true;
+                    budget.written_bytes = budget
+                        .written_bytes
+                        .saturating_add(put.key.len())
+                        .saturating_add(put.value.len());
+                }
+                RequestOp::DeleteRange(_) => budget.wrote = true,
                 RequestOp::Txn(inner) => {
                     let inner_path = nested.next();
                     assert!(inner_path.is_some(), "txn path lacks a nested txn");
                     if let Some(inner_path) = inner_path {
-                        self.check_txn_path(inner, inner_path)?;
+                        self.check_txn_path(inner, inner_path, budget)?;
                     }
                 }
             }
@@ -508,7 +562,14 @@ impl StateMachine {
         Ok(())
     }
 
-    fn execute_txn(&mut self, request: &TxnRequest, path: &TxnPath) -> TxnResponse {
+    /// Applies the branches `check_txn_path` accepted; `bytes_left` is what remains of the
+    /// Txn's range budget, which that check guaranteed is enough.
+    fn execute_txn(
+        &mut self,
+        request: &TxnRequest,
+        path: &TxnPath,
+        bytes_left: &mut usize,
+    ) -> TxnResponse {
         let branch = if path.succeeded {
             &request.success
         } else {
@@ -518,9 +579,13 @@ impl StateMachine {
         let mut responses = Vec::with_capacity(branch.len());
         for op in branch {
             let response = match op {
-                RequestOp::Range(range) => match self.state.kv.range(range) {
-                    Ok(response) => ResponseOp::Range(response),
-                    // check_txn_path validated the revision and the shape checked the key.
+                RequestOp::Range(range) => match self.state.kv.range_within(range, *bytes_left) {
+                    Ok((response, bytes)) => {
+                        *bytes_left -= bytes;
+                        ResponseOp::Range(response)
+                    }
+                    // check_txn_path validated the revision and the budget, and the shape
+                    // checked the key.
                     Err(error) => panic!("txn range failed after validation: {error}"),
                 },
                 RequestOp::Put(put) => ResponseOp::Put(self.put_checked(put)),
@@ -531,7 +596,7 @@ impl StateMachine {
                     let Some(inner_path) = nested.next() else {
                         panic!("txn path lacks a nested txn");
                     };
-                    ResponseOp::Txn(self.execute_txn(inner, inner_path))
+                    ResponseOp::Txn(self.execute_txn(inner, inner_path, bytes_left))
                 }
             };
             responses.push(response);
@@ -1118,9 +1183,18 @@ impl StateMachine {
     }
 
     /// etcd Range, served from applied state (serializable read; linearizable once the server
-    /// has done a ReadIndex).
+    /// has done a ReadIndex), with no byte budget.
     pub fn range(&self, request: &RangeRequest) -> Result<RangeResponse> {
         self.state.kv.range(request)
+    }
+
+    /// etcd Range, refused with [`Error::RangeTooLarge`] as soon as the answer holds more than
+    /// `bytes_max` key and value bytes; nothing past the budget is taken from the state.
+    pub fn range_within(&self, request: &RangeRequest, bytes_max: usize) -> Result<RangeResponse> {
+        self.state
+            .kv
+            .range_within(request, bytes_max)
+            .map(|(response, _)| response)
     }
 
     /// Watch replay: every event at revision >= `start_revision` on the key range.
@@ -1261,6 +1335,17 @@ impl StateMachine {
         }
         Ok(())
     }
+}
+
+/// What is left of a Txn's range budget while its branches are checked.
+struct TxnRangeBudget {
+    /// Budget not yet spent by the Txn's earlier Ranges.
+    bytes_left: usize,
+    /// Key and value bytes the Txn puts before the current op (what a later Range may see of
+    /// its own writes).
+    written_bytes: usize,
+    /// Whether the Txn writes (puts or deletes) before the current op.
+    wrote: bool,
 }
 
 fn limit(what: &str, limit: usize) -> Error {

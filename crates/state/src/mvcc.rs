@@ -336,9 +336,25 @@ impl KvStore {
             .collect()
     }
 
-    /// etcd's Range. Reads at the current revision include the current command's writes, as an
-    /// etcd Txn reads its own writes.
+    /// etcd's Range with no byte budget (tests and callers that bound the answer otherwise).
+    /// Reads at the current revision include the current command's writes, as an etcd Txn
+    /// reads its own writes.
     pub fn range(&self, request: &RangeRequest) -> Result<RangeResponse> {
+        self.range_within(request, usize::MAX).map(|(response, _)| response)
+    }
+
+    /// etcd's Range, refused with [`Error::RangeTooLarge`] as soon as the key-values it holds
+    /// pass `bytes_max` bytes (see [`range_answer_bytes`]), so an over-budget answer is never
+    /// built. Filters are applied before a key-value is taken, values are not taken for
+    /// `keys_only` (unless the sort needs them), and a sorted read with a `limit` keeps only
+    /// its best `limit` candidates as it goes: the budget counts what the answer can hold, not
+    /// the size of the range. `count_only` takes nothing. Returns the answer and the most bytes
+    /// it held at any point (what was checked against the budget).
+    pub fn range_within(
+        &self,
+        request: &RangeRequest,
+        bytes_max: usize,
+    ) -> Result<(RangeResponse, usize)> {
         if request.key.is_empty() {
             return Err(Error::EmptyKey);
         }
@@ -348,56 +364,80 @@ impl KvStore {
         } else {
             Some(revision)
         };
-        let filtered = request.min_mod_revision != 0
-            || request.max_mod_revision != 0
-            || request.min_create_revision != 0
-            || request.max_create_revision != 0;
         let sorting =
             request.sort_order != SortOrder::None || request.sort_target != SortTarget::Key;
-        // Without sorting or filtering, one key past the limit is enough to know `more`.
-        let fetch_max = if request.limit > 0 && !sorting && !filtered && !request.count_only {
-            usize::try_from(request.limit)
-                .unwrap_or(usize::MAX)
-                .saturating_add(1)
-        } else {
-            usize::MAX
+        let limit = usize::try_from(request.limit)
+            .ok()
+            .filter(|&limit| limit > 0);
+        // In key order, one key past the limit is enough to know `more`.
+        let fetch_max = match limit {
+            Some(limit) if !sorting => limit.saturating_add(1),
+            _ => usize::MAX,
         };
+        let take_values = !request.keys_only || request.sort_target == SortTarget::Value;
         let mut kvs = Vec::new();
+        let mut held_bytes: usize = 0;
+        let mut peak_bytes: usize = 0;
         let mut count: i64 = 0;
+        let mut more = false;
         if let Some(bounds) = range_bounds(&request.key, &request.range_end) {
             for (key, history) in self.keys.range::<[u8], _>(bounds) {
                 let Some(record) = visible(history, at) else {
                     continue;
                 };
                 count += 1;
-                if !request.count_only && kvs.len() < fetch_max {
-                    kvs.push(record.to_kv(key));
+                if request.count_only || kvs.len() >= fetch_max {
+                    continue;
+                }
+                let mut kv = record.to_kv(key);
+                if !passes_filters(request, &kv) {
+                    continue;
+                }
+                if !take_values {
+                    kv.value = Bytes::new();
+                }
+                held_bytes = held_bytes.saturating_add(range_answer_bytes(&kv));
+                peak_bytes = peak_bytes.max(held_bytes);
+                if held_bytes > bytes_max {
+                    return Err(Error::RangeTooLarge {
+                        bytes_max: u64::try_from(bytes_max).unwrap_or(u64::MAX),
+                    });
+                }
+                kvs.push(kv);
+                if sorting && let Some(limit) = limit {
+                    // Keep the best `limit` so far (the sort is stable and keys come in
+                    // order, so ties resolve as a full sort would).
+                    if kvs.len() > limit.saturating_mul(2).max(64) {
+                        sort_kvs(&mut kvs, request.sort_order, request.sort_target);
+                        for dropped in kvs.drain(limit..) {
+                            held_bytes -= range_answer_bytes(&dropped);
+                        }
+                        more = true;
+                    }
                 }
             }
         }
         if request.count_only {
-            return Ok(RangeResponse {
+            let response = RangeResponse {
                 kvs: Vec::new(),
                 more: false,
                 count,
-            });
+            };
+            return Ok((response, 0));
         }
-        kvs.retain(|kv| passes_filters(request, kv));
         sort_kvs(&mut kvs, request.sort_order, request.sort_target);
-        let mut more = false;
-        if let Ok(limit) = usize::try_from(request.limit)
-            && limit > 0
+        if let Some(limit) = limit
             && kvs.len() > limit
         {
             kvs.truncate(limit);
             more = true;
         }
-        if request.keys_only {
+        if request.keys_only && take_values {
             for kv in &mut kvs {
                 kv.value = Bytes::new();
             }
         }
-        Ok(RangeResponse { kvs, more, count })
+        Ok((RangeResponse { kvs, more, count }, peak_bytes))
     }
 
     /// Writes `key` at the pending revision. Returns the previous live value and the new one.
@@ -623,6 +663,12 @@ impl KvStore {
     pub(crate) fn mark_write(&mut self) {
         self.pending_writes += 1;
     }
+}
+
+/// What one key-value costs a range answer's byte budget: its key and the value it carries.
+/// The fixed-size fields are left out; they are small next to any answer worth refusing.
+pub fn range_answer_bytes(kv: &KeyValue) -> usize {
+    kv.key.len().saturating_add(kv.value.len())
 }
 
 fn passes_filters(request: &RangeRequest, kv: &KeyValue) -> bool {

@@ -1,5 +1,5 @@
 //! Hostile input on the client port: another client's session, runaway sequence numbers, an
-//! Inbox naming one topic 30,000 times, and crowds of connections, streams, watches,
+//! Inbox naming one topic 30,000 times, a Range over a big prefix, and crowds of connections, streams, watches,
 //! keepalive streams, topic subscriptions, election observers and waiting Lock and Campaign
 //! calls beyond their caps. Each test runs a single member with small caps (serve
 //! flags), sends what no honest client would with raw gRPC from `conclave_proto`, then checks
@@ -15,12 +15,14 @@ use conclave_proto::conclave::v1::{
     CampaignRequest as GroupCampaignRequest, CandidatesRequest, InboxRequest, ObserveRequest,
     OpenSessionRequest, PublishRequest, SubscribeRequest,
 };
+use conclave_proto::etcdserverpb::kv_client::KvClient;
 use conclave_proto::etcdserverpb::lease_client::LeaseClient;
+use conclave_proto::etcdserverpb::request_op::Request;
 use conclave_proto::etcdserverpb::watch_client::WatchClient;
 use conclave_proto::etcdserverpb::watch_request::RequestUnion;
 use conclave_proto::etcdserverpb::{
-    LeaseGrantRequest, LeaseKeepAliveRequest, PutRequest, RangeRequest, WatchCreateRequest,
-    WatchRequest, WatchResponse,
+    LeaseGrantRequest, LeaseKeepAliveRequest, PutRequest, RangeRequest, RequestOp, TxnRequest,
+    WatchCreateRequest, WatchRequest, WatchResponse,
 };
 use conclave_proto::v3electionpb::election_client::ElectionClient as EtcdElectionClient;
 use conclave_proto::v3electionpb::{
@@ -725,4 +727,200 @@ async fn waiting_campaigns_beyond_the_cap_get_resource_exhausted() {
     for waiter in waiters {
         waiter.abort();
     }
+}
+
+/// A KV client that accepts answers as large as the server may send, so that only the
+/// server's range budget can refuse a read.
+fn kv_unbounded(cluster: &Cluster, id: u64) -> KvClient<Channel> {
+    let channel = Channel::from_shared(cluster.endpoint(id))
+        .expect("valid endpoint")
+        .connect_lazy();
+    KvClient::new(channel).max_decoding_message_size(usize::MAX)
+}
+
+/// Resident memory of member `id`.
+fn member_rss_kb(cluster: &Cluster, id: u64) -> u64 {
+    let pid = cluster.nodes[(id - 1) as usize]
+        .child
+        .as_ref()
+        .expect("running")
+        .id();
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("proc status");
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmRSS:"))
+        .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmRSS")
+}
+
+/// A member holding 65 MiB of values and the whole state twice over (applied state and log)
+/// stays under this.
+const BIG_RANGE_RSS_BOUND_KB: u64 = 1024 * 1024;
+
+fn prefix_range(prefix: &str) -> RangeRequest {
+    let mut end = prefix.as_bytes().to_vec();
+    if let Some(last) = end.last_mut() {
+        *last += 1;
+    }
+    RangeRequest {
+        key: prefix.to_string().into(),
+        range_end: end.into(),
+        ..Default::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_range_over_the_byte_budget_is_refused_while_narrower_reads_work() {
+    // A 16 MiB budget for plain reads; a Txn's Ranges have the state machine's 64 MiB.
+    let range_cap = 16 * 1024 * 1024;
+    let cap = range_cap.to_string();
+    let cluster = Cluster::start_with_args(3, &["--range-response-bytes-max", &cap]).await;
+    cluster.wait_for_leader(Duration::from_secs(10)).await;
+    cluster
+        .put_until_acked(1, "acked", "before", Duration::from_secs(5))
+        .await;
+    // 65 values of 1 MiB: more than TXN_RANGE_BYTES_MAX (64 MiB) with their keys.
+    let values = 65;
+    let mut kv = kv_unbounded(&cluster, 1);
+    for i in 0..values {
+        let mut put = tonic::Request::new(PutRequest {
+            key: format!("/big/{i:03}").into(),
+            value: vec![b'v'; 1024 * 1024].into(),
+            ..Default::default()
+        });
+        put.set_timeout(Duration::from_secs(20));
+        kv.put(put).await.expect("a 1 MiB put");
+    }
+    for id in 1..=3 {
+        cluster.wait_caught_up(id, Duration::from_secs(30)).await;
+    }
+
+    for id in 1..=3 {
+        let mut kv = kv_unbounded(&cluster, id);
+        for serializable in [true, false] {
+            let started = Instant::now();
+            let answer = kv
+                .range(RangeRequest {
+                    serializable,
+                    ..prefix_range("/big/")
+                })
+                .await;
+            // Not `expect_err`: it would print the 65 MiB answer.
+            let refused = match answer {
+                Ok(answer) => panic!(
+                    "member {id} served {} keys past a 16 MiB budget",
+                    answer.get_ref().kvs.len()
+                ),
+                Err(status) => status,
+            };
+            assert_eq!(refused.code(), Code::ResourceExhausted, "{refused:?}");
+            let message = refused.message();
+            assert!(
+                message.contains(&cap)
+                    && message.contains("--range-response-bytes-max")
+                    && message.contains("limit"),
+                "names the cap and the way out: {message}"
+            );
+            assert!(
+                started.elapsed() < Duration::from_secs(3),
+                "refused in {:?}",
+                started.elapsed()
+            );
+        }
+        // A limited read, keys only and a count work on the same range.
+        let limited = kv
+            .range(RangeRequest {
+                limit: 2,
+                ..prefix_range("/big/")
+            })
+            .await
+            .expect("a limited read")
+            .into_inner();
+        assert_eq!(limited.kvs.len(), 2);
+        assert!(limited.more);
+        assert_eq!(limited.count, values);
+        assert_eq!(limited.kvs[1].value.len(), 1024 * 1024);
+        let keys = kv
+            .range(RangeRequest {
+                keys_only: true,
+                ..prefix_range("/big/")
+            })
+            .await
+            .expect("keys only")
+            .into_inner();
+        assert_eq!(keys.kvs.len() as i64, values);
+        assert!(keys.kvs.iter().all(|kv| kv.value.is_empty()));
+        let counted = kv
+            .range(RangeRequest {
+                count_only: true,
+                ..prefix_range("/big/")
+            })
+            .await
+            .expect("count only")
+            .into_inner();
+        assert_eq!(counted.count, values);
+    }
+
+    // A Txn whose Range passes the state machine's cap is refused by the state machine, so
+    // alike on every member, and its write is applied nowhere.
+    let txn = TxnRequest {
+        success: vec![
+            RequestOp {
+                request: Some(Request::RequestPut(PutRequest {
+                    key: "txn-marker".into(),
+                    value: "written".into(),
+                    ..Default::default()
+                })),
+            },
+            RequestOp {
+                request: Some(Request::RequestRange(prefix_range("/big/"))),
+            },
+        ],
+        ..Default::default()
+    };
+    for id in 1..=3 {
+        let started = Instant::now();
+        let refused = match kv_unbounded(&cluster, id).txn(txn.clone()).await {
+            Ok(_) => panic!("member {id} answered a Txn reading 65 MiB"),
+            Err(status) => status,
+        };
+        assert_eq!(refused.code(), Code::ResourceExhausted, "{refused:?}");
+        assert!(
+            refused.message().contains(&(64 * 1024 * 1024).to_string()),
+            "{refused:?}"
+        );
+        assert!(started.elapsed() < Duration::from_secs(5));
+    }
+    // A Txn with a limited Range goes through: the cap is on bytes, not on the range.
+    let narrow = TxnRequest {
+        success: vec![RequestOp {
+            request: Some(Request::RequestRange(RangeRequest {
+                limit: 1,
+                ..prefix_range("/big/")
+            })),
+        }],
+        ..Default::default()
+    };
+    kv_unbounded(&cluster, 2)
+        .txn(narrow)
+        .await
+        .expect("a Txn with a limited Range");
+    let leader = cluster.wait_for_leader(Duration::from_secs(5)).await;
+    // Every member applied up to the leader's index (the refused Txns included).
+    for id in 1..=3 {
+        cluster.wait_caught_up(id, Duration::from_secs(10)).await;
+        let local = kv_unbounded(&cluster, id)
+            .range(RangeRequest {
+                key: "txn-marker".into(),
+                serializable: true,
+                ..Default::default()
+            })
+            .await
+            .expect("a local read")
+            .into_inner();
+        assert_eq!(local.count, 0, "member {id} (leader {leader}) applied the refused Txn's put");
+        let rss = member_rss_kb(&cluster, id);
+        assert!(rss < BIG_RANGE_RSS_BOUND_KB, "member {id}: RSS {rss} kB");
+    }
+    assert_healthy(&cluster, "acked", "before").await;
 }

@@ -36,17 +36,22 @@ impl Kv for KvService {
         request: tonic::Request<pb::RangeRequest>,
     ) -> Result<tonic::Response<pb::RangeResponse>, Status> {
         let ctx = self.context(&request);
+        let client = request.remote_addr();
         let message = request.into_inner();
         self.check_size(&message)?;
         if !message.serializable {
             self.api.linearizable_barrier(&ctx).await?;
         }
         let range = convert::range_from_pb(message)?;
-        let (result, revision) = self
-            .api
-            .node
-            .read_state(|state| (state.range(&range), state.revision()));
-        let response = result.map_err(|e| state_status(&e))?;
+        // Checked while the answer is built under the state lock, not after.
+        let bytes_max = self.api.config.client_limits.range_response_bytes_max;
+        let (result, revision) = self.api.node.read_state(|state| {
+            (state.range_within(&range, bytes_max), state.revision())
+        });
+        let response = result.map_err(|e| match e {
+            conclave_state::Error::RangeTooLarge { .. } => self.api.limits.range_refused(client),
+            other => state_status(&other),
+        })?;
         Ok(tonic::Response::new(convert::range_to_pb(
             response,
             self.api.header(revision),

@@ -37,6 +37,7 @@ pub struct LimitStats {
     pub watches_refused: AtomicU64,
     pub lease_keepalive_streams_refused: AtomicU64,
     pub inbox_requests_refused: AtomicU64,
+    pub ranges_refused: AtomicU64,
 }
 
 /// Lets one WARN line through per [`LIMIT_WARN_INTERVAL_MS`].
@@ -146,6 +147,7 @@ pub struct Limits {
     keepalive_warn: WarnGate,
     inbox_warn: WarnGate,
     waits: [WaitSlots; 4],
+    range_warn: WarnGate,
 }
 
 impl Limits {
@@ -166,6 +168,7 @@ impl Limits {
             watch_warn: WarnGate::default(),
             keepalive_warn: WarnGate::default(),
             inbox_warn: WarnGate::default(),
+            range_warn: WarnGate::default(),
         }
     }
 
@@ -306,6 +309,28 @@ impl Limits {
             "conclave: an inbox request may name at most {limit} distinct topics \
              (--topics-per-request-max); it named {distinct}"
         )))
+    }
+}
+
+impl Limits {
+    /// Counts and logs a KV Range refused for passing `range_response_bytes_max` (the state
+    /// stopped building it there), and the status the client gets.
+    pub fn range_refused(&self, client: Option<SocketAddr>) -> Status {
+        let limit = self.caps.range_response_bytes_max;
+        let refused = &self.stats.ranges_refused;
+        refused.fetch_add(1, Ordering::Relaxed);
+        if self.range_warn.allow() {
+            tracing::warn!(
+                client = ?client,
+                limit,
+                refused = refused.load(Ordering::Relaxed),
+                "range refused: answer larger than range_response_bytes_max"
+            );
+        }
+        Status::resource_exhausted(format!(
+            "conclave: range answer is larger than the cap of {limit} bytes \
+             (--range-response-bytes-max); ask for fewer keys with `limit` or a narrower range"
+        ))
     }
 }
 

@@ -254,6 +254,8 @@ pub fn state_status(error: &conclave_state::Error) -> Status {
         E::NotGroupLeader { .. } => Status::failed_precondition(message),
         E::CandidateIdTaken { .. } => Status::already_exists(message),
         E::CandidateNotFound { .. } | E::SessionNotFound { .. } => Status::not_found(message),
+        // etcd clients read RESOURCE_EXHAUSTED as "response too large".
+        E::RangeTooLarge { .. } => Status::resource_exhausted(message),
         E::Decode(_)
         | E::SnapshotCorrupt(_)
         | E::SnapshotVersion { .. }

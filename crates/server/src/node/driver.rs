@@ -484,6 +484,7 @@ pub(crate) fn spawn<M: ReplicatedMachine, D: Duties<M>>(
     raft_config.election_ticks = config.election_ticks;
     raft_config.heartbeat_ticks = config.heartbeat_ticks;
     raft_config.max_uncommitted_bytes = (config.request_bytes_max as u64) * 64;
+    raft_config.max_snapshot_bytes = config.snapshot_bytes_max;
     raft_config.seed = election_seed(config.id);
     raft_config
         .validate()
