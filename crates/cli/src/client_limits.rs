@@ -146,6 +146,8 @@ impl ClientLimitArgs {
             (
                 "--campaign-waits-max",
                 campaign_waits_max.map(|v| v.to_string()),
+            ),
+            (
                 "--range-response-bytes-max",
                 range_response_bytes_max.map(|v| v.to_string()),
             ),
