@@ -148,6 +148,11 @@ fn run(args: RunArgs) -> Result<u8, Error> {
         std::env::temp_dir().join(format!("conclave-faults-{}-{}", std::process::id(), args.seed))
     });
     std::fs::create_dir_all(&out).map_err(|source| Error::Io { what: format!("create {}", out.display()), source })?;
+    // A fresh cluster every run: the checkers assume every register starts empty.
+    let members_dir = out.join("members");
+    if members_dir.exists() {
+        std::fs::remove_dir_all(&members_dir).map_err(|source| Error::Io { what: format!("clear {}", members_dir.display()), source })?;
+    }
     net::clean_stale();
     // Before the runtime starts: the harness may move itself into the client namespace.
     let net = Net::new(args.members, args.loopback, LOOPBACK_FIRST_PORT)?;
