@@ -129,10 +129,12 @@ pub enum Verdict {
 }
 
 /// States explored before the search gives up (and says so rather than guessing).
-pub const SEARCH_STATES_MAX: usize = 5_000_000;
+pub const SEARCH_STATES_MAX: usize = 2_000_000;
 
 struct Frame {
     linearized: Vec<u64>,
+    first_open: usize,
+    placed: usize,
     value: Register,
     candidates: Vec<usize>,
     next: usize,
@@ -142,20 +144,33 @@ fn is_set(bits: &[u64], i: usize) -> bool {
     bits[i / 64] & (1 << (i % 64)) != 0
 }
 
-fn candidates(entries: &[Entry], linearized: &[u64]) -> Vec<usize> {
-    let min_complete = entries
-        .iter()
-        .enumerate()
-        .filter(|(i, _)| !is_set(linearized, *i))
-        .map(|(_, e)| e.complete_us)
-        .min()
-        .unwrap_or(u64::MAX);
-    entries
-        .iter()
-        .enumerate()
-        .filter(|(i, e)| !is_set(linearized, *i) && e.invoke_us <= min_complete)
-        .map(|(i, _)| i)
-        .collect()
+fn candidates(entries: &[Entry], linearized: &[u64], first_open: usize) -> Vec<usize> {
+    // Entries are sorted by invocation: once one is invoked after the earliest completion
+    // among the open ones seen so far, no later one can go next (and none of them can
+    // complete earlier than it was invoked), so the scan stops there.
+    let mut min_complete = u64::MAX;
+    let mut out = Vec::new();
+    for (i, e) in entries.iter().enumerate().skip(first_open) {
+        if e.invoke_us > min_complete {
+            break;
+        }
+        if !is_set(linearized, i) {
+            min_complete = min_complete.min(e.complete_us);
+        }
+    }
+    for (i, e) in entries.iter().enumerate().skip(first_open) {
+        if e.invoke_us > min_complete {
+            break;
+        }
+        if !is_set(linearized, i) {
+            out.push(i);
+        }
+    }
+    out
+}
+
+fn first_open(linearized: &[u64], from: usize, len: usize) -> usize {
+    (from..len).find(|&i| !is_set(linearized, i)).unwrap_or(len)
 }
 
 /// The Wing–Gong–Lowe search with memoization over (linearized set, value).
@@ -165,8 +180,10 @@ pub fn check(entries: &[Entry]) -> Verdict {
     let mut seen: HashSet<(Vec<u64>, Register)> = HashSet::new();
     let root = vec![0u64; words];
     let mut stack = vec![Frame {
-        candidates: candidates(entries, &root),
+        candidates: candidates(entries, &root, 0),
         linearized: root,
+        first_open: 0,
+        placed: 0,
         value: None,
         next: 0,
     }];
@@ -190,11 +207,8 @@ pub fn check(entries: &[Entry]) -> Verdict {
         if seen.len() > SEARCH_STATES_MAX {
             return Verdict::Unknown { states: seen.len() };
         }
-        let placed = entries
-            .iter()
-            .enumerate()
-            .filter(|(j, e)| e.required && is_set(&linearized, *j))
-            .count();
+        let placed = frame.placed + usize::from(entries[i].required);
+        let open = first_open(&linearized, frame.first_open, entries.len());
         if placed == required_total {
             return Verdict::Linearizable;
         }
@@ -203,8 +217,10 @@ pub fn check(entries: &[Entry]) -> Verdict {
             best_bits = linearized.clone();
         }
         stack.push(Frame {
-            candidates: candidates(entries, &linearized),
+            candidates: candidates(entries, &linearized, open),
             linearized,
+            first_open: open,
+            placed,
             value,
             next: 0,
         });
