@@ -66,7 +66,11 @@ impl Cluster {
     }
 
     pub fn client_endpoints(&self) -> Vec<String> {
-        self.net.places.iter().map(|p| p.client_addr.clone()).collect()
+        self.net
+            .places
+            .iter()
+            .map(|p| p.client_addr.clone())
+            .collect()
     }
 
     /// (Re)starts member `index` (0-based) over its data directory.
@@ -110,7 +114,10 @@ impl Cluster {
             .args(["--initial-cluster", &initial])
             .args(["--initial-cluster-clients", &clients])
             .args(["--snapshot-entries", "500"])
-            .args(["--election-timeout-ms", &self.election_timeout_ms.to_string()])
+            .args([
+                "--election-timeout-ms",
+                &self.election_timeout_ms.to_string(),
+            ])
             .arg("--peer-secret-file")
             .arg(self.root.join("peer-secret"))
             .env("CONCLAVE_LOG", "info")
@@ -182,10 +189,9 @@ impl Cluster {
             if !self.is_up(index) || self.members[index].paused {
                 continue;
             }
-            let Ok(endpoint) = tonic::transport::Endpoint::from_shared(format!(
-                "http://{}",
-                place.client_addr
-            )) else {
+            let Ok(endpoint) =
+                tonic::transport::Endpoint::from_shared(format!("http://{}", place.client_addr))
+            else {
                 continue;
             };
             let status = tokio::time::timeout(STATUS_TIMEOUT, async move {

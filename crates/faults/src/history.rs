@@ -59,13 +59,15 @@ impl Recorder {
 
     /// Converts an `Instant` taken during the run into the history's clock.
     pub fn at_us(&self, instant: Instant) -> u64 {
-        u64::try_from(instant.saturating_duration_since(self.start).as_micros())
-            .unwrap_or(u64::MAX)
+        u64::try_from(instant.saturating_duration_since(self.start).as_micros()).unwrap_or(u64::MAX)
     }
 
     /// Appends an event stamped now; returns the stamp.
     pub fn record(&self, process: u64, kind: Kind, f: &str, key: &str, value: Value) -> u64 {
-        let mut events = self.events.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut events = self
+            .events
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
         // Stamped under the lock so the file's order is the time order.
         let time_us = self.now_us();
         events.push(Event {

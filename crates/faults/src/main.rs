@@ -7,13 +7,13 @@ use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand};
 use conclave_client::{Client, ClientOptions, GetOptions};
+use conclave_faults::Error;
 use conclave_faults::checkers::{self, lease::LeaseBounds};
 use conclave_faults::cluster::Cluster;
 use conclave_faults::history::{self, Event, Kind, Recorder};
 use conclave_faults::nemesis::{self, Family};
 use conclave_faults::net::{self, Net};
 use conclave_faults::workloads::{self, Ctx, PinnedReads, Resource};
-use conclave_faults::Error;
 
 /// How long the cluster may take to elect its first leader, and to recover after the run.
 const LEADER_WAIT: Duration = Duration::from_secs(30);
@@ -34,7 +34,10 @@ const NEGATIVE_CONTROLS: &[(&str, &str)] = &[
 ];
 
 #[derive(Parser)]
-#[command(name = "conclave-faults", about = "Runs a Conclave cluster under faults and checks the clients' histories")]
+#[command(
+    name = "conclave-faults",
+    about = "Runs a Conclave cluster under faults and checks the clients' histories"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -65,7 +68,11 @@ struct RunArgs {
     #[arg(long, default_value = "partition,kill,pause", value_delimiter = ',')]
     nemesis: Vec<String>,
     /// Workloads: register, watch, lock, election, lease.
-    #[arg(long, default_value = "register,watch,lock,election,lease", value_delimiter = ',')]
+    #[arg(
+        long,
+        default_value = "register,watch,lock,election,lease",
+        value_delimiter = ','
+    )]
     workload: Vec<String>,
     #[arg(long, default_value_t = 1)]
     seed: u64,
@@ -92,9 +99,11 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Run(args) => run(args),
-        Command::Check { dir, election_timeout_ms } => {
-            check_dir(&dir, election_timeout_ms).map(|report| if report.total() == 0 { 0 } else { 1 })
-        }
+        Command::Check {
+            dir,
+            election_timeout_ms,
+        } => check_dir(&dir, election_timeout_ms)
+            .map(|report| if report.total() == 0 { 0 } else { 1 }),
     };
     match result {
         Ok(0) => ExitCode::SUCCESS,
@@ -111,18 +120,27 @@ fn run(args: RunArgs) -> Result<u8, Error> {
         .nemesis
         .iter()
         .filter(|n| !n.is_empty())
-        .map(|n| Family::parse(n).ok_or_else(|| Error::Usage(format!("unknown nemesis {n:?} (partition, kill, pause)"))))
+        .map(|n| {
+            Family::parse(n).ok_or_else(|| {
+                Error::Usage(format!("unknown nemesis {n:?} (partition, kill, pause)"))
+            })
+        })
         .collect::<Result<_, _>>()?;
     for w in &args.workload {
         if !WORKLOADS.contains(&w.as_str()) {
-            return Err(Error::Usage(format!("unknown workload {w:?} ({})", WORKLOADS.join(", "))));
+            return Err(Error::Usage(format!(
+                "unknown workload {w:?} ({})",
+                WORKLOADS.join(", ")
+            )));
         }
     }
     if !(3..=9).contains(&args.members) {
         return Err(Error::Usage("--members must be between 3 and 9".into()));
     }
     if !(args.minutes > 0.0 && args.minutes <= 24.0 * 60.0) {
-        return Err(Error::Usage("--minutes must be above 0 and at most a day".into()));
+        return Err(Error::Usage(
+            "--minutes must be above 0 and at most a day".into(),
+        ));
     }
     let negative = match &args.negative_control {
         None => None,
@@ -142,33 +160,66 @@ fn run(args: RunArgs) -> Result<u8, Error> {
             .ok_or_else(|| Error::Usage("say where conclave is with --binary".into()))?,
     };
     if !binary.exists() {
-        return Err(Error::Usage(format!("{} does not exist (build it, or --binary)", binary.display())));
+        return Err(Error::Usage(format!(
+            "{} does not exist (build it, or --binary)",
+            binary.display()
+        )));
     }
     let out = args.out.clone().unwrap_or_else(|| {
-        std::env::temp_dir().join(format!("conclave-faults-{}-{}", std::process::id(), args.seed))
+        std::env::temp_dir().join(format!(
+            "conclave-faults-{}-{}",
+            std::process::id(),
+            args.seed
+        ))
     });
-    std::fs::create_dir_all(&out).map_err(|source| Error::Io { what: format!("create {}", out.display()), source })?;
+    std::fs::create_dir_all(&out).map_err(|source| Error::Io {
+        what: format!("create {}", out.display()),
+        source,
+    })?;
     // A fresh cluster every run: the checkers assume every register starts empty.
     let members_dir = out.join("members");
     if members_dir.exists() {
-        std::fs::remove_dir_all(&members_dir).map_err(|source| Error::Io { what: format!("clear {}", members_dir.display()), source })?;
+        std::fs::remove_dir_all(&members_dir).map_err(|source| Error::Io {
+            what: format!("clear {}", members_dir.display()),
+            source,
+        })?;
     }
     net::clean_stale();
     // Before the runtime starts: the harness may move itself into the client namespace.
     let net = Net::new(args.members, args.loopback, LOOPBACK_FIRST_PORT)?;
-    println!("members in {:?} mode; histories and logs in {}", net.mode, out.display());
+    println!(
+        "members in {:?} mode; histories and logs in {}",
+        net.mode,
+        out.display()
+    );
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
-        .map_err(|source| Error::Io { what: "start the runtime".into(), source })?;
+        .map_err(|source| Error::Io {
+            what: "start the runtime".into(),
+            source,
+        })?;
     let cluster = Cluster::start(net, binary, out.join("members"), args.election_timeout_ms)?;
+    // Returning (also on a signal or a panic, which unwinds) drops the cluster and the
+    // network: members are killed and the run's namespaces deleted.
     runtime.block_on(async move {
+        let mut terminate = tokio::signal::unix::signal(
+            tokio::signal::unix::SignalKind::terminate(),
+        )
+        .map_err(|source| Error::Io {
+            what: "listen for SIGTERM".into(),
+            source,
+        })?;
         tokio::select! {
             result = run_async(args, families, negative, cluster, out) => result,
             _ = tokio::signal::ctrl_c() => {
                 eprintln!("interrupted; cleaning up");
                 Ok(130)
+            }
+            _ = terminate.recv() => {
+                eprintln!("terminated; cleaning up");
+                Ok(143)
             }
         }
     })
@@ -205,18 +256,30 @@ async fn run_async(
         .map_err(|e| Error::Cluster(e.to_string()))?;
     let start = Instant::now();
     let until = start + Duration::from_secs_f64(args.minutes * 60.0);
-    let ctx = Ctx { client: client.clone(), endpoints: endpoints.clone(), until, seed: args.seed };
+    let ctx = Ctx {
+        client: client.clone(),
+        endpoints: endpoints.clone(),
+        until,
+        seed: args.seed,
+    };
     let negative_name = negative.map(|(n, _)| n);
     let has = |w: &str| args.workload.iter().any(|x| x == w);
-    let histories: BTreeMap<&str, Recorder> = ["register", "watch", "lock", "election", "lease", "faults"]
-        .into_iter()
-        .map(|w| (w, Recorder::new(start)))
-        .collect();
+    let histories: BTreeMap<&str, Recorder> =
+        ["register", "watch", "lock", "election", "lease", "faults"]
+            .into_iter()
+            .map(|w| (w, Recorder::new(start)))
+            .collect();
     let mut tasks = Vec::new();
     if has("register") || has("watch") {
-        let pinned = (negative_name == Some("register-serializable")).then(|| PinnedReads::new(&endpoints));
+        let pinned =
+            (negative_name == Some("register-serializable")).then(|| PinnedReads::new(&endpoints));
         for process in 1..=5 {
-            tasks.push(tokio::spawn(workloads::register(ctx.clone(), process, histories["register"].clone(), pinned.clone())));
+            tasks.push(tokio::spawn(workloads::register(
+                ctx.clone(),
+                process,
+                histories["register"].clone(),
+                pinned.clone(),
+            )));
         }
     }
     let (finished_tx, finished_rx) = tokio::sync::watch::channel((0i64, false));
@@ -229,15 +292,37 @@ async fn run_async(
             .revision
             + 1;
         let drop_one = negative_name == Some("watch-drop");
-        watchers.push(tokio::spawn(workloads::watch(ctx.clone(), 101, histories["watch"].clone(), from, None, drop_one, finished_rx.clone())));
-        watchers.push(tokio::spawn(workloads::watch(ctx.clone(), 102, histories["watch"].clone(), from, Some(Duration::from_secs(3)), false, finished_rx.clone())));
+        watchers.push(tokio::spawn(workloads::watch(
+            ctx.clone(),
+            101,
+            histories["watch"].clone(),
+            from,
+            None,
+            drop_one,
+            finished_rx.clone(),
+        )));
+        watchers.push(tokio::spawn(workloads::watch(
+            ctx.clone(),
+            102,
+            histories["watch"].clone(),
+            from,
+            Some(Duration::from_secs(3)),
+            false,
+            finished_rx.clone(),
+        )));
     }
     if has("lock") {
         let unfenced = negative_name == Some("lock-unfenced");
         let resource = Resource::new(!unfenced);
         let pause = if unfenced { 500 } else { 200 };
         for process in 201..=203 {
-            tasks.push(tokio::spawn(workloads::lock(ctx.clone(), process, histories["lock"].clone(), resource.clone(), pause)));
+            tasks.push(tokio::spawn(workloads::lock(
+                ctx.clone(),
+                process,
+                histories["lock"].clone(),
+                resource.clone(),
+                pause,
+            )));
         }
     }
     if has("election") {
@@ -245,21 +330,46 @@ async fn run_async(
         let resource = Resource::new(!unfenced);
         let pause = if unfenced { 500 } else { 200 };
         for process in 301..=303 {
-            tasks.push(tokio::spawn(workloads::election(ctx.clone(), process, histories["election"].clone(), resource.clone(), pause)));
+            tasks.push(tokio::spawn(workloads::election(
+                ctx.clone(),
+                process,
+                histories["election"].clone(),
+                resource.clone(),
+                pause,
+            )));
         }
     }
     if has("lease") {
-        let extra = if negative_name == Some("lease-short-ttl") { Duration::from_secs(1) } else { Duration::ZERO };
+        let extra = if negative_name == Some("lease-short-ttl") {
+            Duration::from_secs(1)
+        } else {
+            Duration::ZERO
+        };
         for process in 401..=402 {
-            tasks.push(tokio::spawn(workloads::lease(ctx.clone(), process, histories["lease"].clone(), extra)));
+            tasks.push(tokio::spawn(workloads::lease(
+                ctx.clone(),
+                process,
+                histories["lease"].clone(),
+                extra,
+            )));
         }
     }
-    let fault_windows = nemesis::run(&cluster, &families, args.seed, until, histories["faults"].clone()).await;
+    let fault_windows = nemesis::run(
+        &cluster,
+        &families,
+        args.seed,
+        until,
+        histories["faults"].clone(),
+    )
+    .await;
     {
         let mut cluster = cluster.lock().await;
         nemesis::heal_all(&mut cluster);
     }
-    println!("faulty phase over after {:.0} s; waiting for the clients", start.elapsed().as_secs_f64());
+    println!(
+        "faulty phase over after {:.0} s; waiting for the clients",
+        start.elapsed().as_secs_f64()
+    );
     // Clients finish their current operation (a paused holder sleeps past its TTL first).
     for task in tasks {
         let _ = tokio::time::timeout(Duration::from_secs(60), task).await;
@@ -284,15 +394,25 @@ async fn run_async(
     let crashed = cluster.lock().await.exited();
     for (name, recorder) in &histories {
         let path = out.join(format!("{name}.jsonl"));
-        recorder.write_to(&path).map_err(|source| Error::Io { what: format!("write {}", path.display()), source })?;
+        recorder.write_to(&path).map_err(|source| Error::Io {
+            what: format!("write {}", path.display()),
+            source,
+        })?;
     }
     let mut report = check_events(
-        &histories.iter().map(|(k, r)| (k.to_string(), r.events())).collect(),
+        &histories
+            .iter()
+            .map(|(k, r)| (k.to_string(), r.events()))
+            .collect(),
         args.election_timeout_ms,
         &fault_windows,
     );
     for (id, status) in &crashed {
-        report.anomalies.entry("crash".into()).or_default().push(format!("member {id} exited by itself: {status}"));
+        report
+            .anomalies
+            .entry("crash".into())
+            .or_default()
+            .push(format!("member {id} exited by itself: {status}"));
     }
     report.print();
     println!("histories in {}", out.display());
@@ -301,7 +421,9 @@ async fn run_async(
         Some((name, checker)) => {
             let caught = report.anomalies.get(checker).map_or(0, Vec::len);
             if caught > 0 {
-                println!("negative control {name}: caught by the {checker} checker ({caught} anomalies), as it must be");
+                println!(
+                    "negative control {name}: caught by the {checker} checker ({caught} anomalies), as it must be"
+                );
                 0
             } else {
                 println!("negative control {name}: NOT caught by the {checker} checker");
@@ -328,8 +450,19 @@ impl Report {
             let line: Vec<String> = outcomes.iter().map(|(k, n)| format!("{k}={n}")).collect();
             println!("  {workload:<9} {}", line.join(" "));
         }
-        let faults: Vec<String> = self.faults.iter().map(|(k, n)| format!("{k}={n}")).collect();
-        println!("faults injected: {}", if faults.is_empty() { "none".into() } else { faults.join(" ") });
+        let faults: Vec<String> = self
+            .faults
+            .iter()
+            .map(|(k, n)| format!("{k}={n}"))
+            .collect();
+        println!(
+            "faults injected: {}",
+            if faults.is_empty() {
+                "none".into()
+            } else {
+                faults.join(" ")
+            }
+        );
         println!("anomalies per checker:");
         for (checker, found) in &self.anomalies {
             println!("  {checker:<9} {}", found.len());
@@ -348,20 +481,35 @@ fn paired(name: &str, events: &[Event], report: &mut Report) -> Vec<history::Op>
     match history::pair(events) {
         Ok(ops) => ops,
         Err(reason) => {
-            report.anomalies.entry(name.into()).or_default().push(format!("malformed history: {reason}"));
+            report
+                .anomalies
+                .entry(name.into())
+                .or_default()
+                .push(format!("malformed history: {reason}"));
             Vec::new()
         }
     }
 }
 
-fn check_events(histories: &BTreeMap<String, Vec<Event>>, election_timeout_ms: u64, windows: &[(u64, u64)]) -> Report {
-    let mut report = Report { ops: BTreeMap::new(), faults: BTreeMap::new(), anomalies: BTreeMap::new() };
+fn check_events(
+    histories: &BTreeMap<String, Vec<Event>>,
+    election_timeout_ms: u64,
+    windows: &[(u64, u64)],
+) -> Report {
+    let mut report = Report {
+        ops: BTreeMap::new(),
+        faults: BTreeMap::new(),
+        anomalies: BTreeMap::new(),
+    };
     let empty = Vec::new();
     let get = |name: &str| histories.get(name).unwrap_or(&empty);
     for (name, events) in histories {
         if name == "faults" {
             for e in events.iter().filter(|e| e.kind == Kind::Invoke) {
-                *report.faults.entry(e.value.as_str().unwrap_or("?").to_string()).or_default() += 1;
+                *report
+                    .faults
+                    .entry(e.value.as_str().unwrap_or("?").to_string())
+                    .or_default() += 1;
             }
             continue;
         }
@@ -383,18 +531,30 @@ fn check_events(histories: &BTreeMap<String, Vec<Event>>, election_timeout_ms: u
     let register = paired("register", get("register"), &mut report);
     if !get("register").is_empty() {
         let found = checkers::register(&register);
-        report.anomalies.entry("register".into()).or_default().extend(found);
+        report
+            .anomalies
+            .entry("register".into())
+            .or_default()
+            .extend(found);
     }
     if !get("watch").is_empty() {
         let watch = paired("watch", get("watch"), &mut report);
         let found = checkers::watch::check(&watch, &register);
-        report.anomalies.entry("watch".into()).or_default().extend(found);
+        report
+            .anomalies
+            .entry("watch".into())
+            .or_default()
+            .extend(found);
     }
     for name in ["lock", "election"] {
         if !get(name).is_empty() {
             let ops = paired(name, get(name), &mut report);
             let found = checkers::fence::check(&ops);
-            report.anomalies.entry(name.into()).or_default().extend(found);
+            report
+                .anomalies
+                .entry(name.into())
+                .or_default()
+                .extend(found);
         }
     }
     if !get("lease").is_empty() {
@@ -404,7 +564,11 @@ fn check_events(histories: &BTreeMap<String, Vec<Event>>, election_timeout_ms: u
             slack_us: LEASE_SLACK.as_micros() as u64,
         };
         let found = checkers::lease::check(&ops, bounds, windows);
-        report.anomalies.entry("lease".into()).or_default().extend(found);
+        report
+            .anomalies
+            .entry("lease".into())
+            .or_default()
+            .extend(found);
     }
     report
 }

@@ -71,7 +71,13 @@ pub async fn run(
             tokio::time::sleep(Duration::from_millis(200)).await;
             continue;
         };
-        let start = history.record(0, Kind::Invoke, "fault", &what, json!(format!("{family:?}").to_lowercase()));
+        let start = history.record(
+            0,
+            Kind::Invoke,
+            "fault",
+            &what,
+            json!(format!("{family:?}").to_lowercase()),
+        );
         tokio::time::sleep(between(&mut rng, FAULT_MS)).await;
         {
             let mut cluster = cluster.lock().await;
@@ -84,7 +90,11 @@ pub async fn run(
     windows
 }
 
-async fn start_fault(cluster: &mut Cluster, family: Family, rng: &mut Rng) -> (String, Option<Undo>) {
+async fn start_fault(
+    cluster: &mut Cluster,
+    family: Family,
+    rng: &mut Rng,
+) -> (String, Option<Undo>) {
     let n = cluster.members.len();
     let leader = cluster.leader().await;
     let pick = |rng: &mut Rng| -> usize {
@@ -98,12 +108,18 @@ async fn start_fault(cluster: &mut Cluster, family: Family, rng: &mut Rng) -> (S
         Family::Kill => {
             let victim = pick(rng);
             cluster.kill(victim);
-            (format!("kill -9 member {}", victim + 1), Some(Undo::Restart(victim)))
+            (
+                format!("kill -9 member {}", victim + 1),
+                Some(Undo::Restart(victim)),
+            )
         }
         Family::Pause => {
             let victim = pick(rng);
             if cluster.pause(victim) {
-                (format!("SIGSTOP member {}", victim + 1), Some(Undo::Resume(victim)))
+                (
+                    format!("SIGSTOP member {}", victim + 1),
+                    Some(Undo::Resume(victim)),
+                )
             } else {
                 (String::new(), None)
             }
@@ -125,10 +141,19 @@ async fn start_fault(cluster: &mut Cluster, family: Family, rng: &mut Rng) -> (S
 
 /// Which directed links to cut, and a description. On loopback only one member's inbound
 /// peer traffic can be cut.
-pub fn partition_plan(n: usize, leader: Option<usize>, rng: &mut Rng, mode: crate::net::Mode) -> (String, Vec<(usize, usize)>) {
+pub fn partition_plan(
+    n: usize,
+    leader: Option<usize>,
+    rng: &mut Rng,
+    mode: crate::net::Mode,
+) -> (String, Vec<(usize, usize)>) {
     let members: Vec<usize> = (0..n).collect();
     let isolate = |x: usize| -> Vec<(usize, usize)> {
-        members.iter().filter(|&&m| m != x).flat_map(|&m| [(m, x), (x, m)]).collect()
+        members
+            .iter()
+            .filter(|&&m| m != x)
+            .flat_map(|&m| [(m, x), (x, m)])
+            .collect()
     };
     if mode == crate::net::Mode::Loopback {
         let x = leader.unwrap_or(rng.below(n as u64) as usize);
@@ -148,14 +173,29 @@ pub fn partition_plan(n: usize, leader: Option<usize>, rng: &mut Rng, mode: crat
             let minority: Vec<usize> = shuffled[..(n - 1) / 2].to_vec();
             let cuts = minority
                 .iter()
-                .flat_map(|&a| members.iter().filter(|m| !minority.contains(m)).flat_map(move |&b| [(a, b), (b, a)]))
+                .flat_map(|&a| {
+                    members
+                        .iter()
+                        .filter(|m| !minority.contains(m))
+                        .flat_map(move |&b| [(a, b), (b, a)])
+                })
                 .collect();
-            (format!("minority {:?} cut off", minority.iter().map(|m| m + 1).collect::<Vec<_>>()), cuts)
+            (
+                format!(
+                    "minority {:?} cut off",
+                    minority.iter().map(|m| m + 1).collect::<Vec<_>>()
+                ),
+                cuts,
+            )
         }
         2 => {
             // One way: a member hears nobody but can still talk.
             let x = pick_any(leader, rng, n);
-            let cuts = members.iter().filter(|&&m| m != x).map(|&m| (m, x)).collect();
+            let cuts = members
+                .iter()
+                .filter(|&&m| m != x)
+                .map(|&m| (m, x))
+                .collect();
             (format!("member {} hears no one (one-way)", x + 1), cuts)
         }
         _ => {
@@ -163,8 +203,19 @@ pub fn partition_plan(n: usize, leader: Option<usize>, rng: &mut Rng, mode: crat
             let bridge = rng.below(n as u64) as usize;
             let rest: Vec<usize> = members.iter().copied().filter(|&m| m != bridge).collect();
             let (left, right) = rest.split_at(rest.len() / 2);
-            let cuts = left.iter().flat_map(|&a| right.iter().flat_map(move |&b| [(a, b), (b, a)])).collect();
-            (format!("bridge member {} between {:?} and {:?}", bridge + 1, left.iter().map(|m| m + 1).collect::<Vec<_>>(), right.iter().map(|m| m + 1).collect::<Vec<_>>()), cuts)
+            let cuts = left
+                .iter()
+                .flat_map(|&a| right.iter().flat_map(move |&b| [(a, b), (b, a)]))
+                .collect();
+            (
+                format!(
+                    "bridge member {} between {:?} and {:?}",
+                    bridge + 1,
+                    left.iter().map(|m| m + 1).collect::<Vec<_>>(),
+                    right.iter().map(|m| m + 1).collect::<Vec<_>>()
+                ),
+                cuts,
+            )
         }
     }
 }
@@ -199,7 +250,9 @@ pub fn heal_all(cluster: &mut Cluster) {
         if cluster.members[index].paused {
             cluster.resume(index);
         }
-        if !cluster.is_up(index) && let Err(error) = cluster.spawn(index) {
+        if !cluster.is_up(index)
+            && let Err(error) = cluster.spawn(index)
+        {
             eprintln!("restart of member {} failed: {error}", index + 1);
         }
     }

@@ -124,7 +124,10 @@ impl Net {
         };
         let switch = format!("{run}-sw");
         net.add_namespace(&switch)?;
-        sh("ip", &["-n", &switch, "link", "add", "br0", "type", "bridge"])?;
+        sh(
+            "ip",
+            &["-n", &switch, "link", "add", "br0", "type", "bridge"],
+        )?;
         sh("ip", &["-n", &switch, "link", "set", "br0", "up"])?;
         let attach = |ns: &str, host: u8, net: &mut Net| -> Result<(), Error> {
             net.add_namespace(ns)?;
@@ -137,7 +140,10 @@ impl Net {
                     "netns", ns,
                 ],
             )?;
-            sh("ip", &["-n", &switch, "link", "set", &port, "master", "br0"])?;
+            sh(
+                "ip",
+                &["-n", &switch, "link", "set", &port, "master", "br0"],
+            )?;
             sh("ip", &["-n", &switch, "link", "set", &port, "up"])?;
             let address = format!("{SUBNET}.{host}/24");
             sh("ip", &["-n", ns, "addr", "add", &address, "dev", "eth0"])?;
@@ -160,10 +166,11 @@ impl Net {
         let client_ns = format!("{run}-c");
         attach(&client_ns, CLIENT_HOST, &mut net)?;
         // The harness joins the client namespace; every thread started later inherits it.
-        let file = File::open(format!("/var/run/netns/{client_ns}")).map_err(|source| Error::Io {
-            what: format!("open namespace {client_ns}"),
-            source,
-        })?;
+        let file =
+            File::open(format!("/var/run/netns/{client_ns}")).map_err(|source| Error::Io {
+                what: format!("open namespace {client_ns}"),
+                source,
+            })?;
         // SAFETY: setns(2) on a namespace file we just opened; called before any other thread
         // of this process exists (the async runtime starts afterwards).
         let rc = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
@@ -226,7 +233,9 @@ impl Net {
                 let src = &self.places[from].host;
                 sh(
                     "ip",
-                    &["netns", "exec", ns, "iptables", "-A", "INPUT", "-s", src, "-j", "DROP"],
+                    &[
+                        "netns", "exec", ns, "iptables", "-A", "INPUT", "-s", src, "-j", "DROP",
+                    ],
                 )
             }
             Mode::Loopback => {

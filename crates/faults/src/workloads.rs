@@ -61,7 +61,10 @@ fn parse_register(value: &[u8]) -> Value {
     std::str::from_utf8(value)
         .ok()
         .and_then(|s| s.parse::<i64>().ok())
-        .map_or(Value::String(String::from_utf8_lossy(value).into()), Value::from)
+        .map_or(
+            Value::String(String::from_utf8_lossy(value).into()),
+            Value::from,
+        )
 }
 
 /// Serializable reads pinned to one member: the negative control of the register checker.
@@ -77,7 +80,10 @@ impl PinnedReads {
             .filter_map(|e| {
                 tonic::transport::Endpoint::from_shared(format!("http://{e}"))
                     .ok()
-                    .map(|ep| ep.connect_timeout(Duration::from_millis(500)).connect_lazy())
+                    .map(|ep| {
+                        ep.connect_timeout(Duration::from_millis(500))
+                            .connect_lazy()
+                    })
             })
             .collect();
         PinnedReads { channels }
@@ -99,14 +105,25 @@ pub async fn register(ctx: Ctx, process: u64, history: Recorder, pinned: Option<
             history.record(process, Kind::Invoke, "read", &key, Value::Null);
             let result = match &pinned {
                 Some(pinned) => {
-                    let channel = pinned.channels[rng.below(pinned.channels.len() as u64) as usize].clone();
+                    let channel =
+                        pinned.channels[rng.below(pinned.channels.len() as u64) as usize].clone();
                     let request = RangeRequest {
                         key: key.clone().into_bytes().into(),
                         serializable: true,
                         ..Default::default()
                     };
-                    match tokio::time::timeout(Duration::from_millis(500), KvClient::new(channel).range(request)).await {
-                        Ok(Ok(answer)) => Ok(answer.into_inner().kvs.first().map(|kv| parse_register(&kv.value)).unwrap_or(Value::Null)),
+                    match tokio::time::timeout(
+                        Duration::from_millis(500),
+                        KvClient::new(channel).range(request),
+                    )
+                    .await
+                    {
+                        Ok(Ok(answer)) => Ok(answer
+                            .into_inner()
+                            .kvs
+                            .first()
+                            .map(|kv| parse_register(&kv.value))
+                            .unwrap_or(Value::Null)),
                         _ => Err(()),
                     }
                 }
@@ -114,7 +131,12 @@ pub async fn register(ctx: Ctx, process: u64, history: Recorder, pinned: Option<
                     .client
                     .get(key.clone(), GetOptions::default())
                     .await
-                    .map(|r| r.kvs.first().map(|kv| parse_register(&kv.value)).unwrap_or(Value::Null))
+                    .map(|r| {
+                        r.kvs
+                            .first()
+                            .map(|kv| parse_register(&kv.value))
+                            .unwrap_or(Value::Null)
+                    })
                     .map_err(|_| ()),
             };
             match result {
@@ -129,26 +151,62 @@ pub async fn register(ctx: Ctx, process: u64, history: Recorder, pinned: Option<
             }
         } else if dice < 7 || last_seen[k].is_none() {
             history.record(process, Kind::Invoke, "write", &key, json!(unique));
-            match ctx.client.put(key.clone(), unique.to_string(), PutOptions::default()).await {
+            match ctx
+                .client
+                .put(key.clone(), unique.to_string(), PutOptions::default())
+                .await
+            {
                 Ok(answer) => {
-                    history.record(process, Kind::Ok, "write", &key, json!({"rev": answer.revision}));
+                    history.record(
+                        process,
+                        Kind::Ok,
+                        "write",
+                        &key,
+                        json!({"rev": answer.revision}),
+                    );
                 }
                 Err(error) => {
-                    history.record(process, outcome_of(&error), "write", &key, json!(error.code()));
+                    history.record(
+                        process,
+                        outcome_of(&error),
+                        "write",
+                        &key,
+                        json!(error.code()),
+                    );
                 }
             }
         } else {
             let from = last_seen[k].unwrap_or(0);
             history.record(process, Kind::Invoke, "cas", &key, json!([from, unique]));
             let txn = Txn::new()
-                .when([Compare::value(key.clone(), CompareOp::Equal, from.to_string())])
-                .and_then([TxnOp::put(key.clone(), unique.to_string(), PutOptions::default())]);
+                .when([Compare::value(
+                    key.clone(),
+                    CompareOp::Equal,
+                    from.to_string(),
+                )])
+                .and_then([TxnOp::put(
+                    key.clone(),
+                    unique.to_string(),
+                    PutOptions::default(),
+                )]);
             match ctx.client.txn(txn).await {
                 Ok(answer) => {
-                    history.record(process, Kind::Ok, "cas", &key, json!({"succeeded": answer.succeeded, "rev": answer.revision}));
+                    history.record(
+                        process,
+                        Kind::Ok,
+                        "cas",
+                        &key,
+                        json!({"succeeded": answer.succeeded, "rev": answer.revision}),
+                    );
                 }
                 Err(error) => {
-                    history.record(process, outcome_of(&error), "cas", &key, json!(error.code()));
+                    history.record(
+                        process,
+                        outcome_of(&error),
+                        "cas",
+                        &key,
+                        json!(error.code()),
+                    );
                 }
             }
         }
@@ -201,13 +259,7 @@ pub async fn watch(
                         dropped = true;
                         continue;
                     }
-                    history.record(
-                        process,
-                        Kind::Invoke,
-                        "event",
-                        "",
-                        Value::Null,
-                    );
+                    history.record(process, Kind::Invoke, "event", "", Value::Null);
                     history.record(
                         process,
                         Kind::Ok,
@@ -226,7 +278,13 @@ pub async fn watch(
     }
     history.record(process, Kind::Invoke, "cover", "", Value::Null);
     let to = finished.borrow().0;
-    history.record(process, Kind::Ok, "cover", "", json!({"from": from_revision, "to": to}));
+    history.record(
+        process,
+        Kind::Ok,
+        "cover",
+        "",
+        json!({"from": from_revision, "to": to}),
+    );
 }
 
 /// True once the run is over and the watcher has delivered everything up to the final
@@ -252,9 +310,22 @@ impl Resource {
     }
 
     /// One write under `fence`, recorded; true when accepted.
-    pub fn write(&self, history: &Recorder, process: u64, key: &str, fence: u64, within_deadline: bool) -> bool {
+    pub fn write(
+        &self,
+        history: &Recorder,
+        process: u64,
+        key: &str,
+        fence: u64,
+        within_deadline: bool,
+    ) -> bool {
         let mut highest = self.highest.lock().unwrap_or_else(|p| p.into_inner());
-        history.record(process, Kind::Invoke, "resource", key, json!({"fence": fence, "within_deadline": within_deadline}));
+        history.record(
+            process,
+            Kind::Invoke,
+            "resource",
+            key,
+            json!({"fence": fence, "within_deadline": within_deadline}),
+        );
         let accepted = !self.fenced || fence >= *highest;
         if accepted {
             *highest = (*highest).max(fence);
@@ -267,7 +338,13 @@ impl Resource {
 
 /// Lock holders writing to a fenced resource. Each keeps its own lease alive by hand, so a
 /// pause (no keepalives, no work) is a pause of the whole holder, as a stopped process.
-pub async fn lock(ctx: Ctx, process: u64, history: Recorder, resource: Arc<Resource>, pause_per_mille: u64) {
+pub async fn lock(
+    ctx: Ctx,
+    process: u64,
+    history: Recorder,
+    resource: Arc<Resource>,
+    pause_per_mille: u64,
+) {
     let mut rng = Rng::new(ctx.seed ^ (process * 0x51ed));
     let safety = LeaseSafety::default();
     let channels = PinnedReads::new(&ctx.endpoints).channels;
@@ -279,16 +356,34 @@ pub async fn lock(ctx: Ctx, process: u64, history: Recorder, resource: Arc<Resou
         };
         let lease = grant.id;
         let mut last_ack_sent = grant.sent_at;
-        history.record(process, Kind::Invoke, "acquire", name, json!({"lease": lease}));
+        history.record(
+            process,
+            Kind::Invoke,
+            "acquire",
+            name,
+            json!({"lease": lease}),
+        );
         // Lock is idempotent under one lease: ask members in turn until it answers.
         let mut key = None;
         let started = Instant::now();
         while key.is_none() && started.elapsed() < Duration::from_secs(10) {
             let channel = channels[rng.below(channels.len() as u64) as usize].clone();
             let sent = Instant::now();
-            let _ = ctx.client.lease_keep_alive_once(lease).await.map(|_| last_ack_sent = sent);
-            let request = LockRequest { name: name.as_bytes().to_vec().into(), lease };
-            if let Ok(Ok(answer)) = tokio::time::timeout(Duration::from_millis(600), LockClient::new(channel).lock(request)).await {
+            let _ = ctx
+                .client
+                .lease_keep_alive_once(lease)
+                .await
+                .map(|_| last_ack_sent = sent);
+            let request = LockRequest {
+                name: name.as_bytes().to_vec().into(),
+                lease,
+            };
+            if let Ok(Ok(answer)) = tokio::time::timeout(
+                Duration::from_millis(600),
+                LockClient::new(channel).lock(request),
+            )
+            .await
+            {
                 key = Some(answer.into_inner().key.to_vec());
             }
         }
@@ -298,7 +393,12 @@ pub async fn lock(ctx: Ctx, process: u64, history: Recorder, resource: Arc<Resou
                 .get(key.clone(), GetOptions::default())
                 .await
                 .ok()
-                .and_then(|r| r.kvs.first().filter(|kv| kv.lease == lease).map(|kv| kv.create_revision as u64)),
+                .and_then(|r| {
+                    r.kvs
+                        .first()
+                        .filter(|kv| kv.lease == lease)
+                        .map(|kv| kv.create_revision as u64)
+                }),
             None => None,
         };
         let (Some(key), Some(fence)) = (key, fence) else {
@@ -313,7 +413,12 @@ pub async fn lock(ctx: Ctx, process: u64, history: Recorder, resource: Arc<Resou
         while Instant::now() < hold_until {
             if Instant::now() >= next_keepalive {
                 let sent = Instant::now();
-                if ctx.client.lease_keep_alive_once(lease).await.is_ok_and(|ttl| !ttl.is_zero()) {
+                if ctx
+                    .client
+                    .lease_keep_alive_once(lease)
+                    .await
+                    .is_ok_and(|ttl| !ttl.is_zero())
+                {
                     last_ack_sent = sent;
                 }
                 next_keepalive = sent + HOLD_TTL / 4;
@@ -333,7 +438,11 @@ pub async fn lock(ctx: Ctx, process: u64, history: Recorder, resource: Arc<Resou
         }
         // Release: delete our key only if it is still ours, then end the lease.
         let unlock = Txn::new()
-            .when([Compare::create_revision(key.clone(), CompareOp::Equal, fence as i64)])
+            .when([Compare::create_revision(
+                key.clone(),
+                CompareOp::Equal,
+                fence as i64,
+            )])
             .and_then([TxnOp::delete(key.clone(), Default::default())]);
         let _ = ctx.client.txn(unlock).await;
         let _ = ctx.client.lease_revoke(lease).await;
@@ -341,19 +450,36 @@ pub async fn lock(ctx: Ctx, process: u64, history: Recorder, resource: Arc<Resou
 }
 
 /// Candidates of one priority group acting on a fenced resource while elected.
-pub async fn election(ctx: Ctx, process: u64, history: Recorder, resource: Arc<Resource>, pause_per_mille: u64) {
+pub async fn election(
+    ctx: Ctx,
+    process: u64,
+    history: Recorder,
+    resource: Arc<Resource>,
+    pause_per_mille: u64,
+) {
     let mut rng = Rng::new(ctx.seed ^ (process * 0x7f4a));
     let group = "faults-election";
     let candidate = format!("candidate-{process}");
     let priority = 10 * (process as i64 % 5 + 1);
     while ctx.running() {
-        history.record(process, Kind::Invoke, "acquire", group, json!({"priority": priority}));
+        history.record(
+            process,
+            Kind::Invoke,
+            "acquire",
+            group,
+            json!({"priority": priority}),
+        );
         let options = CampaignOptions {
             ttl: HOLD_TTL,
             timeout: Some(Duration::from_secs(8)),
             ..Default::default()
         };
-        let leadership = match ctx.client.election().campaign(group, &candidate, priority, "faults", options).await {
+        let leadership = match ctx
+            .client
+            .election()
+            .campaign(group, &candidate, priority, "faults", options)
+            .await
+        {
             Ok(leadership) => leadership,
             Err(error) => {
                 // A campaign that timed out may still be registered; the lease ends it.
@@ -368,7 +494,9 @@ pub async fn election(ctx: Ctx, process: u64, history: Recorder, resource: Arc<R
         let pause = rng.below(1000) < pause_per_mille;
         while Instant::now() < hold_until {
             let within = leadership.lost_reason().is_none()
-                && leadership.lease_deadline().is_some_and(|d| Instant::now() < d);
+                && leadership
+                    .lease_deadline()
+                    .is_some_and(|d| Instant::now() < d);
             if !within {
                 break;
             }
@@ -397,17 +525,47 @@ pub async fn lease(ctx: Ctx, process: u64, history: Recorder, claimed_extra: Dur
     while ctx.running() {
         let lease_key = format!("lease-{process}-{}", rng.below(u64::MAX >> 1));
         let claimed = HOLD_TTL + claimed_extra;
-        history.record(process, Kind::Invoke, "grant", &lease_key, json!({"ttl_ms": claimed.as_millis() as u64}));
+        history.record(
+            process,
+            Kind::Invoke,
+            "grant",
+            &lease_key,
+            json!({"ttl_ms": claimed.as_millis() as u64}),
+        );
         let grant = match ctx.client.lease_grant(HOLD_TTL).await {
             Ok(grant) => grant,
             Err(error) => {
-                history.record(process, outcome_of(&error), "grant", &lease_key, json!(error.code()));
+                history.record(
+                    process,
+                    outcome_of(&error),
+                    "grant",
+                    &lease_key,
+                    json!(error.code()),
+                );
                 continue;
             }
         };
-        history.record(process, Kind::Ok, "grant", &lease_key, json!({"id": grant.id}));
+        history.record(
+            process,
+            Kind::Ok,
+            "grant",
+            &lease_key,
+            json!({"id": grant.id}),
+        );
         let key = format!("faults/lease/{}", grant.id);
-        if ctx.client.put(key.clone(), "x", PutOptions { lease: grant.id, prev_kv: false }).await.is_err() {
+        if ctx
+            .client
+            .put(
+                key.clone(),
+                "x",
+                PutOptions {
+                    lease: grant.id,
+                    prev_kv: false,
+                },
+            )
+            .await
+            .is_err()
+        {
             let _ = ctx.client.lease_revoke(grant.id).await;
             continue;
         }
@@ -442,7 +600,13 @@ pub async fn lease(ctx: Ctx, process: u64, history: Recorder, claimed_extra: Dur
             history.record(process, Kind::Invoke, "keepalive", &lease_key, Value::Null);
             match ctx.client.lease_keep_alive_once(grant.id).await {
                 Ok(ttl) if !ttl.is_zero() => {
-                    history.record(process, Kind::Ok, "keepalive", &lease_key, json!(ttl.as_millis() as u64));
+                    history.record(
+                        process,
+                        Kind::Ok,
+                        "keepalive",
+                        &lease_key,
+                        json!(ttl.as_millis() as u64),
+                    );
                 }
                 Ok(_) | Err(ClientError::LeaseExpired { .. }) => {
                     history.record(process, Kind::Fail, "keepalive", &lease_key, json!("gone"));
@@ -450,7 +614,13 @@ pub async fn lease(ctx: Ctx, process: u64, history: Recorder, claimed_extra: Dur
                     break;
                 }
                 Err(error) => {
-                    history.record(process, Kind::Info, "keepalive", &lease_key, json!(error.code()));
+                    history.record(
+                        process,
+                        Kind::Info,
+                        "keepalive",
+                        &lease_key,
+                        json!(error.code()),
+                    );
                 }
             }
         }

@@ -47,7 +47,7 @@ pub fn check(ops: &[Op], bounds: LeaseBounds, faults: &[(u64, u64)]) -> Vec<Stri
             .collect();
         let gone = |op: &&&Op| match op.f.as_str() {
             "probe" => op.outcome == Kind::Ok && op.result == Value::Bool(false),
-            "keepalive" => op.outcome == Kind::Fail && op.result == Value::from("gone"),
+            "keepalive" => op.outcome == Kind::Fail && op.result == "gone",
             _ => false,
         };
         // Never before TTL.
@@ -81,7 +81,9 @@ pub fn check(ops: &[Op], bounds: LeaseBounds, faults: &[(u64, u64)]) -> Vec<Stri
         };
         let last_present = ops
             .iter()
-            .filter(|op| op.f == "probe" && op.outcome == Kind::Ok && op.result == Value::Bool(true))
+            .filter(|op| {
+                op.f == "probe" && op.outcome == Kind::Ok && op.result == Value::Bool(true)
+            })
             .map(|op| op.invoke_us)
             .max();
         if let Some(present_at) = last_present {

@@ -23,7 +23,11 @@ pub enum RegOp {
     Read(Register),
     Write(i64),
     /// Compare-and-set `from` → `to`; `Some(succeeded)` when known.
-    Cas { from: i64, to: i64, succeeded: Option<bool> },
+    Cas {
+        from: i64,
+        to: i64,
+        succeeded: Option<bool>,
+    },
 }
 
 /// An operation in the search: its effect and its real-time interval.
@@ -43,7 +47,11 @@ pub fn step(value: Register, op: &RegOp) -> Option<Register> {
     match *op {
         RegOp::Read(seen) => (seen == value).then_some(value),
         RegOp::Write(v) => Some(Some(v)),
-        RegOp::Cas { from, to, succeeded } => {
+        RegOp::Cas {
+            from,
+            to,
+            succeeded,
+        } => {
             let matches = value == Some(from);
             match succeeded {
                 Some(true) => matches.then_some(Some(to)),
@@ -101,7 +109,11 @@ pub fn entries(ops: &[Op]) -> Result<Vec<Entry>, String> {
                 } else {
                     None
                 };
-                RegOp::Cas { from, to, succeeded }
+                RegOp::Cas {
+                    from,
+                    to,
+                    succeeded,
+                }
             }
             other => return Err(format!("unknown register operation {other:?}")),
         };
@@ -123,9 +135,14 @@ pub enum Verdict {
     Linearizable,
     /// No order exists; the index (into the history operations) of an operation that could not
     /// be placed after the longest linearizable prefix found.
-    NotLinearizable { stuck_at: usize, placed: usize },
+    NotLinearizable {
+        stuck_at: usize,
+        placed: usize,
+    },
     /// The search gave up after `states` states.
-    Unknown { states: usize },
+    Unknown {
+        states: usize,
+    },
 }
 
 /// States explored before the search gives up (and says so rather than guessing).
@@ -247,7 +264,10 @@ pub fn check(entries: &[Entry]) -> Verdict {
 /// every order that respects real time. Used to validate [`check`].
 pub fn brute_force(entries: &[Entry]) -> bool {
     fn go(entries: &[Entry], used: &mut Vec<bool>, value: Register) -> bool {
-        let all_required = entries.iter().zip(used.iter()).all(|(e, u)| !e.required || *u);
+        let all_required = entries
+            .iter()
+            .zip(used.iter())
+            .all(|(e, u)| !e.required || *u);
         if all_required {
             return true;
         }
@@ -256,9 +276,10 @@ pub fn brute_force(entries: &[Entry]) -> bool {
                 continue;
             }
             // `i` may go next only if no pending operation finished before `i` began.
-            let blocked = entries.iter().enumerate().any(|(j, other)| {
-                j != i && !used[j] && other.complete_us < entries[i].invoke_us
-            });
+            let blocked = entries
+                .iter()
+                .enumerate()
+                .any(|(j, other)| j != i && !used[j] && other.complete_us < entries[i].invoke_us);
             if blocked {
                 continue;
             }

@@ -38,8 +38,8 @@ pub fn check(watch_ops: &[Op], register_ops: &[Op]) -> Vec<String> {
         let rev = (op.outcome == Kind::Ok)
             .then(|| op.result.get("rev").and_then(Value::as_i64))
             .flatten();
-        let succeeded = op.f == "write"
-            || op.result.get("succeeded").and_then(Value::as_bool) != Some(false);
+        let succeeded =
+            op.f == "write" || op.result.get("succeeded").and_then(Value::as_bool) != Some(false);
         if !succeeded {
             continue;
         }
@@ -61,7 +61,10 @@ pub fn check(watch_ops: &[Op], register_ops: &[Op]) -> Vec<String> {
     for (process, ops) in by_process {
         let mut last_rev = 0i64;
         let mut delivered: BTreeMap<i64, i64> = BTreeMap::new();
-        for op in ops.iter().filter(|op| op.f == "event" && op.outcome == Kind::Ok) {
+        for op in ops
+            .iter()
+            .filter(|op| op.f == "event" && op.outcome == Kind::Ok)
+        {
             let rev = op.result.get("rev").and_then(Value::as_i64).unwrap_or(-1);
             let value = op.result.get("value").and_then(Value::as_i64);
             let key = op.result.get("key").and_then(Value::as_str).unwrap_or("");
@@ -86,8 +89,15 @@ pub fn check(watch_ops: &[Op], register_ops: &[Op]) -> Vec<String> {
                 }
             }
         }
-        for cover in ops.iter().filter(|op| op.f == "cover" && op.outcome == Kind::Ok) {
-            let from = cover.result.get("from").and_then(Value::as_i64).unwrap_or(i64::MAX);
+        for cover in ops
+            .iter()
+            .filter(|op| op.f == "cover" && op.outcome == Kind::Ok)
+        {
+            let from = cover
+                .result
+                .get("from")
+                .and_then(Value::as_i64)
+                .unwrap_or(i64::MAX);
             let to = cover.result.get("to").and_then(Value::as_i64).unwrap_or(0);
             for (rev, (key, value)) in acked.range(from..=to) {
                 if delivered.get(rev) != Some(value) {
