@@ -21,6 +21,9 @@ const LEADER_WAIT: Duration = Duration::from_secs(30);
 const WATCH_CATCH_UP: Duration = Duration::from_secs(20);
 /// Slack of the lease checker's upper bound (scheduling on a shared machine, probe spacing).
 const LEASE_SLACK: Duration = Duration::from_secs(2);
+/// How much longer than granted the lease negative control claims its leases are: a lease
+/// that ended this much early must be caught.
+const LEASE_SHORT_BY: Duration = Duration::from_millis(20);
 /// First port on loopback (below Linux's ephemeral range).
 const LOOPBACK_FIRST_PORT: u16 = 23_000;
 
@@ -341,7 +344,7 @@ async fn run_async(
     }
     if has("lease") {
         let extra = if negative_name == Some("lease-short-ttl") {
-            Duration::from_secs(1)
+            LEASE_SHORT_BY
         } else {
             Duration::ZERO
         };

@@ -589,17 +589,27 @@ pub async fn lease(ctx: Ctx, process: u64, history: Recorder, claimed_extra: Dur
             }
         };
         let mut alive = true;
+        // Send time of the last acknowledged renewal: the TTL counts from there at the latest.
+        let mut last_ack_sent = grant.sent_at;
         for _ in 0..(2 + rng.below(4)) {
-            // Some renewals come late, within 10% of the TTL: that is where an early expiry shows.
-            let wait = HOLD_TTL.mul_f64(0.3 + rng.below(600) as f64 / 1000.0);
-            tokio::time::sleep(wait).await;
-            if probe(history.clone()).await == Some(false) {
-                alive = false;
-                break;
+            if rng.below(3) == 0 {
+                // A renewal a few milliseconds before the TTL runs out, with no probe in the
+                // way: a lease that ends even slightly early refuses it.
+                let before_ttl = Duration::from_millis(5 + rng.below(35));
+                tokio::time::sleep_until(last_ack_sent + HOLD_TTL - before_ttl).await;
+            } else {
+                let wait = HOLD_TTL.mul_f64(0.3 + rng.below(600) as f64 / 1000.0);
+                tokio::time::sleep(wait).await;
+                if probe(history.clone()).await == Some(false) {
+                    alive = false;
+                    break;
+                }
             }
+            let sent = Instant::now();
             history.record(process, Kind::Invoke, "keepalive", &lease_key, Value::Null);
             match ctx.client.lease_keep_alive_once(grant.id).await {
                 Ok(ttl) if !ttl.is_zero() => {
+                    last_ack_sent = sent;
                     history.record(
                         process,
                         Kind::Ok,
@@ -629,10 +639,16 @@ pub async fn lease(ctx: Ctx, process: u64, history: Recorder, claimed_extra: Dur
         }
         history.record(process, Kind::Invoke, "stop", &lease_key, Value::Null);
         history.record(process, Kind::Ok, "stop", &lease_key, Value::Null);
+        // Probe back to back from shortly before the TTL ends, so an early end is seen within
+        // a round trip; more slowly once the TTL has passed.
+        tokio::time::sleep_until(last_ack_sent + HOLD_TTL - Duration::from_millis(100)).await;
         let give_up = Instant::now() + Duration::from_secs(30);
         while Instant::now() < give_up {
             if probe(history.clone()).await == Some(false) {
                 break;
+            }
+            if Instant::now() < last_ack_sent + HOLD_TTL + Duration::from_millis(200) {
+                continue;
             }
             tokio::time::sleep(Duration::from_millis(25)).await;
         }
