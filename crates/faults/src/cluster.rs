@@ -20,6 +20,8 @@ pub struct Member {
     pub id: u64,
     child: Option<Child>,
     pub paused: bool,
+    /// Rate of the member's wall clock from its next start (`None`: the real clock).
+    pub clock_rate: Option<f64>,
 }
 
 pub struct Cluster {
@@ -36,6 +38,7 @@ impl Cluster {
         binary: PathBuf,
         root: PathBuf,
         election_timeout_ms: u64,
+        clock_rate: Option<f64>,
     ) -> Result<Cluster, Error> {
         std::fs::create_dir_all(&root).map_err(|source| Error::Io {
             what: format!("create {}", root.display()),
@@ -50,6 +53,7 @@ impl Cluster {
                 id,
                 child: None,
                 paused: false,
+                clock_rate,
             })
             .collect();
         let mut cluster = Cluster {
@@ -102,9 +106,11 @@ impl Cluster {
             what: "clone the log handle".into(),
             source,
         })?;
-        let child = self
-            .net
-            .command(index, &self.binary)
+        let mut command = self.net.command(index, &self.binary);
+        if let Some(rate) = self.members[index].clock_rate {
+            command.env("CONCLAVE_FAULTS_CLOCK_RATE", rate.to_string());
+        }
+        let child = command
             .arg("serve")
             .args(["--id", &id.to_string()])
             .arg("--data-dir")

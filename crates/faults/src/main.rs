@@ -24,6 +24,9 @@ const LEASE_SLACK: Duration = Duration::from_secs(2);
 /// How much longer than granted the lease negative control claims its leases are: a lease
 /// that ended this much early must be caught.
 const LEASE_SHORT_BY: Duration = Duration::from_millis(20);
+/// Under the skew nemesis a leader's clock may run this much fast (parts per million), the
+/// clients' documented allowance (`LeaseSafety`); the lease checker allows for it.
+const SKEW_DRIFT_PPM: u64 = 10_000;
 /// First port on loopback (below Linux's ephemeral range).
 const LOOPBACK_FIRST_PORT: u16 = 23_000;
 
@@ -34,7 +37,11 @@ const NEGATIVE_CONTROLS: &[(&str, &str)] = &[
     ("lock-unfenced", "lock"),
     ("election-unfenced", "election"),
     ("lease-short-ttl", "lease"),
+    ("lease-fast-clock", "lease"),
 ];
+/// Clock rate of every member in the `lease-fast-clock` control: far beyond the clients'
+/// drift allowance, so leases end early in real time and the lease checker must say so.
+const FAST_CLOCK_RATE: f64 = 1.5;
 
 #[derive(Parser)]
 #[command(
@@ -67,8 +74,12 @@ struct RunArgs {
     /// Members of the cluster (3 or 5).
     #[arg(long, default_value_t = 3)]
     members: usize,
-    /// Faults: partition, kill, pause (comma-separated; empty for none).
-    #[arg(long, default_value = "partition,kill,pause", value_delimiter = ',')]
+    /// Faults: partition, kill, pause, skew (comma-separated; empty for none).
+    #[arg(
+        long,
+        default_value = "partition,kill,pause,skew",
+        value_delimiter = ','
+    )]
     nemesis: Vec<String>,
     /// Workloads: register, watch, lock, election, lease.
     #[arg(
@@ -93,7 +104,7 @@ struct RunArgs {
     election_timeout_ms: u64,
     /// Run a negative control instead: the named bug is planted and the run succeeds only if
     /// its checker catches it. One of register-serializable, watch-drop, lock-unfenced,
-    /// election-unfenced, lease-short-ttl.
+    /// election-unfenced, lease-short-ttl, lease-fast-clock.
     #[arg(long)]
     negative_control: Option<String>,
 }
@@ -125,7 +136,9 @@ fn run(args: RunArgs) -> Result<u8, Error> {
         .filter(|n| !n.is_empty())
         .map(|n| {
             Family::parse(n).ok_or_else(|| {
-                Error::Usage(format!("unknown nemesis {n:?} (partition, kill, pause)"))
+                Error::Usage(format!(
+                    "unknown nemesis {n:?} (partition, kill, pause, skew)"
+                ))
             })
         })
         .collect::<Result<_, _>>()?;
@@ -203,7 +216,15 @@ fn run(args: RunArgs) -> Result<u8, Error> {
             what: "start the runtime".into(),
             source,
         })?;
-    let cluster = Cluster::start(net, binary, out.join("members"), args.election_timeout_ms)?;
+    let clock_rate =
+        (args.negative_control.as_deref() == Some("lease-fast-clock")).then_some(FAST_CLOCK_RATE);
+    let cluster = Cluster::start(
+        net,
+        binary,
+        out.join("members"),
+        args.election_timeout_ms,
+        clock_rate,
+    )?;
     // Returning (also on a signal or a panic, which unwinds) drops the cluster and the
     // network: members are killed and the run's namespaces deleted.
     runtime.block_on(async move {
@@ -531,6 +552,7 @@ fn check_events(
         }
         report.anomalies.entry(name.clone()).or_default();
     }
+    let skewed = get("faults").iter().any(|e| e.value == "skew");
     let register = paired("register", get("register"), &mut report);
     if !get("register").is_empty() {
         let found = checkers::register(&register);
@@ -565,6 +587,7 @@ fn check_events(
         let bounds = LeaseBounds {
             election_timeout_us: election_timeout_ms * 2 * 1000,
             slack_us: LEASE_SLACK.as_micros() as u64,
+            clock_drift_ppm: if skewed { SKEW_DRIFT_PPM } else { 0 },
         };
         let found = checkers::lease::check(&ops, bounds, windows);
         report

@@ -14,6 +14,7 @@ pub enum Family {
     Partition,
     Kill,
     Pause,
+    Skew,
 }
 
 impl Family {
@@ -22,6 +23,7 @@ impl Family {
             "partition" => Some(Family::Partition),
             "kill" => Some(Family::Kill),
             "pause" => Some(Family::Pause),
+            "skew" => Some(Family::Skew),
             _ => None,
         }
     }
@@ -39,7 +41,13 @@ enum Undo {
     Heal,
     Restart(usize),
     Resume(usize),
+    Unskew(usize),
 }
+
+/// Clock rates the skew nemesis gives a member: slow ones well beyond real hardware, fast ones
+/// only within the clients' documented drift allowance (`LeaseSafety`, 1%), since a leader
+/// whose clock runs faster than that may end leases early by design.
+pub const SKEW_RATES: &[f64] = &[0.5, 0.9, 0.999, 1.005, 1.01];
 
 fn between(rng: &mut Rng, (low, high): (u64, u64)) -> Duration {
     Duration::from_millis(low + rng.below(high - low + 1))
@@ -123,6 +131,22 @@ async fn start_fault(
             } else {
                 (String::new(), None)
             }
+        }
+        Family::Skew => {
+            let victim = pick(rng);
+            let rate = SKEW_RATES[rng.below(SKEW_RATES.len() as u64) as usize];
+            cluster.kill(victim);
+            cluster.members[victim].clock_rate = Some(rate);
+            if let Err(error) = cluster.spawn(victim) {
+                eprintln!("nemesis: restart of member {} failed: {error}", victim + 1);
+            }
+            (
+                format!(
+                    "member {} restarted with its clock at rate {rate}",
+                    victim + 1
+                ),
+                Some(Undo::Unskew(victim)),
+            )
         }
         Family::Partition => {
             if !cluster.net.can_partition() {
@@ -240,6 +264,13 @@ fn undo_fault(cluster: &mut Cluster, undo: Undo) {
             }
         }
         Undo::Resume(index) => cluster.resume(index),
+        Undo::Unskew(index) => {
+            cluster.kill(index);
+            cluster.members[index].clock_rate = None;
+            if let Err(error) = cluster.spawn(index) {
+                eprintln!("nemesis: restart of member {} failed: {error}", index + 1);
+            }
+        }
     }
 }
 
@@ -247,6 +278,10 @@ fn undo_fault(cluster: &mut Cluster, undo: Undo) {
 pub fn heal_all(cluster: &mut Cluster) {
     let _ = cluster.net.heal();
     for index in 0..cluster.members.len() {
+        if cluster.members[index].clock_rate.is_some() {
+            cluster.kill(index);
+            cluster.members[index].clock_rate = None;
+        }
         if cluster.members[index].paused {
             cluster.resume(index);
         }

@@ -435,6 +435,7 @@ fn negative_control_reused_and_backward_fences_are_caught() {
 const BOUNDS: lease::LeaseBounds = lease::LeaseBounds {
     election_timeout_us: 300_000,
     slack_us: 2_000_000,
+    clock_drift_ppm: 0,
 };
 
 fn lease_op(f: &str, outcome: Kind, result: Value, invoke: u64, complete: u64) -> Op {

@@ -22,6 +22,9 @@ pub struct LeaseBounds {
     pub election_timeout_us: u64,
     /// Scheduling and delivery slack on a shared machine.
     pub slack_us: u64,
+    /// How much faster than real time a leader's clock may run (parts per million of the
+    /// TTL): 0 unless the skew nemesis runs, then the clients' allowance.
+    pub clock_drift_ppm: u64,
 }
 
 /// `faults`: intervals `[start, end)` in microseconds during which a fault was active.
@@ -57,8 +60,9 @@ pub fn check(ops: &[Op], bounds: LeaseBounds, faults: &[(u64, u64)]) -> Vec<Stri
                 .filter(|r| r.invoke_us < seen_gone.complete_us)
                 .map(|r| r.invoke_us)
                 .max();
+            let drift_us = ttl_us * bounds.clock_drift_ppm / 1_000_000;
             if let Some(sent) = last_send
-                && seen_gone.complete_us < sent + ttl_us
+                && seen_gone.complete_us < sent + ttl_us - drift_us
             {
                 anomalies.push(format!(
                     "early-expiry: lease {lease} was gone {:.3} s after the send of its last acknowledged keepalive, before its TTL of {:.3} s",
