@@ -556,11 +556,27 @@ fn election_seed(id: NodeId) -> u64 {
 }
 
 /// Wall-clock milliseconds since the Unix epoch (0 if the clock is before it).
+///
+/// The fault suite (docs/faults.md) skews a member's clock with the environment variable
+/// `CONCLAVE_FAULTS_CLOCK_RATE` (a rate in (0, 10], e.g. `1.01` runs 1% fast from the first
+/// reading on); unset or invalid, this is the system clock.
 pub(crate) fn now_ms() -> u64 {
-    SystemTime::now()
+    static SKEW: std::sync::OnceLock<Option<(f64, u64)>> = std::sync::OnceLock::new();
+    let real = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
+        .unwrap_or(0);
+    let skew = SKEW.get_or_init(|| {
+        std::env::var("CONCLAVE_FAULTS_CLOCK_RATE")
+            .ok()
+            .and_then(|rate| rate.parse::<f64>().ok())
+            .filter(|rate| *rate > 0.0 && *rate <= 10.0)
+            .map(|rate| (rate, real))
+    });
+    match *skew {
+        None => real,
+        Some((rate, origin)) => origin + (real.saturating_sub(origin) as f64 * rate) as u64,
+    }
 }
 
 impl<M: ReplicatedMachine, D: Duties<M>> Driver<M, D> {

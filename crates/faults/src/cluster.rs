@@ -1,0 +1,234 @@
+//! The members: `conclave serve` processes started, killed, paused and restarted by the
+//! harness.
+
+use std::path::PathBuf;
+use std::process::{Child, Stdio};
+use std::time::Duration;
+
+use conclave_proto::etcdserverpb::StatusRequest;
+use conclave_proto::etcdserverpb::maintenance_client::MaintenanceClient;
+
+use crate::Error;
+use crate::net::Net;
+
+/// Peer secret every member of a run shares.
+const PEER_SECRET: &str = "conclave-faults-peer-secret-0123456789";
+/// How long one status probe may take.
+const STATUS_TIMEOUT: Duration = Duration::from_millis(500);
+
+pub struct Member {
+    pub id: u64,
+    child: Option<Child>,
+    pub paused: bool,
+    /// Rate of the member's wall clock from its next start (`None`: the real clock).
+    pub clock_rate: Option<f64>,
+}
+
+pub struct Cluster {
+    pub net: Net,
+    pub members: Vec<Member>,
+    binary: PathBuf,
+    root: PathBuf,
+    pub election_timeout_ms: u64,
+}
+
+impl Cluster {
+    pub fn start(
+        net: Net,
+        binary: PathBuf,
+        root: PathBuf,
+        election_timeout_ms: u64,
+        clock_rate: Option<f64>,
+    ) -> Result<Cluster, Error> {
+        std::fs::create_dir_all(&root).map_err(|source| Error::Io {
+            what: format!("create {}", root.display()),
+            source,
+        })?;
+        std::fs::write(root.join("peer-secret"), PEER_SECRET).map_err(|source| Error::Io {
+            what: "write the peer secret".into(),
+            source,
+        })?;
+        let members = (1..=net.places.len() as u64)
+            .map(|id| Member {
+                id,
+                child: None,
+                paused: false,
+                clock_rate,
+            })
+            .collect();
+        let mut cluster = Cluster {
+            net,
+            members,
+            binary,
+            root,
+            election_timeout_ms,
+        };
+        for index in 0..cluster.members.len() {
+            cluster.spawn(index)?;
+        }
+        Ok(cluster)
+    }
+
+    pub fn client_endpoints(&self) -> Vec<String> {
+        self.net
+            .places
+            .iter()
+            .map(|p| p.client_addr.clone())
+            .collect()
+    }
+
+    /// (Re)starts member `index` (0-based) over its data directory.
+    pub fn spawn(&mut self, index: usize) -> Result<(), Error> {
+        let places = &self.net.places;
+        let initial = places
+            .iter()
+            .enumerate()
+            .map(|(i, p)| format!("{}={}", i + 1, p.peer_addr))
+            .collect::<Vec<_>>()
+            .join(",");
+        let clients = places
+            .iter()
+            .enumerate()
+            .map(|(i, p)| format!("{}={}", i + 1, p.client_addr))
+            .collect::<Vec<_>>()
+            .join(",");
+        let id = index + 1;
+        let log_path = self.root.join(format!("member{id}.log"));
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log_path)
+            .map_err(|source| Error::Io {
+                what: format!("open {}", log_path.display()),
+                source,
+            })?;
+        let log_err = log.try_clone().map_err(|source| Error::Io {
+            what: "clone the log handle".into(),
+            source,
+        })?;
+        let mut command = self.net.command(index, &self.binary);
+        if let Some(rate) = self.members[index].clock_rate {
+            command.env("CONCLAVE_FAULTS_CLOCK_RATE", rate.to_string());
+        }
+        let child = command
+            .arg("serve")
+            .args(["--id", &id.to_string()])
+            .arg("--data-dir")
+            .arg(self.root.join(format!("member{id}")))
+            .args(["--listen-client", &places[index].client_addr])
+            .args(["--listen-peer", &places[index].peer_addr])
+            .args(["--initial-cluster", &initial])
+            .args(["--initial-cluster-clients", &clients])
+            .args(["--snapshot-entries", "500"])
+            .args([
+                "--election-timeout-ms",
+                &self.election_timeout_ms.to_string(),
+            ])
+            .arg("--peer-secret-file")
+            .arg(self.root.join("peer-secret"))
+            .env("CONCLAVE_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::from(log))
+            .stderr(Stdio::from(log_err))
+            .spawn()
+            .map_err(|source| Error::Io {
+                what: format!("start {}", self.binary.display()),
+                source,
+            })?;
+        self.members[index].child = Some(child);
+        self.members[index].paused = false;
+        Ok(())
+    }
+
+    fn signal(&self, index: usize, signal: i32) -> bool {
+        match &self.members[index].child {
+            Some(child) => {
+                let pid = i32::try_from(child.id()).unwrap_or(0);
+                // SAFETY: kill(2) on our own child, which we have not reaped yet.
+                pid > 0 && unsafe { libc::kill(pid, signal) } == 0
+            }
+            None => false,
+        }
+    }
+
+    /// kill -9; the member stays down until [`Cluster::spawn`].
+    pub fn kill(&mut self, index: usize) {
+        self.signal(index, libc::SIGKILL);
+        if let Some(mut child) = self.members[index].child.take() {
+            let _ = child.wait();
+        }
+        self.members[index].paused = false;
+    }
+
+    pub fn pause(&mut self, index: usize) -> bool {
+        let done = self.signal(index, libc::SIGSTOP);
+        self.members[index].paused |= done;
+        done
+    }
+
+    pub fn resume(&mut self, index: usize) {
+        self.signal(index, libc::SIGCONT);
+        self.members[index].paused = false;
+    }
+
+    pub fn is_up(&self, index: usize) -> bool {
+        self.members[index].child.is_some()
+    }
+
+    /// Exited members (a crash the nemesis did not cause), with their exit status.
+    pub fn exited(&mut self) -> Vec<(u64, String)> {
+        let mut out = Vec::new();
+        for member in &mut self.members {
+            if let Some(child) = &mut member.child
+                && let Ok(Some(status)) = child.try_wait()
+            {
+                out.push((member.id, status.to_string()));
+                member.child = None;
+            }
+        }
+        out
+    }
+
+    /// The leader's index as one reachable, unpaused member reports it.
+    pub async fn leader(&self) -> Option<usize> {
+        for (index, place) in self.net.places.iter().enumerate() {
+            if !self.is_up(index) || self.members[index].paused {
+                continue;
+            }
+            let Ok(endpoint) =
+                tonic::transport::Endpoint::from_shared(format!("http://{}", place.client_addr))
+            else {
+                continue;
+            };
+            let status = tokio::time::timeout(STATUS_TIMEOUT, async move {
+                let channel = endpoint.connect().await.ok()?;
+                MaintenanceClient::new(channel)
+                    .status(StatusRequest {})
+                    .await
+                    .ok()
+            })
+            .await
+            .ok()
+            .flatten();
+            if let Some(status) = status {
+                let leader = status.into_inner().leader;
+                if leader >= 1 && (leader as usize) <= self.members.len() {
+                    return Some(leader as usize - 1);
+                }
+            }
+        }
+        None
+    }
+
+    pub fn log_dir(&self) -> &std::path::Path {
+        &self.root
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for index in 0..self.members.len() {
+            self.kill(index);
+        }
+    }
+}
