@@ -17,8 +17,13 @@
 //! [`Error::LeaderChanged`](crate::Error::LeaderChanged) instead of hanging.
 //!
 //! # Modules
-//! - `driver`: the generic driver: Raft core, WAL, transport, ReadIndex, proposal waiters,
-//!   membership and snapshots; the `Duties` seam for what one machine adds beside itself.
+//! - `core`: the sans-IO node core: Ready handling in the contract's order, apply, waiters
+//!   keyed by tokens, ReadIndex completion, member records, snapshot policy and recording.
+//!   The simulator (`conclave-sim`) runs this same core.
+//! - `leader_duties`: the coordination machine's leader duties (leases, the timer `Tick`),
+//!   sans-IO too.
+//! - `driver`: the I/O shell around the core: clock, ticker, queues, peer transport, snapshot
+//!   writer thread, reply channels; the `ShellDuties` seam for what one machine adds.
 //! - `coordination`: Conclave's coordination machine on it (leader clock stamping, the lease
 //!   duty, watch events) and the [`NodeHandle`] the etcd and `conclave.v1` services use.
 //! - `entries`: how member records and machine bytes share the log and the snapshots.
@@ -29,9 +34,11 @@
 use std::path::Path;
 
 mod coordination;
+pub mod core;
 pub(crate) mod driver;
 mod entries;
 mod identity;
+pub mod leader_duties;
 
 pub use coordination::{
     APPLIED_EVENTS_BUFFER_MAX, AppliedEvents, LeaseRenewal, NodeHandle, Proposal, open_storage,
