@@ -30,6 +30,9 @@ struct Args {
     /// With --seed: print `trace_hash=<hex>` of the run.
     #[arg(long, requires = "seed")]
     trace_hash: bool,
+    /// With --seed and the coordination machine: print every trace line to stderr.
+    #[arg(long, requires = "seed")]
+    trace: bool,
     /// What the nodes run: `coordination`, the server's node core with the real state
     /// machine and client checkers; or `hash-chain`, the bare Raft core with a hash chain.
     #[arg(long, value_enum, default_value_t = MachineArg::Coordination)]
@@ -173,6 +176,7 @@ fn run_one(seed: u64, args: &Args) -> ExitCode {
             (ok, sim.trace_hash())
         }
         Run::Core(mut sim) => {
+            sim.print_trace(args.trace);
             let ok = sim.run();
             report_core(seed, &sim, ok);
             (ok, sim.trace_hash())

@@ -260,6 +260,9 @@ pub struct LeaseKeeper {
     checkpoint_interval_ms: u64,
     /// Lease ID -> leader-clock deadline.
     deadlines: BTreeMap<i64, u64>,
+    /// Leader time of the last [`LeaseKeeper::promote`]. A "renewed" record older than it
+    /// does not cover a keepalive: the promotion's own checkpoint (a deadline) replaces it.
+    promoted_at_ms: u64,
 }
 
 impl LeaseKeeper {
@@ -269,6 +272,7 @@ impl LeaseKeeper {
             election_timeout_ms: config.election_timeout_ms,
             checkpoint_interval_ms: config.lease_checkpoint_interval_ms,
             deadlines: BTreeMap::new(),
+            promoted_at_ms: 0,
         }
     }
 
@@ -278,6 +282,7 @@ impl LeaseKeeper {
     /// propose at once so that the next leader resumes from these deadlines.
     pub fn promote(&mut self, table: &LeaseTable, now_ms: u64) -> Vec<LeaseCheckpoint> {
         self.deadlines.clear();
+        self.promoted_at_ms = now_ms;
         let grace_until_ms = now_ms.saturating_add(self.election_timeout_ms);
         let mut checkpoints = Vec::with_capacity(table.len());
         for lease in table.iter() {
@@ -327,9 +332,14 @@ impl LeaseKeeper {
         }
         *deadline_ms = now_ms.saturating_add(lease.ttl_ms);
         // Without a fresh enough "renewed" record, a later leader could resume the lease at a
-        // deadline earlier than the one just promised.
+        // deadline earlier than the one just promised. A record from before this leader's
+        // promotion does not count: the promotion's deadline checkpoint overwrites it, and a
+        // next leader would resume from that deadline (the simulator's lease checker found
+        // a keepalive answered in that window and expired early).
         let recorded = match lease.resume {
-            LeaseResume::Renewed { at_ms } => now_ms < at_ms.saturating_add(interval_ms),
+            LeaseResume::Renewed { at_ms } => {
+                at_ms >= self.promoted_at_ms && now_ms < at_ms.saturating_add(interval_ms)
+            }
             LeaseResume::Deadline { .. } => false,
         };
         let checkpoint_before_reply = (!recorded).then_some(LeaseCheckpoint {
@@ -414,6 +424,24 @@ mod tests {
         assert_eq!(next.remaining_ms(id, 3500), Some(1000));
         assert_eq!(next.expired(4499, 10), Vec::<i64>::new());
         assert_eq!(next.expired(4500, 10), vec![id]);
+    }
+
+    #[test]
+    fn a_new_leader_records_its_first_renewal_even_inside_the_interval() {
+        let mut table = LeaseTable::new();
+        let (id, _) = table.grant(0, 3000, 0, &config()).expect("grant");
+        let renewed = LeaseCheckpoint {
+            id,
+            deadline_ms: None,
+        };
+        table.checkpoint(&renewed, 1000);
+        // A new leader promoted inside the interval of that record: its promotion checkpoint
+        // (a deadline) will replace the record, so a keepalive must record itself again, or a
+        // next leader resumes the lease before the TTL this keepalive promises.
+        let mut keeper = LeaseKeeper::new(&config());
+        keeper.promote(&table, 1500);
+        let renewal = keeper.renew(&table, id, 1600).expect("renew");
+        assert_eq!(renewal.checkpoint_before_reply, Some(renewed));
     }
 
     #[test]

@@ -179,7 +179,7 @@ impl CoreSettings {
 pub struct CoreBugs {
     /// Answer a machine command as soon as it is proposed, before it commits and applies.
     pub answer_before_apply: bool,
-    /// Apply committed entries before persisting the Ready's entries.
+    /// On a follower, apply committed entries before persisting the Ready's entries.
     pub apply_before_persist: bool,
     /// The leader never proposes the machine's timer `Tick` (see `LeaderDuties`).
     pub skip_tick: bool,
@@ -674,7 +674,9 @@ impl<M: ReplicatedMachine, S: NodeStore> NodeCore<M, S> {
             io.send(message.clone());
         }
         #[cfg(feature = "negative-controls")]
-        if self.bugs.apply_before_persist {
+        let apply_early = self.bugs.apply_before_persist && !leader;
+        #[cfg(feature = "negative-controls")]
+        if apply_early {
             // The bug: the Ready's committed entries are applied before its entries are
             // durable, and the rest of the contract then runs as usual.
             self.apply_snapshot_and_entries(&ready, duties)?;
@@ -714,7 +716,7 @@ impl<M: ReplicatedMachine, S: NodeStore> NodeCore<M, S> {
         }
         // 3. Apply: a snapshot from the leader replaces the state, then committed entries.
         #[cfg(feature = "negative-controls")]
-        let applied_already = self.bugs.apply_before_persist;
+        let applied_already = apply_early;
         #[cfg(not(feature = "negative-controls"))]
         let applied_already = false;
         if !applied_already {

@@ -1,20 +1,23 @@
-//! The node runtime: the one task that drives the Raft core, generic over the replicated
-//! machine ([`crate::ReplicatedMachine`]).
+//! The node runtime: a sans-IO node core ([`core::NodeCore`]) that decides, and the driver
+//! thread that does its I/O, generic over the replicated machine
+//! ([`crate::ReplicatedMachine`]).
 //!
 //! ```text
 //!  ticker (tick_ms) ─────────┐
-//!  peers ─ serve_peers ─ mpsc ┼─► Driver ─ RawNode::ready ─┬─ 1. WAL append + hard state, fsync
-//!  handle ─ NodeRequest ─ mpsc┘   (one OS thread,          ├─ 2. PeerTransport::send
-//!                                  group commit: drains     ├─ 3. machine.apply ─► waiters
-//!                                  every queue, then one    ├─ 4. read states ─► read waiters
-//!                                  Ready, one fsync)        └─ 5. advance; maybe snapshot
+//!  peers ─ serve_peers ─ mpsc ┼─► driver (shell) ─► NodeCore::turn ─┬─ 1. WAL append + hard state, fsync
+//!  handle ─ NodeRequest ─ mpsc┘   (one OS thread,                   ├─ 2. ReadyIo::send ─► PeerTransport
+//!                                  group commit: drains              ├─ 3. machine.apply ─► Output by token
+//!                                  every queue, then one             ├─ 4. read states ─► Output by token
+//!                                  turn, one fsync)                  └─ 5. advance; snapshot_due
 //!  NodeStatus (watch) ◄── role, leader, term, commit, applied
 //! ```
 //!
 //! The driver runs on its own OS thread with a current-thread runtime, so an fsync blocks
-//! only Raft, never the gRPC server. A proposal's waiter is keyed by (index, term): if the entry
-//! applied at that index carries another term, a new leader overwrote it and the waiter gets
-//! [`Error::LeaderChanged`](crate::Error::LeaderChanged) instead of hanging.
+//! only Raft, never the gRPC server. A proposal's waiter is keyed by (index, term) in the core
+//! and by token in the shell: if the entry applied at that index carries another term, a new
+//! leader overwrote it and the waiter gets
+//! [`Error::LeaderChanged`](crate::Error::LeaderChanged) instead of hanging. The simulator
+//! (`conclave-sim`) runs the same core with virtual time and a simulated disk.
 //!
 //! # Modules
 //! - `core`: the sans-IO node core: Ready handling in the contract's order, apply, waiters
