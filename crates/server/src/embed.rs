@@ -488,7 +488,12 @@ struct RoleDuties {
 impl<M: ReplicatedMachine> ShellDuties<M> for RoleDuties {
     type Request = Infallible;
 
-    fn request(&mut self, _core: &mut Core<M>, _waiters: &mut Waiters<M::Output>, request: Infallible) {
+    fn request(
+        &mut self,
+        _core: &mut Core<M>,
+        _waiters: &mut Waiters<M::Output>,
+        request: Infallible,
+    ) {
         match request {}
     }
 }

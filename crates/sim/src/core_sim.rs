@@ -22,8 +22,7 @@ use conclave_server::node::core::{
 };
 use conclave_server::node::leader_duties::{LeaderDuties, Proposal};
 use conclave_state::{
-    GroupRegister, PutRequest, RangeRequest, Request, Response, Retention, SessionSeq,
-    StateMachine,
+    GroupRegister, PutRequest, RangeRequest, Request, Response, Retention, SessionSeq, StateMachine,
 };
 
 use crate::checker::{Checker, Violation};
@@ -482,7 +481,8 @@ impl CoreSimulation {
         core.start(&mut node.duties);
         node.core = Some(core);
         self.checker.check_restart(id, hard_state);
-        self.checker.observe_role(id, Role::Follower, hard_state.term);
+        self.checker
+            .observe_role(id, Role::Follower, hard_state.term);
         true
     }
 
@@ -534,7 +534,9 @@ impl CoreSimulation {
     }
 
     fn fail(&mut self, invariant: &'static str, detail: String) {
-        self.checker.violations.push(Violation { invariant, detail });
+        self.checker
+            .violations
+            .push(Violation { invariant, detail });
     }
 
     /// Runs the seed: fault phase, heal, then until converged (or the liveness bound), then
@@ -630,12 +632,12 @@ impl CoreSimulation {
         if self.faults_on && self.rng.range(0, 1000) < self.params.drop_per_mille {
             return;
         }
-        let copies =
-            if self.faults_on && self.rng.range(0, 1000) < self.params.duplicate_per_mille {
-                2
-            } else {
-                1
-            };
+        let copies = if self.faults_on && self.rng.range(0, 1000) < self.params.duplicate_per_mille
+        {
+            2
+        } else {
+            1
+        };
         for _ in 0..copies {
             let delay =
                 if self.faults_on && self.rng.range(0, 1000) < self.params.long_delay_per_mille {
@@ -705,8 +707,8 @@ impl CoreSimulation {
     fn turn(&mut self, id: NodeId) {
         let crash_roll = self.rng.range(0, 1000);
         let point_roll = self.rng.range(0, 5);
-        let crash_at = (self.faults_on && crash_roll < self.params.crash_in_ready_per_mille)
-            .then(|| {
+        let crash_at =
+            (self.faults_on && crash_roll < self.params.crash_in_ready_per_mille).then(|| {
                 [
                     ReadyPoint::BeforePersist,
                     ReadyPoint::BeforeSync,
@@ -791,7 +793,9 @@ impl CoreSimulation {
                 mem.create_snapshot(index, plan.meta.conf_state, plan.data);
                 Ok(())
             }
-            NodeStorage::Wal(wal) => Ok(wal.create_snapshot(index, plan.meta.conf_state, plan.data)?),
+            NodeStorage::Wal(wal) => {
+                Ok(wal.create_snapshot(index, plan.meta.conf_state, plan.data)?)
+            }
         });
         match recorded {
             Ok(_) => self.stats.snapshots += 1,
@@ -998,7 +1002,13 @@ impl CoreSimulation {
         }
     }
 
-    fn read_ready(&mut self, client: usize, id: NodeId, inflight: Inflight, result: Result<(), NodeError>) {
+    fn read_ready(
+        &mut self,
+        client: usize,
+        id: NodeId,
+        inflight: Inflight,
+        result: Result<(), NodeError>,
+    ) {
         self.clients[client].inflight = None;
         let ClientOp::IndexGet { key, slot } = inflight.op else {
             return;
@@ -1215,9 +1225,14 @@ impl CoreSimulation {
                 let RegisterOp::Put(value) = self.histories[*key][*slot].op else {
                     return None;
                 };
-                plain(Request::Put(PutRequest::new(key_name(*key), value_bytes(value))))
+                plain(Request::Put(PutRequest::new(
+                    key_name(*key),
+                    value_bytes(value),
+                )))
             }
-            ClientOp::LogGet { key, .. } => plain(Request::Range(RangeRequest::key(key_name(*key)))),
+            ClientOp::LogGet { key, .. } => {
+                plain(Request::Range(RangeRequest::key(key_name(*key))))
+            }
             ClientOp::IndexGet { .. } | ClientOp::Checkpoint { .. } => None,
             ClientOp::OpenSession { secret } => {
                 plain(Request::OpenSessionWithSecret { secret: *secret })
@@ -1278,7 +1293,10 @@ impl CoreSimulation {
 
     fn start_op(&mut self, client: usize, mut op: ClientOp) {
         let Some(node) = self.pick_node() else {
-            if let ClientOp::Put { key, slot } | ClientOp::LogGet { key, slot } | ClientOp::IndexGet { key, slot } = op {
+            if let ClientOp::Put { key, slot }
+            | ClientOp::LogGet { key, slot }
+            | ClientOp::IndexGet { key, slot } = op
+            {
                 self.dropped.insert((key, slot));
             }
             return;
@@ -1312,10 +1330,12 @@ impl CoreSimulation {
                 });
             }
             Err(error) => {
-                if let ClientOp::Put { key, slot } | ClientOp::LogGet { key, slot } | ClientOp::IndexGet { key, slot } = op {
-                    if refused_outright(&error) {
-                        self.dropped.insert((key, slot));
-                    }
+                if let ClientOp::Put { key, slot }
+                | ClientOp::LogGet { key, slot }
+                | ClientOp::IndexGet { key, slot } = op
+                    && refused_outright(&error)
+                {
+                    self.dropped.insert((key, slot));
                 }
             }
         }
@@ -1459,9 +1479,7 @@ impl CoreSimulation {
         let term = raw.term();
         self.nodes.values().all(|n| {
             n.core.as_ref().is_some_and(|c| {
-                c.applied_index() == commit
-                    && c.raw().term() == term
-                    && c.leader() == Some(leader)
+                c.applied_index() == commit && c.raw().term() == term && c.leader() == Some(leader)
             })
         })
     }

@@ -106,9 +106,9 @@ fn simulation(seed: u64, args: &Args) -> Run {
         StorageArg::Wal => StorageKind::Wal,
     };
     match args.machine {
-        MachineArg::HashChain => Run::Chain(Box::new(Simulation::with_params(
-            seed, params, true, None,
-        ))),
+        MachineArg::HashChain => {
+            Run::Chain(Box::new(Simulation::with_params(seed, params, true, None)))
+        }
         MachineArg::Coordination => Run::Core(Box::new(CoreSimulation::new(
             seed,
             params,

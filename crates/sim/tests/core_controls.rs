@@ -34,7 +34,10 @@ fn clean_seeds_pass_on_both_storages() {
                 sim.violations(),
                 sim.describe()
             );
-            assert!(sim.stats.ops_acked > 0, "seed {seed}: no client got an answer");
+            assert!(
+                sim.stats.ops_acked > 0,
+                "seed {seed}: no client got an answer"
+            );
         }
     }
 }

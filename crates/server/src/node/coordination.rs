@@ -11,11 +11,11 @@ use conclave_storage::WalStorage;
 use tokio::sync::{broadcast, mpsc, oneshot, watch};
 
 use super::core::Duties;
-pub use super::leader_duties::Proposal;
-use super::leader_duties::LeaderDuties;
 use super::driver::{
     self, Applied, Core, Handle, NodeRequest, NodeStatus, PeerMatch, ShellDuties, Waiters, now_ms,
 };
+use super::leader_duties::LeaderDuties;
+pub use super::leader_duties::Proposal;
 use crate::config::{Member, ServerConfig};
 use crate::error::Error;
 use crate::machine::{MachineError, ReplicatedMachine};

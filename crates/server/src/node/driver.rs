@@ -20,8 +20,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 
 pub use super::core::{Applied, NodeStatus, PeerMatch};
 use super::core::{
-    CoreSettings, Duties, NodeCore, Output, ReadyIo, SnapshotPlan, Token, TurnEnd,
-    restore_machine,
+    CoreSettings, Duties, NodeCore, Output, ReadyIo, SnapshotPlan, Token, TurnEnd, restore_machine,
 };
 use crate::config::{Member, ServerConfig};
 use crate::error::Error;
@@ -83,7 +82,9 @@ pub(crate) enum NodeRequest<M: ReplicatedMachine, R> {
 }
 
 /// The core's [`Duties`] plus what only the shell can do: take requests with reply channels.
-pub(crate) trait ShellDuties<M: ReplicatedMachine>: Duties<M, WalStorage> + Send + 'static {
+pub(crate) trait ShellDuties<M: ReplicatedMachine>:
+    Duties<M, WalStorage> + Send + 'static
+{
     /// Requests a handle queues for these duties ([`NodeRequest::Duty`]).
     type Request: Send + 'static;
 
@@ -326,7 +327,6 @@ fn log_recovery(report: &RecoveryReport) {
     }
 }
 
-
 /// A snapshot whose file a helper thread writes: encoding the machine needs the driver
 /// thread, writing and syncing the file does not.
 struct SnapshotJob {
@@ -444,7 +444,10 @@ pub(crate) fn spawn<M: ReplicatedMachine, D: ShellDuties<M>>(
                 Ok(()) => String::new(),
                 Err(e) => e.to_string(),
             };
-            driver.shell.status.send_modify(|s| s.stopped = Some(reason));
+            driver
+                .shell
+                .status
+                .send_modify(|s| s.stopped = Some(reason));
             result
         })
         .map_err(|e| Error::RaftStart(format!("driver thread: {e}")))?;
@@ -596,14 +599,12 @@ impl<M: ReplicatedMachine, D: ShellDuties<M>> Driver<M, D> {
                     let _ = reply.send(Err(error));
                 }
             },
-            NodeRequest::ChangeMembership { steps, reply } => {
-                match core.change_membership(steps) {
-                    Ok(token) => waiters.done(token, reply),
-                    Err(error) => {
-                        let _ = reply.send(Err(error));
-                    }
+            NodeRequest::ChangeMembership { steps, reply } => match core.change_membership(steps) {
+                Ok(token) => waiters.done(token, reply),
+                Err(error) => {
+                    let _ = reply.send(Err(error));
                 }
-            }
+            },
             NodeRequest::HandOff { reply } => {
                 let _ = reply.send(Ok(core.begin_handoff()));
             }
