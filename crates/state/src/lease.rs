@@ -260,6 +260,9 @@ pub struct LeaseKeeper {
     checkpoint_interval_ms: u64,
     /// Lease ID -> leader-clock deadline.
     deadlines: BTreeMap<i64, u64>,
+    /// Lease ID -> the deadline it resumed at on promotion: what a deposed leader may still
+    /// have promised its holder, so a keepalive here never moves the deadline below it.
+    floors: BTreeMap<i64, u64>,
     /// Leader time of the last [`LeaseKeeper::promote`]. A "renewed" record older than it
     /// does not cover a keepalive: the promotion's own checkpoint (a deadline) replaces it.
     promoted_at_ms: u64,
@@ -272,16 +275,24 @@ impl LeaseKeeper {
             election_timeout_ms: config.election_timeout_ms,
             checkpoint_interval_ms: config.lease_checkpoint_interval_ms,
             deadlines: BTreeMap::new(),
+            floors: BTreeMap::new(),
             promoted_at_ms: 0,
         }
     }
 
     /// Call when this node becomes Raft leader, before serving keepalives. Resumes every lease
-    /// at the latest deadline its holder can have been promised (but no later than a full TTL
-    /// from now) with at least one election timeout of grace, and returns checkpoints to
-    /// propose at once so that the next leader resumes from these deadlines.
+    /// at the latest deadline its holder can have been promised (but no later than a TTL plus
+    /// one checkpoint interval from now, which bounds what a leader clock running ahead can
+    /// leave) with at least one election timeout of grace, and returns checkpoints to propose
+    /// at once so that the next leader resumes from these deadlines.
+    ///
+    /// The cap may not be a bare TTL: a deposed leader that has not noticed yet answers
+    /// keepalives without a checkpoint for one interval after the last "renewed" record, and
+    /// each promises a full TTL from its own time, which can be later than this promotion
+    /// (the simulator's lease checker caught leases ending up to 150 ms early that way).
     pub fn promote(&mut self, table: &LeaseTable, now_ms: u64) -> Vec<LeaseCheckpoint> {
         self.deadlines.clear();
+        self.floors.clear();
         self.promoted_at_ms = now_ms;
         let grace_until_ms = now_ms.saturating_add(self.election_timeout_ms);
         let mut checkpoints = Vec::with_capacity(table.len());
@@ -289,10 +300,12 @@ impl LeaseKeeper {
             let bound_ms = lease
                 .resume
                 .promise_bound_ms(lease.ttl_ms, self.checkpoint_interval_ms);
-            let deadline_ms = bound_ms
-                .min(now_ms.saturating_add(lease.ttl_ms))
-                .max(grace_until_ms);
+            let cap_ms = now_ms
+                .saturating_add(lease.ttl_ms)
+                .saturating_add(self.checkpoint_interval_ms);
+            let deadline_ms = bound_ms.min(cap_ms).max(grace_until_ms);
             self.deadlines.insert(lease.id, deadline_ms);
+            self.floors.insert(lease.id, deadline_ms);
             checkpoints.push(LeaseCheckpoint {
                 id: lease.id,
                 deadline_ms: Some(deadline_ms),
@@ -304,12 +317,14 @@ impl LeaseKeeper {
     /// Call when this node stops being leader.
     pub fn demote(&mut self) {
         self.deadlines.clear();
+        self.floors.clear();
     }
 
     /// Call after applying committed commands: adopts newly granted leases at their recorded
     /// bound and forgets revoked ones.
     pub fn sync(&mut self, table: &LeaseTable) {
         self.deadlines.retain(|id, _| table.get(*id).is_some());
+        self.floors.retain(|id, _| table.get(*id).is_some());
         for lease in table.iter() {
             let bound_ms = lease
                 .resume
@@ -330,7 +345,11 @@ impl LeaseKeeper {
         if *deadline_ms <= now_ms {
             return Err(Error::LeaseNotFound);
         }
-        *deadline_ms = now_ms.saturating_add(lease.ttl_ms);
+        // Never below what this leader resumed the lease at: a deposed leader may have
+        // promised the holder that much (the simulator caught a keepalive on the new leader
+        // shortening a promise the old one had made moments before).
+        let floor_ms = self.floors.get(&id).copied().unwrap_or(0);
+        *deadline_ms = now_ms.saturating_add(lease.ttl_ms).max(floor_ms);
         // Without a fresh enough "renewed" record, a later leader could resume the lease at a
         // deadline earlier than the one just promised. A record from before this leader's
         // promotion does not count: the promotion's deadline checkpoint overwrites it, and a
@@ -445,6 +464,26 @@ mod tests {
     }
 
     #[test]
+    fn a_keepalive_on_a_new_leader_keeps_what_the_old_one_may_have_promised() {
+        let mut table = LeaseTable::new();
+        let (id, _) = table.grant(0, 3000, 0, &config()).expect("grant");
+        table.checkpoint(
+            &LeaseCheckpoint {
+                id,
+                deadline_ms: None,
+            },
+            1000,
+        );
+        // The old leader may answer keepalives without a record until 11 000, each promising
+        // a TTL: up to 14 000. A keepalive on the new leader at 2000 keeps that.
+        let mut keeper = LeaseKeeper::new(&config());
+        keeper.promote(&table, 1500);
+        keeper.renew(&table, id, 2000).expect("renew");
+        assert_eq!(keeper.expired(13_999, 10), Vec::<i64>::new());
+        assert_eq!(keeper.expired(14_000, 10), vec![id]);
+    }
+
+    #[test]
     fn renewals_record_themselves_once_per_interval() {
         let mut table = LeaseTable::new();
         let (id, _) = table.grant(0, 3000, 0, &config()).expect("grant");
@@ -477,10 +516,16 @@ mod tests {
         assert!(renewal.checkpoint_before_reply.is_some());
         // Past the deadline a keepalive cannot resurrect the lease.
         assert_eq!(keeper.renew(&table, id, 20_000), Err(Error::LeaseNotFound));
-        // A new leader resumes a renewed lease at most a full TTL from now.
+        // A new leader resumes a renewed lease at the bound a deposed leader may have
+        // promised (record 1000 + interval 10 000 + TTL 3000), not a bare TTL from now: a
+        // keepalive the old leader answered at 10 999 promised 13 999.
         let mut next = LeaseKeeper::new(&config());
         next.promote(&table, 5000);
-        assert_eq!(next.remaining_ms(id, 5000), Some(3000));
+        assert_eq!(next.remaining_ms(id, 5000), Some(9000));
+        // The bound is capped at a TTL and an interval from now (a clock that ran ahead).
+        let mut next = LeaseKeeper::new(&config());
+        next.promote(&table, 0);
+        assert_eq!(next.remaining_ms(id, 0), Some(13_000));
     }
 
     #[test]
