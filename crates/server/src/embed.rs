@@ -57,7 +57,8 @@ use crate::config::{DEFAULT_SNAPSHOT_ENTRIES, Member, ServerConfig};
 use crate::error::Error;
 use crate::machine::ReplicatedMachine;
 use crate::node::NodeStatus;
-use crate::node::driver::{self, Core, Duties, Handle};
+use crate::node::core::Duties;
+use crate::node::driver::{self, Core, Handle, ShellDuties, Waiters};
 use crate::transport::{PeerTransport, bind_peer_listener, serve_peers};
 
 /// The default heartbeat interval (as `conclave serve`'s `--heartbeat-ms`).
@@ -484,13 +485,20 @@ struct RoleDuties {
     last: Option<(Role, Option<NodeId>)>,
 }
 
-impl<M: ReplicatedMachine> Duties<M> for RoleDuties {
+impl<M: ReplicatedMachine> ShellDuties<M> for RoleDuties {
     type Request = Infallible;
 
-    fn request(&mut self, _core: &mut Core<M>, request: Infallible) {
+    fn request(
+        &mut self,
+        _core: &mut Core<M>,
+        _waiters: &mut Waiters<M::Output>,
+        request: Infallible,
+    ) {
         match request {}
     }
+}
 
+impl<M: ReplicatedMachine> Duties<M, conclave_storage::WalStorage> for RoleDuties {
     fn role_changed(&mut self, role: Role, leader: Option<NodeId>, term: u64) {
         // A term change alone is not news to the program.
         if self.last == Some((role, leader)) {

@@ -58,6 +58,13 @@ pub trait ReplicatedMachine: Send + Sync + 'static {
     /// its own entries).
     fn encode(command: Self::Command) -> Vec<u8>;
 
+    /// [`ReplicatedMachine::encode`] with the proposing leader's clock, `now_ms` milliseconds
+    /// since the Unix epoch (virtual time in the simulator). The node core calls this one; a
+    /// machine that stamps time overrides it rather than reading a clock of its own.
+    fn encode_at(command: Self::Command, _now_ms: u64) -> Vec<u8> {
+        Self::encode(command)
+    }
+
     /// Applies the committed entry at `index`. Called exactly once per entry and index on
     /// every member, in log order (after a restart, from the last snapshot on). An `Err` means
     /// the bytes are not a command (every member decides that alike, so the entry is skipped

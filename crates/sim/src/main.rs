@@ -5,9 +5,9 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use clap::Parser;
-use conclave_sim::{Simulation, StorageKind, SwarmParams};
+use conclave_sim::{Bug, CoreSimulation, Simulation, StorageKind, SwarmParams};
 
-/// Deterministic simulation of Conclave's Raft core under network and crash faults.
+/// Deterministic simulation of Conclave's node core under network and crash faults.
 #[derive(Parser, Debug)]
 #[command(name = "conclave-sim", version)]
 struct Args {
@@ -30,6 +30,67 @@ struct Args {
     /// With --seed: print `trace_hash=<hex>` of the run.
     #[arg(long, requires = "seed")]
     trace_hash: bool,
+    /// With --seed and the coordination machine: print every trace line to stderr.
+    #[arg(long, requires = "seed")]
+    trace: bool,
+    /// What the nodes run: `coordination`, the server's node core with the real state
+    /// machine and client checkers; or `hash-chain`, the bare Raft core with a hash chain.
+    #[arg(long, value_enum, default_value_t = MachineArg::Coordination)]
+    machine: MachineArg,
+    /// Negative control: switch on a deliberate bug in the node core, which the checkers
+    /// must catch (the run then fails).
+    #[arg(long, value_enum)]
+    bug: Option<BugArg>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum MachineArg {
+    Coordination,
+    HashChain,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum BugArg {
+    AnswerBeforeApply,
+    ApplyBeforePersist,
+    SkipTick,
+}
+
+impl BugArg {
+    fn bug(self) -> Bug {
+        match self {
+            BugArg::AnswerBeforeApply => Bug::AnswerBeforeApply,
+            BugArg::ApplyBeforePersist => Bug::ApplyBeforePersist,
+            BugArg::SkipTick => Bug::SkipTick,
+        }
+    }
+}
+
+/// One seed's run, whichever machine.
+enum Run {
+    Chain(Box<Simulation>),
+    Core(Box<CoreSimulation>),
+}
+
+impl Run {
+    fn run(&mut self) -> bool {
+        match self {
+            Run::Chain(sim) => sim.run(),
+            Run::Core(sim) => sim.run(),
+        }
+    }
+    fn events(&self) -> u64 {
+        match self {
+            Run::Chain(sim) => sim.stats.events,
+            Run::Core(sim) => sim.stats.events,
+        }
+    }
+    fn violations(&self) -> &[conclave_sim::checker::Violation] {
+        match self {
+            Run::Chain(sim) => sim.violations(),
+            Run::Core(sim) => sim.violations(),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -38,13 +99,22 @@ enum StorageArg {
     Wal,
 }
 
-fn simulation(seed: u64, args: &Args) -> Simulation {
+fn simulation(seed: u64, args: &Args) -> Run {
     let mut params = SwarmParams::from_seed(seed, args.nodes);
     params.storage = match args.storage {
         StorageArg::Mem => StorageKind::Mem,
         StorageArg::Wal => StorageKind::Wal,
     };
-    Simulation::with_params(seed, params, true, None)
+    match args.machine {
+        MachineArg::HashChain => {
+            Run::Chain(Box::new(Simulation::with_params(seed, params, true, None)))
+        }
+        MachineArg::Coordination => Run::Core(Box::new(CoreSimulation::new(
+            seed,
+            params,
+            args.bug.map(BugArg::bug),
+        ))),
+    }
 }
 
 fn parse_nodes(s: &str) -> Result<usize, String> {
@@ -56,6 +126,10 @@ fn parse_nodes(s: &str) -> Result<usize, String> {
 
 fn main() -> ExitCode {
     let args = Args::parse();
+    if args.bug.is_some() && args.machine != MachineArg::Coordination {
+        eprintln!("error: --bug needs --machine coordination (the bugs live in the node core)");
+        return ExitCode::from(2);
+    }
     if let Some(seed) = args.seed {
         return run_one(seed, &args);
     }
@@ -66,7 +140,7 @@ fn main() -> ExitCode {
     for seed in args.first_seed..args.first_seed + count {
         let mut sim = simulation(seed, &args);
         let ok = sim.run();
-        events += sim.stats.events;
+        events += sim.events();
         if !ok {
             violations += sim.violations().len() as u64;
             for v in sim.violations() {
@@ -95,11 +169,60 @@ fn main() -> ExitCode {
 }
 
 fn run_one(seed: u64, args: &Args) -> ExitCode {
-    let mut sim = simulation(seed, args);
-    let ok = sim.run();
+    let (ok, trace_hash) = match simulation(seed, args) {
+        Run::Chain(mut sim) => {
+            let ok = sim.run();
+            report_chain(seed, &sim, ok);
+            (ok, sim.trace_hash())
+        }
+        Run::Core(mut sim) => {
+            sim.print_trace(args.trace);
+            let ok = sim.run();
+            report_core(seed, &sim, ok);
+            (ok, sim.trace_hash())
+        }
+    };
     if args.trace_hash {
-        println!("trace_hash={:016x}", sim.trace_hash());
+        println!("trace_hash={trace_hash:016x}");
     }
+    if ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
+fn report_core(seed: u64, sim: &CoreSimulation, ok: bool) {
+    let s = &sim.stats;
+    println!(
+        "seed={seed} events={} messages={} crashes={} snapshots={} ops_acked={} ops_open={} \
+         reads_by_index={} session_retries={} leases_ended={} seats={} violations={}",
+        s.events,
+        s.messages_delivered,
+        s.crashes,
+        s.snapshots,
+        s.ops_acked,
+        s.ops_open,
+        s.reads_by_index,
+        s.session_retries,
+        s.leases_expired,
+        s.seats_seen,
+        sim.violations().len()
+    );
+    if ok {
+        return;
+    }
+    println!("{}", sim.describe());
+    for v in sim.violations() {
+        println!("VIOLATION {}: {}", v.invariant, v.detail);
+    }
+    println!("trace tail:");
+    for line in sim.trace_tail() {
+        println!("  {line}");
+    }
+}
+
+fn report_chain(seed: u64, sim: &Simulation, ok: bool) {
     let s = &sim.stats;
     println!(
         "seed={seed} events={} messages={} elections={} crashes={} snapshots={} reads={} \
@@ -115,7 +238,7 @@ fn run_one(seed: u64, args: &Args) -> ExitCode {
         sim.violations().len()
     );
     if ok {
-        return ExitCode::SUCCESS;
+        return;
     }
     println!("{}", sim.describe());
     for v in sim.violations() {
@@ -125,5 +248,4 @@ fn run_one(seed: u64, args: &Args) -> ExitCode {
     for line in sim.trace_tail() {
         println!("  {line}");
     }
-    ExitCode::FAILURE
 }

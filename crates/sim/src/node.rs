@@ -156,7 +156,7 @@ impl NodeDisk {
         }
     }
 
-    fn open(&self) -> Result<NodeStorage, String> {
+    pub(crate) fn open(&self) -> Result<NodeStorage, String> {
         match self {
             NodeDisk::Mem(mem) => Ok(NodeStorage::Mem(mem.clone())),
             NodeDisk::Wal(disk) => WalStorage::open(

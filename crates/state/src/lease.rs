@@ -265,10 +265,11 @@ pub struct LeaseKeeper {
     checkpoint_interval_ms: u64,
     /// Lease ID -> leader-clock deadline.
     deadlines: BTreeMap<i64, u64>,
-    /// When this keeper last became leader. A "renewed" record stamped before it was written by
-    /// an earlier leader and is about to be replaced by this leader's anchor (the checkpoints
-    /// `promote` returned), which may lie below what a keepalive answered now promises; so it
-    /// does not count as fresh, and such a keepalive records its own renewal first.
+    /// Lease ID -> the deadline it resumed at on promotion: what a deposed leader may still
+    /// have promised its holder, so a keepalive here never moves the deadline below it.
+    floors: BTreeMap<i64, u64>,
+    /// Leader time of the last [`LeaseKeeper::promote`]. A "renewed" record older than it
+    /// does not cover a keepalive: the promotion's own checkpoint (a deadline) replaces it.
     promoted_at_ms: u64,
 }
 
@@ -279,16 +280,24 @@ impl LeaseKeeper {
             election_timeout_ms: config.election_timeout_ms,
             checkpoint_interval_ms: config.lease_checkpoint_interval_ms,
             deadlines: BTreeMap::new(),
+            floors: BTreeMap::new(),
             promoted_at_ms: 0,
         }
     }
 
     /// Call when this node becomes Raft leader, before serving keepalives. Resumes every lease
-    /// at the latest deadline its holder can have been promised (but no later than a full TTL
-    /// from now) with at least one election timeout of grace, and returns checkpoints to
-    /// propose at once so that the next leader resumes from these deadlines.
+    /// at the latest deadline its holder can have been promised (but no later than a TTL plus
+    /// one checkpoint interval from now, which bounds what a leader clock running ahead can
+    /// leave) with at least one election timeout of grace, and returns checkpoints to propose
+    /// at once so that the next leader resumes from these deadlines.
+    ///
+    /// The cap may not be a bare TTL: a deposed leader that has not noticed yet answers
+    /// keepalives without a checkpoint for one interval after the last "renewed" record, and
+    /// each promises a full TTL from its own time, which can be later than this promotion
+    /// (the simulator's lease checker caught leases ending up to 150 ms early that way).
     pub fn promote(&mut self, table: &LeaseTable, now_ms: u64) -> Vec<LeaseCheckpoint> {
         self.deadlines.clear();
+        self.floors.clear();
         self.promoted_at_ms = now_ms;
         let grace_until_ms = now_ms.saturating_add(self.election_timeout_ms);
         let mut checkpoints = Vec::with_capacity(table.len());
@@ -296,11 +305,13 @@ impl LeaseKeeper {
             let bound_ms = lease
                 .resume
                 .promise_bound_ms(lease.ttl_ms, self.checkpoint_interval_ms);
-            let full_ttl_ms = now_ms
+            let cap_ms = now_ms
                 .saturating_add(LEASE_CLOCK_RESOLUTION_MS)
-                .saturating_add(lease.ttl_ms);
-            let deadline_ms = bound_ms.min(full_ttl_ms).max(grace_until_ms);
+                .saturating_add(lease.ttl_ms)
+                .saturating_add(self.checkpoint_interval_ms);
+            let deadline_ms = bound_ms.min(cap_ms).max(grace_until_ms);
             self.deadlines.insert(lease.id, deadline_ms);
+            self.floors.insert(lease.id, deadline_ms);
             checkpoints.push(LeaseCheckpoint {
                 id: lease.id,
                 deadline_ms: Some(deadline_ms),
@@ -312,12 +323,14 @@ impl LeaseKeeper {
     /// Call when this node stops being leader.
     pub fn demote(&mut self) {
         self.deadlines.clear();
+        self.floors.clear();
     }
 
     /// Call after applying committed commands: adopts newly granted leases at their recorded
     /// bound and forgets revoked ones.
     pub fn sync(&mut self, table: &LeaseTable) {
         self.deadlines.retain(|id, _| table.get(*id).is_some());
+        self.floors.retain(|id, _| table.get(*id).is_some());
         for lease in table.iter() {
             let bound_ms = lease
                 .resume
@@ -338,12 +351,19 @@ impl LeaseKeeper {
         if *deadline_ms <= now_ms {
             return Err(Error::LeaseNotFound);
         }
+        // Never below what this leader resumed the lease at: a deposed leader may have
+        // promised the holder that much (the simulator caught a keepalive on the new leader
+        // shortening a promise the old one had made moments before).
+        let floor_ms = self.floors.get(&id).copied().unwrap_or(0);
         *deadline_ms = now_ms
             .saturating_add(LEASE_CLOCK_RESOLUTION_MS)
-            .saturating_add(lease.ttl_ms);
+            .saturating_add(lease.ttl_ms)
+            .max(floor_ms);
         // Without a fresh enough "renewed" record, a later leader could resume the lease at a
         // deadline earlier than the one just promised. A record from before this leader's
-        // promotion is not fresh: this leader's anchor, applied after it, replaces it.
+        // promotion does not count: the promotion's deadline checkpoint overwrites it, and a
+        // next leader would resume from that deadline (the simulator's lease checker found
+        // a keepalive answered in that window and expired early).
         let recorded = match lease.resume {
             LeaseResume::Renewed { at_ms } => {
                 at_ms >= self.promoted_at_ms && now_ms < at_ms.saturating_add(interval_ms)
@@ -435,6 +455,44 @@ mod tests {
     }
 
     #[test]
+    fn a_new_leader_records_its_first_renewal_even_inside_the_interval() {
+        let mut table = LeaseTable::new();
+        let (id, _) = table.grant(0, 3000, 0, &config()).expect("grant");
+        let renewed = LeaseCheckpoint {
+            id,
+            deadline_ms: None,
+        };
+        table.checkpoint(&renewed, 1000);
+        // A new leader promoted inside the interval of that record: its promotion checkpoint
+        // (a deadline) will replace the record, so a keepalive must record itself again, or a
+        // next leader resumes the lease before the TTL this keepalive promises.
+        let mut keeper = LeaseKeeper::new(&config());
+        keeper.promote(&table, 1500);
+        let renewal = keeper.renew(&table, id, 1600).expect("renew");
+        assert_eq!(renewal.checkpoint_before_reply, Some(renewed));
+    }
+
+    #[test]
+    fn a_keepalive_on_a_new_leader_keeps_what_the_old_one_may_have_promised() {
+        let mut table = LeaseTable::new();
+        let (id, _) = table.grant(0, 3000, 0, &config()).expect("grant");
+        table.checkpoint(
+            &LeaseCheckpoint {
+                id,
+                deadline_ms: None,
+            },
+            1000,
+        );
+        // The old leader may answer keepalives without a record until 11 000, each promising
+        // a TTL: up to 14 000. A keepalive on the new leader at 2000 keeps that.
+        let mut keeper = LeaseKeeper::new(&config());
+        keeper.promote(&table, 1500);
+        keeper.renew(&table, id, 2000).expect("renew");
+        assert_eq!(keeper.expired(13_999, 10), Vec::<i64>::new());
+        assert_eq!(keeper.expired(14_000, 10), vec![id]);
+    }
+
+    #[test]
     fn renewals_record_themselves_once_per_interval() {
         let mut table = LeaseTable::new();
         let (id, _) = table.grant(0, 3000, 0, &config()).expect("grant");
@@ -468,10 +526,16 @@ mod tests {
         assert!(renewal.checkpoint_before_reply.is_some());
         // Past the deadline a keepalive cannot resurrect the lease.
         assert_eq!(keeper.renew(&table, id, 20_000), Err(Error::LeaseNotFound));
-        // A new leader resumes a renewed lease at most a full TTL from now.
+        // A new leader resumes a renewed lease at the bound a deposed leader may have
+        // promised (record 1000 + interval 10 000 + TTL 3000), not a bare TTL from now: a
+        // keepalive the old leader answered at 10 999 promised 14 000 (to the end of its ms).
         let mut next = LeaseKeeper::new(&config());
         next.promote(&table, 5000);
-        assert_eq!(next.remaining_ms(id, 5000), Some(3001));
+        assert_eq!(next.remaining_ms(id, 5000), Some(9000));
+        // The bound is capped at a TTL and an interval from now (a clock that ran ahead).
+        let mut next = LeaseKeeper::new(&config());
+        next.promote(&table, 0);
+        assert_eq!(next.remaining_ms(id, 0), Some(13_001));
     }
 
     /// Two leader changes in quick succession, with a keepalive answered by the middle leader
@@ -536,7 +600,7 @@ mod tests {
         }
         assert_eq!(keeper.expired(4000, 10), Vec::<i64>::new());
         assert_eq!(keeper.expired(4001, 10), vec![id]);
-        // A new leader's clamp to one full TTL counts the same way.
+        // A new leader's cap counts the same way.
         let mut next = LeaseKeeper::new(&config());
         next.promote(&table, 1000);
         assert_eq!(next.expired(4000, 10), Vec::<i64>::new());

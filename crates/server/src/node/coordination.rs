@@ -1,18 +1,21 @@
 //! Conclave's coordination state machine (`conclave_state::StateMachine`) on the generic
-//! driver: commands stamped with the leader's clock, the leader's lease duty (deadlines,
-//! keepalives, expiry and checkpoint proposals), and the applied events fanned out to
-//! watchers. [`NodeHandle`] is what the etcd and `conclave.v1` services talk to.
+//! driver: commands stamped with the leader's clock, the leader's duties (in the sans-IO
+//! [`LeaderDuties`]) and the applied events fanned out to watchers. [`NodeHandle`] is what the
+//! etcd and `conclave.v1` services talk to.
 
 use std::sync::{Arc, RwLock};
 
-use conclave_raft::{ConfChangeStep, NodeId, Role};
-use conclave_state::{ApplyOutput, Command, Event, LeaseKeeper, Request, SessionSeq, StateMachine};
+use conclave_raft::{ConfChangeStep, NodeId};
+use conclave_state::{ApplyOutput, Command, Event, Request, SessionSeq, StateMachine};
 use conclave_storage::WalStorage;
 use tokio::sync::{broadcast, mpsc, oneshot, watch};
 
+use super::core::Duties;
 use super::driver::{
-    self, Applied, Core, Duties, Handle, NodeRequest, NodeStatus, PeerMatch, now_ms,
+    self, Applied, Core, Handle, NodeRequest, NodeStatus, PeerMatch, ShellDuties, Waiters, now_ms,
 };
+use super::leader_duties::LeaderDuties;
+pub use super::leader_duties::Proposal;
 use crate::config::{Member, ServerConfig};
 use crate::error::Error;
 use crate::machine::{MachineError, ReplicatedMachine};
@@ -20,34 +23,24 @@ use crate::transport::{InboundMessage, PeerTransport};
 
 /// Events a watcher hub may lag behind the apply path before it is told it lost some.
 pub const APPLIED_EVENTS_BUFFER_MAX: usize = 65_536;
-/// Leases one `LeaseExpire` command revokes at most, so one entry stays small.
-const LEASE_EXPIRE_BATCH_MAX: usize = 1000;
-/// Checkpoints one `LeaseCheckpoint` command carries at most (a new leader anchors every lease).
-const LEASE_CHECKPOINT_BATCH_MAX: usize = 1000;
-/// An expiry proposal not applied within this long (lost to a leader change) is made again.
-const LEASE_EXPIRE_RETRY_MS: u64 = 1000;
 /// A keepalive this long after its lease's last "renewed" record commits a new one first. An
 /// abandoned lease ends by its last keepalive + TTL + this across leader changes; etcd's
 /// clients renew every TTL/3 (at least 333 ms), so a shorter interval would cost an entry on
 /// nearly every keepalive.
 const LEASE_CHECKPOINT_INTERVAL_MS: u64 = 500;
 
-/// A client request for the coordination machine, with the client's exactly-once session
-/// position when it has one. The leader stamps its clock on it when it proposes.
-#[derive(Debug, Clone)]
-pub struct Proposal {
-    pub request: Request,
-    pub session: Option<SessionSeq>,
-}
-
 impl ReplicatedMachine for StateMachine {
     type Command = Proposal;
     type Output = ApplyOutput;
 
     fn encode(proposal: Proposal) -> Vec<u8> {
+        Self::encode_at(proposal, now_ms())
+    }
+
+    fn encode_at(proposal: Proposal, now_ms: u64) -> Vec<u8> {
         // The leader's clock is the state machine's only notion of time (leases, sessions).
         Command {
-            leader_time_ms: now_ms(),
+            leader_time_ms: now_ms,
             session: proposal.session,
             request: proposal.request,
         }
@@ -220,15 +213,8 @@ pub fn spawn(
     let state_config = state_config(&config);
     let (events, _) = broadcast::channel(APPLIED_EVENTS_BUFFER_MAX);
     let duties = CoordinationDuties {
-        leases: LeaseDuty {
-            keeper: LeaseKeeper::new(&state_config),
-            role: LeaseRole::Follower,
-            synced_index: 0,
-            expire_pending: None,
-        },
+        leader: LeaderDuties::new(&state_config),
         events: events.clone(),
-        batch_events: Vec::new(),
-        batch_revision: 0,
     };
     let machine = StateMachine::new(state_config);
     let (node, thread) = driver::spawn(config, machine, duties, transport, inbound, shutdown)?;
@@ -241,219 +227,60 @@ pub fn spawn(
     Ok((handle, thread))
 }
 
-/// Where this node stands with the leases (only a leader keeps their deadlines).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum LeaseRole {
-    Follower,
-    /// Leader, waiting to apply every entry up to `index` (its own term's first entry) so that
-    /// it resumes the leases from the newest records earlier leaders left.
-    Promoting {
-        index: u64,
-    },
-    Leading,
-}
-
-/// The leader's lease duty: deadlines, expiry and checkpoints. See `docs/state.md`, Leases.
-struct LeaseDuty {
-    keeper: LeaseKeeper,
-    role: LeaseRole,
-    /// Applied index the keeper last adopted grants and revocations at.
-    synced_index: u64,
-    /// The last expiry proposal (index, leader time), until applied or given up on.
-    expire_pending: Option<(u64, u64)>,
-}
-
-/// What the coordination machine runs beside itself on the driver thread.
+/// What the coordination machine runs beside itself on the driver thread: the sans-IO
+/// leader duties, and the fan-out of their applied events to watchers.
 struct CoordinationDuties {
-    leases: LeaseDuty,
+    leader: LeaderDuties,
     events: broadcast::Sender<AppliedEvents>,
-    /// Events of the batch being applied, sent to watchers in one message after it.
-    batch_events: Vec<Event>,
-    /// The revision after the last command of the batch being applied.
-    batch_revision: i64,
 }
 
-impl Duties<StateMachine> for CoordinationDuties {
-    type Request = LeaseRequest;
-
-    fn request(&mut self, core: &mut Core<StateMachine>, request: LeaseRequest) {
-        match request {
-            LeaseRequest::Renew { id, reply } => {
-                let result = self.lease_renew(core, id);
-                let _ = reply.send(result);
-            }
-            LeaseRequest::Remaining { id, reply } => {
-                let result = self.lease_remaining_ms(core, id);
-                let _ = reply.send(result);
-            }
-        }
-    }
-
+impl Duties<StateMachine, WalStorage> for CoordinationDuties {
     fn turn(&mut self, core: &mut Core<StateMachine>, ticked: bool) {
-        self.drive_leases(core, ticked);
+        Duties::<StateMachine, WalStorage>::turn(&mut self.leader, core, ticked);
     }
 
     fn applied(&mut self, output: &ApplyOutput) {
-        self.batch_revision = output.revision;
-        self.batch_events.extend(output.events.iter().cloned());
+        Duties::<StateMachine, WalStorage>::applied(&mut self.leader, output);
     }
 
     fn batch_applied(&mut self) {
-        if self.batch_events.is_empty() {
+        let Some((revision, events)) = self.leader.take_events() else {
             return;
-        }
+        };
         // No receiver is fine: nobody watches.
         let _ = self.events.send(AppliedEvents {
-            revision: self.batch_revision,
-            events: Arc::new(std::mem::take(&mut self.batch_events)),
+            revision,
+            events: Arc::new(events),
         });
     }
 }
 
-impl CoordinationDuties {
-    /// Why this node cannot serve lease deadlines now, if it cannot.
-    fn lease_unavailable(&self, core: &Core<StateMachine>) -> Option<Error> {
-        if core.role() != Role::Leader {
-            return Some(Error::NotLeader {
-                leader: core.leader(),
-            });
-        }
-        // A fresh leader first resumes the leases (moments after its election); callers retry.
-        (self.leases.role != LeaseRole::Leading).then_some(Error::LeaderChanged)
-    }
+impl ShellDuties<StateMachine> for CoordinationDuties {
+    type Request = LeaseRequest;
 
-    fn lease_renew(
+    fn request(
         &mut self,
         core: &mut Core<StateMachine>,
-        id: i64,
-    ) -> Result<Option<LeaseRenewal>, Error> {
-        if let Some(error) = self.lease_unavailable(core) {
-            return Err(error);
-        }
-        let now = now_ms();
-        let renewal = self.leases.keeper.renew(core.machine().leases(), id, now);
-        // The keeper refuses only leases that are gone or past their deadline.
-        let Ok(renewal) = renewal else {
-            return Ok(None);
-        };
-        let checkpoint = renewal.checkpoint_before_reply.map(|checkpoint| {
-            let (reply, committed) = oneshot::channel();
-            let request = Request::LeaseCheckpoint {
-                checkpoints: vec![checkpoint],
-            };
-            core.propose(
-                Proposal {
-                    request,
-                    session: None,
-                },
-                reply,
-            );
-            committed
-        });
-        Ok(Some(LeaseRenewal {
-            ttl_ms: renewal.ttl_ms,
-            checkpoint,
-        }))
-    }
-
-    fn lease_remaining_ms(
-        &mut self,
-        core: &mut Core<StateMachine>,
-        id: i64,
-    ) -> Result<Option<u64>, Error> {
-        if let Some(error) = self.lease_unavailable(core) {
-            return Err(error);
-        }
-        let now = now_ms();
-        let state = core.machine();
-        let Some(lease) = state.lease(id) else {
-            return Ok(None);
-        };
-        // A lease granted in this very turn is not synced into the keeper yet: its recorded
-        // bound is where the keeper will put it.
-        let interval_ms = state.config().lease_checkpoint_interval_ms;
-        let remaining = self.leases.keeper.remaining_ms(id, now).unwrap_or_else(|| {
-            lease
-                .resume
-                .promise_bound_ms(lease.ttl_ms, interval_ms)
-                .saturating_sub(now)
-        });
-        Ok(Some(remaining))
-    }
-
-    /// The leader's lease duty, once per loop turn: follow leadership changes (promote once
-    /// the new term's first entry is applied, demote on losing it), adopt applied grants and
-    /// revocations, and on ticks propose the expiry of leases past their deadline.
-    fn drive_leases(&mut self, core: &mut Core<StateMachine>, ticked: bool) {
-        let applied = core.applied_index();
-        if core.role() != Role::Leader {
-            if self.leases.role != LeaseRole::Follower {
-                self.leases.keeper.demote();
-                self.leases.role = LeaseRole::Follower;
-                self.leases.expire_pending = None;
+        waiters: &mut Waiters<ApplyOutput>,
+        request: LeaseRequest,
+    ) {
+        match request {
+            LeaseRequest::Renew { id, reply } => {
+                let result = self.leader.lease_renew(core, id).map(|renewal| {
+                    renewal.map(|renewal| LeaseRenewal {
+                        ttl_ms: renewal.ttl_ms,
+                        checkpoint: renewal.checkpoint.map(|token| {
+                            let (reply, committed) = oneshot::channel();
+                            waiters.command(token, reply);
+                            committed
+                        }),
+                    })
+                });
+                let _ = reply.send(result);
             }
-            return;
-        }
-        match self.leases.role {
-            LeaseRole::Follower => {
-                // The no-op of this term is at or below the last index now.
-                self.leases.role = LeaseRole::Promoting {
-                    index: core.last_index(),
-                };
-                return;
+            LeaseRequest::Remaining { id, reply } => {
+                let _ = reply.send(self.leader.lease_remaining_ms(core, id));
             }
-            LeaseRole::Promoting { index } if applied < index => return,
-            LeaseRole::Promoting { .. } => {
-                let checkpoints = self
-                    .leases
-                    .keeper
-                    .promote(core.machine().leases(), now_ms());
-                self.leases.role = LeaseRole::Leading;
-                self.leases.synced_index = applied;
-                // Anchor what this leader decided, so the next one resumes from it rather than
-                // granting another full grace (etcd issue 9888).
-                for batch in checkpoints.chunks(LEASE_CHECKPOINT_BATCH_MAX) {
-                    Self::propose_lease_duty(
-                        core,
-                        Request::LeaseCheckpoint {
-                            checkpoints: batch.to_vec(),
-                        },
-                    );
-                }
-                tracing::info!(leases = checkpoints.len(), "leases resumed as leader");
-            }
-            LeaseRole::Leading => {}
         }
-        if applied > self.leases.synced_index {
-            self.leases.keeper.sync(core.machine().leases());
-            self.leases.synced_index = applied;
-        }
-        if !ticked {
-            return;
-        }
-        let now = now_ms();
-        if let Some((index, at_ms)) = self.leases.expire_pending {
-            let lost = now >= at_ms.saturating_add(LEASE_EXPIRE_RETRY_MS);
-            if applied < index && !lost {
-                return;
-            }
-            self.leases.expire_pending = None;
-        }
-        let ids = self.leases.keeper.expired(now, LEASE_EXPIRE_BATCH_MAX);
-        if ids.is_empty() {
-            return;
-        }
-        tracing::debug!(?ids, "proposing lease expiry");
-        if let Some(index) = Self::propose_lease_duty(core, Request::LeaseExpire { ids }) {
-            self.leases.expire_pending = Some((index, now));
-        }
-    }
-
-    /// Proposes a leader-made lease command nobody waits for; returns its index.
-    fn propose_lease_duty(core: &mut Core<StateMachine>, request: Request) -> Option<u64> {
-        core.propose_untracked(Proposal {
-            request,
-            session: None,
-        })
     }
 }

@@ -1,24 +1,32 @@
-//! The node runtime: the one task that drives the Raft core, generic over the replicated
-//! machine ([`crate::ReplicatedMachine`]).
+//! The node runtime: a sans-IO node core ([`core::NodeCore`]) that decides, and the driver
+//! thread that does its I/O, generic over the replicated machine
+//! ([`crate::ReplicatedMachine`]).
 //!
 //! ```text
 //!  ticker (tick_ms) ─────────┐
-//!  peers ─ serve_peers ─ mpsc ┼─► Driver ─ RawNode::ready ─┬─ 1. WAL append + hard state, fsync
-//!  handle ─ NodeRequest ─ mpsc┘   (one OS thread,          ├─ 2. PeerTransport::send
-//!                                  group commit: drains     ├─ 3. machine.apply ─► waiters
-//!                                  every queue, then one    ├─ 4. read states ─► read waiters
-//!                                  Ready, one fsync)        └─ 5. advance; maybe snapshot
+//!  peers ─ serve_peers ─ mpsc ┼─► driver (shell) ─► NodeCore::turn ─┬─ 1. WAL append + hard state, fsync
+//!  handle ─ NodeRequest ─ mpsc┘   (one OS thread,                   ├─ 2. ReadyIo::send ─► PeerTransport
+//!                                  group commit: drains              ├─ 3. machine.apply ─► Output by token
+//!                                  every queue, then one             ├─ 4. read states ─► Output by token
+//!                                  turn, one fsync)                  └─ 5. advance; snapshot_due
 //!  NodeStatus (watch) ◄── role, leader, term, commit, applied
 //! ```
 //!
 //! The driver runs on its own OS thread with a current-thread runtime, so an fsync blocks
-//! only Raft, never the gRPC server. A proposal's waiter is keyed by (index, term): if the entry
-//! applied at that index carries another term, a new leader overwrote it and the waiter gets
-//! [`Error::LeaderChanged`](crate::Error::LeaderChanged) instead of hanging.
+//! only Raft, never the gRPC server. A proposal's waiter is keyed by (index, term) in the core
+//! and by token in the shell: if the entry applied at that index carries another term, a new
+//! leader overwrote it and the waiter gets
+//! [`Error::LeaderChanged`](crate::Error::LeaderChanged) instead of hanging. The simulator
+//! (`conclave-sim`) runs the same core with virtual time and a simulated disk.
 //!
 //! # Modules
-//! - `driver`: the generic driver: Raft core, WAL, transport, ReadIndex, proposal waiters,
-//!   membership and snapshots; the `Duties` seam for what one machine adds beside itself.
+//! - `core`: the sans-IO node core: Ready handling in the contract's order, apply, waiters
+//!   keyed by tokens, ReadIndex completion, member records, snapshot policy and recording.
+//!   The simulator (`conclave-sim`) runs this same core.
+//! - `leader_duties`: the coordination machine's leader duties (leases, the timer `Tick`),
+//!   sans-IO too.
+//! - `driver`: the I/O shell around the core: clock, ticker, queues, peer transport, snapshot
+//!   writer thread, reply channels; the `ShellDuties` seam for what one machine adds.
 //! - `coordination`: Conclave's coordination machine on it (leader clock stamping, the lease
 //!   duty, watch events) and the [`NodeHandle`] the etcd and `conclave.v1` services use.
 //! - `entries`: how member records and machine bytes share the log and the snapshots.
@@ -29,9 +37,11 @@
 use std::path::Path;
 
 mod coordination;
+pub mod core;
 pub(crate) mod driver;
 mod entries;
 mod identity;
+pub mod leader_duties;
 
 pub use coordination::{
     APPLIED_EVENTS_BUFFER_MAX, AppliedEvents, LeaseRenewal, NodeHandle, Proposal, open_storage,

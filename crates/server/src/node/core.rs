@@ -1,0 +1,1110 @@
+//! The node core: everything that decides, with no I/O of its own.
+//!
+//! The core owns the Raft core, the applied machine, the proposal and read waiters (keyed by
+//! [`Token`]s the shell maps to its own reply channels), the member records and the snapshot
+//! policy. It takes inputs (the time, a tick, a peer message, a client request, a written
+//! snapshot) and produces outputs: messages through [`ReadyIo::send`], answers in
+//! [`NodeCore::take_outputs`], a snapshot to write from [`NodeCore::snapshot_due`]. It reads
+//! no clock, spawns nothing and touches files only through its [`NodeStore`] (the write-ahead
+//! log over the storage crate's `Disk` seam). The server's driver thread is one shell around
+//! it; the simulator (`conclave-sim`) is another, over a simulated disk and virtual time.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+use bytes::Bytes;
+use conclave_raft::{
+    ConfChange, ConfChangeStep, ConfState, Entry, EntryKind, HardState, Message, MessageBody,
+    NodeId, RawNode, Ready, Role, Snapshot, SnapshotMeta, Storage,
+};
+use conclave_storage::WalStorage;
+
+use super::entries::{self, EntryBody};
+use crate::config::{Member, ServerConfig};
+use crate::error::Error;
+use crate::machine::ReplicatedMachine;
+
+/// At most one WARN line per this many milliseconds about refused peer messages; the ones
+/// in between are only counted, and the next line says how many were not logged.
+const REFUSED_MESSAGE_WARN_INTERVAL_MS: u64 = 1_000;
+
+/// Names one waiter: a proposal or a read the shell keeps a reply channel for.
+pub type Token = u64;
+
+/// What a committed proposal produced.
+#[derive(Debug, Clone)]
+pub struct Applied<O> {
+    /// The machine's answer.
+    pub output: O,
+    /// The Raft term the entry was committed in.
+    pub term: u64,
+}
+
+/// The node's public view, published by the shell on every change.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NodeStatus {
+    pub id: NodeId,
+    pub role: Option<Role>,
+    pub leader: Option<NodeId>,
+    pub term: u64,
+    pub commit_index: u64,
+    pub applied_index: u64,
+    pub last_index: u64,
+    pub conf_state: ConfState,
+    /// The replicated member records (ids, names, addresses), by id.
+    pub members: Vec<Member>,
+    /// Set once the driver stopped; the reason, empty for a clean shutdown.
+    pub stopped: Option<String>,
+    /// Peer messages the Raft core refused (forged, out of bounds, from a non-member) and
+    /// the node dropped, since it started.
+    pub refused_peer_messages: u64,
+}
+
+/// A peer's replication progress as its leader sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeerMatch {
+    /// The highest log index known to be on the peer.
+    pub matched: u64,
+    /// The leader's own last log index.
+    pub leader_last: u64,
+}
+
+/// An answer the shell hands to whoever holds the token.
+#[derive(Debug)]
+pub enum Output<O> {
+    /// A proposal is settled: `Some` carries a machine command's output, `None` says a member
+    /// record or a membership change was applied.
+    Settled {
+        token: Token,
+        result: Result<Option<Applied<O>>, Error>,
+    },
+    /// A linearizable read may now run against the applied machine (or failed).
+    ReadReady {
+        token: Token,
+        result: Result<(), Error>,
+    },
+}
+
+/// The write side of the storage under the core; reads go through [`Storage`].
+pub trait NodeStore: Storage {
+    fn apply_snapshot(&mut self, snapshot: Snapshot) -> Result<(), Error>;
+    fn append(&mut self, entries: &[Entry]) -> Result<(), Error>;
+    fn set_hard_state(&mut self, hard_state: HardState) -> Result<(), Error>;
+    fn sync(&mut self) -> Result<(), Error>;
+    /// Whether something written is not yet synced.
+    fn needs_sync(&self) -> bool;
+}
+
+impl NodeStore for WalStorage {
+    fn apply_snapshot(&mut self, snapshot: Snapshot) -> Result<(), Error> {
+        Ok(WalStorage::apply_snapshot(self, snapshot)?)
+    }
+    fn append(&mut self, entries: &[Entry]) -> Result<(), Error> {
+        WalStorage::append(self, entries)?;
+        Ok(())
+    }
+    fn set_hard_state(&mut self, hard_state: HardState) -> Result<(), Error> {
+        WalStorage::set_hard_state(self, hard_state)?;
+        Ok(())
+    }
+    fn sync(&mut self) -> Result<(), Error> {
+        WalStorage::sync(self)?;
+        Ok(())
+    }
+    fn needs_sync(&self) -> bool {
+        WalStorage::needs_sync(self)
+    }
+}
+
+/// Where the core stands within one Ready, for a shell that wants to stop it there (the
+/// simulator crashes nodes at these points).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReadyPoint {
+    /// Before anything of the Ready is persisted (a leader's appends may be out already).
+    BeforePersist,
+    /// Written, not yet synced.
+    BeforeSync,
+    /// Durable.
+    Persisted,
+    /// Every message sent.
+    Sent,
+    /// Committed entries applied.
+    Applied,
+}
+
+/// The shell's side of handling a Ready.
+pub trait ReadyIo {
+    /// Sends one message to its peer (best effort: the network may lose it).
+    fn send(&mut self, message: Message);
+    /// The core reached `point` of `ready`. Returning false stops the node right there, as a
+    /// crash would; the shell must then drop the core and reopen its storage.
+    fn reached(&mut self, _point: ReadyPoint, _ready: &Ready) -> bool {
+        true
+    }
+}
+
+/// How handling the Readies of one turn ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TurnEnd {
+    Done,
+    /// [`ReadyIo::reached`] stopped the node.
+    Stopped,
+}
+
+/// Limits and policy the core applies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CoreSettings {
+    /// Proposals waiting to be applied at most; more are refused with `TooManyRequests`.
+    pub proposals_inflight_max: usize,
+    /// Linearizable reads waiting at most.
+    pub reads_inflight_max: usize,
+    /// Snapshot once this many entries were applied since the last snapshot.
+    pub snapshot_entries: u64,
+}
+
+impl CoreSettings {
+    pub fn from_config(config: &ServerConfig) -> Self {
+        CoreSettings {
+            proposals_inflight_max: config.proposals_inflight_max,
+            reads_inflight_max: config.reads_inflight_max,
+            snapshot_entries: config.snapshot_entries,
+        }
+    }
+}
+
+/// Deliberate bugs the simulator's negative controls switch on, to prove its checkers catch
+/// them. Compiled only with the `negative-controls` feature; all off by default.
+#[cfg(feature = "negative-controls")]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CoreBugs {
+    /// Answer a machine command as soon as it is proposed, before it commits and applies.
+    pub answer_before_apply: bool,
+    /// On a follower, apply committed entries before persisting the Ready's entries.
+    pub apply_before_persist: bool,
+    /// The leader never proposes the machine's timer `Tick` (see `LeaderDuties`).
+    pub skip_tick: bool,
+}
+
+/// What runs beside the replicated machine without being replicated itself: leader-only
+/// duties and what follows what was applied. Every hook has a default that does nothing.
+pub trait Duties<M: ReplicatedMachine, S: NodeStore> {
+    /// Once per turn, before the Readies are handled; `ticked` when a Raft tick happened.
+    fn turn(&mut self, _core: &mut NodeCore<M, S>, _ticked: bool) {}
+
+    /// The node's role, known leader or term changed (and once at start).
+    fn role_changed(&mut self, _role: Role, _leader: Option<NodeId>, _term: u64) {}
+
+    /// One entry was applied (the machine is locked for the batch; keep it short).
+    fn applied(&mut self, _output: &M::Output) {}
+
+    /// A batch of entries was applied and the machine unlocked; the proposers have not been
+    /// answered yet, so whatever this publishes is visible before they are.
+    fn batch_applied(&mut self) {}
+}
+
+/// What a waiter wants from the entry at its index.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Wants {
+    /// A machine command's output.
+    Output,
+    /// Only that a member record or a membership change was applied.
+    Done,
+}
+
+struct Waiter {
+    token: Token,
+    term: u64,
+    wants: Wants,
+}
+
+/// What applying the entry at a waiter's index produced.
+enum Outcome<O> {
+    Done,
+    Output(Applied<O>),
+    Rejected(Error),
+}
+
+/// Counts the peer messages the core refused and rate-limits their WARN lines, so a flood
+/// of forged messages costs a counter increment each, not a log line each.
+#[derive(Default)]
+struct RefusedMessages {
+    total: u64,
+    /// Refused since the last WARN line, not logged one by one.
+    unlogged: u64,
+    last_warn_ms: Option<u64>,
+}
+
+impl RefusedMessages {
+    fn record(&mut self, error: &conclave_raft::Error, now_ms: u64) {
+        self.total = self.total.saturating_add(1);
+        if self
+            .last_warn_ms
+            .is_some_and(|last| now_ms.saturating_sub(last) < REFUSED_MESSAGE_WARN_INTERVAL_MS)
+        {
+            self.unlogged = self.unlogged.saturating_add(1);
+            return;
+        }
+        let sender = match error {
+            conclave_raft::Error::RefusedMessage { from, .. }
+            | conclave_raft::Error::AppendResponseBeyondLog { from, .. }
+            | conclave_raft::Error::UnknownPeer(from) => Some(*from),
+            _ => None,
+        };
+        tracing::warn!(
+            sender,
+            reason = %error,
+            not_logged_since_last = self.unlogged,
+            total_refused = self.total,
+            "peer message refused and dropped"
+        );
+        self.unlogged = 0;
+        self.last_warn_ms = Some(now_ms);
+    }
+}
+
+/// A snapshot the shell should write: the machine's image behind the member records.
+#[derive(Debug, Clone)]
+pub struct SnapshotPlan {
+    pub meta: SnapshotMeta,
+    pub data: Bytes,
+}
+
+/// The sans-IO node; see the module documentation.
+pub struct NodeCore<M: ReplicatedMachine, S: NodeStore> {
+    settings: CoreSettings,
+    raw: RawNode<S>,
+    machine: Arc<RwLock<M>>,
+    /// The shell's clock, milliseconds since the Unix epoch (virtual time in the simulator).
+    now_ms: u64,
+    ticked: bool,
+    next_token: Token,
+    /// Invariant: keys are indexes this node proposed as leader and has not applied yet.
+    proposals: BTreeMap<u64, Waiter>,
+    /// Reads asked for in this turn; they share one ReadIndex round.
+    reads_unsent: Vec<Token>,
+    /// Reads whose round is under way, by context.
+    reads_sent: HashMap<u64, Vec<Token>>,
+    /// Reads confirmed at an index the machine has not reached yet.
+    reads_confirmed: Vec<(u64, Vec<Token>)>,
+    next_read_context: u64,
+    snapshot_index: u64,
+    /// The index of a snapshot the shell is writing, until it reports it written.
+    snapshot_pending: Option<u64>,
+    /// The replicated member records, by id: founding members or the snapshot's, then
+    /// applied member entries.
+    members: BTreeMap<NodeId, Member>,
+    /// Set when `members` changed; the shell re-dials its peers.
+    members_changed: bool,
+    /// Nodes a membership change removes; their records go once the configuration no longer
+    /// holds them (the joint configuration still needs them).
+    removals: BTreeSet<NodeId>,
+    refused: RefusedMessages,
+    outputs: Vec<Output<M::Output>>,
+    #[cfg(feature = "negative-controls")]
+    pub bugs: CoreBugs,
+}
+
+/// The core's operating errors as the Raft core reports them.
+pub(crate) fn raft_error(error: conclave_raft::Error) -> Error {
+    match error {
+        conclave_raft::Error::NotLeader { leader } => Error::NotLeader { leader },
+        conclave_raft::Error::NoLeader => Error::NoLeader,
+        other => Error::Raft(other),
+    }
+}
+
+/// The operating errors a batch of readers may share (the error type holds `io::Error`, so it
+/// is not `Clone`).
+fn clone_error(error: &Error) -> Error {
+    match error {
+        Error::NoLeader => Error::NoLeader,
+        Error::NotLeader { leader } => Error::NotLeader { leader: *leader },
+        Error::LeaderChanged => Error::LeaderChanged,
+        Error::TooManyRequests => Error::TooManyRequests,
+        Error::Raft(e) => Error::Raft(e.clone()),
+        _ => Error::Stopped,
+    }
+}
+
+/// Restores `machine` from a snapshot; returns the snapshot's member records, if it has them.
+pub(crate) fn restore_machine<M: ReplicatedMachine>(
+    machine: &mut M,
+    snapshot: &Snapshot,
+) -> Result<Option<Vec<Member>>, Error> {
+    if snapshot.data.is_empty() {
+        // The bootstrap snapshot carries membership only: the machine stays as it started.
+        return Ok(None);
+    }
+    let (members, image) = entries::split_snapshot(&snapshot.data[..])
+        .ok_or_else(|| Error::StateRestore("malformed member records in the snapshot".into()))?;
+    machine
+        .restore(image)
+        .map_err(|e| Error::StateRestore(e.to_string()))?;
+    Ok(members)
+}
+
+impl<M: ReplicatedMachine, S: NodeStore> NodeCore<M, S> {
+    /// A core over `raw`, whose storage holds a snapshot at `snapshot_index`; `machine` is
+    /// already restored from it and `members` are its member records (or the founders').
+    pub fn new(
+        settings: CoreSettings,
+        raw: RawNode<S>,
+        machine: Arc<RwLock<M>>,
+        members: BTreeMap<NodeId, Member>,
+        snapshot_index: u64,
+        now_ms: u64,
+    ) -> Self {
+        NodeCore {
+            settings,
+            raw,
+            machine,
+            now_ms,
+            ticked: false,
+            next_token: 1,
+            proposals: BTreeMap::new(),
+            reads_unsent: Vec::new(),
+            reads_sent: HashMap::new(),
+            reads_confirmed: Vec::new(),
+            next_read_context: 1,
+            snapshot_index,
+            snapshot_pending: None,
+            members,
+            members_changed: true,
+            removals: BTreeSet::new(),
+            refused: RefusedMessages::default(),
+            outputs: Vec::new(),
+            #[cfg(feature = "negative-controls")]
+            bugs: CoreBugs::default(),
+        }
+    }
+
+    /// Opens a core over `store` (restoring `machine` from its snapshot). `founders` are the
+    /// member records when the snapshot has none.
+    pub fn open(
+        settings: CoreSettings,
+        raft_config: conclave_raft::Config,
+        store: S,
+        mut machine: M,
+        founders: Vec<Member>,
+        now_ms: u64,
+    ) -> Result<Self, Error> {
+        let snapshot = store
+            .snapshot()
+            .map_err(|e| Error::StateRestore(e.to_string()))?;
+        let members = restore_machine(&mut machine, &snapshot)?
+            .unwrap_or(founders)
+            .into_iter()
+            .map(|m| (m.id, m))
+            .collect();
+        let snapshot_index = snapshot.meta.index;
+        let raw = RawNode::new(raft_config, store).map_err(Error::RaftStart)?;
+        Ok(NodeCore::new(
+            settings,
+            raw,
+            Arc::new(RwLock::new(machine)),
+            members,
+            snapshot_index,
+            now_ms,
+        ))
+    }
+
+    /// The first turn: tells the duties where the node stands, and a one-member cluster
+    /// campaigns at once rather than waiting out an election timeout.
+    pub fn start(&mut self, duties: &mut impl Duties<M, S>) {
+        duties.role_changed(self.raw.role(), self.raw.leader(), self.raw.term());
+        if self.raw.conf_state().voters.len() == 1
+            && self.raw.conf_state().is_voter(self.raw.id())
+            && let Err(error) = self.raw.campaign()
+        {
+            tracing::warn!(%error, "not campaigning");
+        }
+    }
+
+    // ---- inputs ----------------------------------------------------------------------------
+
+    /// The shell's clock moved to `now_ms` (called at every turn, before anything else).
+    pub fn set_time(&mut self, now_ms: u64) {
+        self.now_ms = now_ms;
+    }
+
+    /// One Raft tick.
+    pub fn tick(&mut self) {
+        self.raw.tick();
+        self.ticked = true;
+    }
+
+    /// Steps a peer's message into the core. A refusal drops the message, never the node.
+    pub fn step(&mut self, message: Message) {
+        match self.raw.step(message) {
+            Ok(()) => {}
+            Err(error) if error.is_refused_message() => {
+                self.refused.record(&error, self.now_ms);
+            }
+            // A TimeoutNow the node cannot act on (its term is exhausted).
+            Err(error) => tracing::warn!(%error, "peer message not acted on"),
+        }
+    }
+
+    fn new_token(&mut self) -> Token {
+        let token = self.next_token;
+        self.next_token += 1;
+        token
+    }
+
+    /// Proposes `command` as leader; the token's [`Output::Settled`] carries its output once
+    /// it is applied here (or the reason it was lost).
+    pub fn propose(&mut self, command: M::Command) -> Result<Token, Error> {
+        // Encoded here, on the leader at proposal time, so the machine may stamp its clock.
+        let now_ms = self.now_ms;
+        let token = self.propose_tracked(Wants::Output, |raw| {
+            raw.propose(Bytes::from(entries::machine_entry(M::encode_at(
+                command, now_ms,
+            ))))
+        })?;
+        #[cfg(feature = "negative-controls")]
+        if self.bugs.answer_before_apply
+            && let Some((&index, _)) = self.proposals.iter().find(|(_, w)| w.token == token)
+        {
+            // The bug: the proposer hears "done" before anything committed.
+            self.proposals.remove(&index);
+            self.outputs.push(Output::Settled {
+                token,
+                result: Ok(None),
+            });
+        }
+        Ok(token)
+    }
+
+    /// Proposes a command nobody waits for (a leader's own duty); returns its index.
+    pub fn propose_untracked(&mut self, command: M::Command) -> Option<u64> {
+        let data = Bytes::from(entries::machine_entry(M::encode_at(command, self.now_ms)));
+        match self.raw.propose(data) {
+            Ok(index) => Some(index),
+            Err(error) => {
+                tracing::warn!(%error, "leader duty not proposed");
+                None
+            }
+        }
+    }
+
+    /// Replicates a member record (`update`: a change to an existing one); settled once
+    /// applied here. Leader only.
+    pub fn propose_member(&mut self, member: &Member, update: bool) -> Result<Token, Error> {
+        let data = Bytes::from(if update {
+            entries::member_update_entry(member)
+        } else {
+            entries::member_entry(member)
+        });
+        self.propose_tracked(Wants::Done, |raw| raw.propose(data))
+    }
+
+    /// Proposes one membership change; settled once its entry is applied here. Leader only.
+    pub fn change_membership(&mut self, steps: Vec<ConfChangeStep>) -> Result<Token, Error> {
+        self.propose_tracked(Wants::Done, |raw| raw.propose_conf_change(steps))
+    }
+
+    /// Proposes with `propose` as leader and keeps a waiter until the entry is applied.
+    fn propose_tracked(
+        &mut self,
+        wants: Wants,
+        propose: impl FnOnce(&mut RawNode<S>) -> Result<u64, conclave_raft::Error>,
+    ) -> Result<Token, Error> {
+        if self.raw.role() != Role::Leader {
+            return Err(Error::NotLeader {
+                leader: self.raw.leader(),
+            });
+        }
+        if self.proposals.len() >= self.settings.proposals_inflight_max {
+            return Err(Error::TooManyRequests);
+        }
+        let term = self.raw.term();
+        let index = propose(&mut self.raw).map_err(raft_error)?;
+        let token = self.new_token();
+        self.proposals.insert(index, Waiter { token, term, wants });
+        Ok(token)
+    }
+
+    /// Asks for a linearizable read; the token's [`Output::ReadReady`] says when the machine
+    /// has applied up to a quorum-confirmed commit index.
+    pub fn read_index(&mut self) -> Result<Token, Error> {
+        let pending: usize = self.reads_unsent.len()
+            + self.reads_sent.values().map(Vec::len).sum::<usize>()
+            + self
+                .reads_confirmed
+                .iter()
+                .map(|(_, r)| r.len())
+                .sum::<usize>();
+        if pending >= self.settings.reads_inflight_max {
+            return Err(Error::TooManyRequests);
+        }
+        let token = self.new_token();
+        self.reads_unsent.push(token);
+        Ok(token)
+    }
+
+    /// Forgets reads whose caller gave up, so a round whose answer was lost cannot pin memory.
+    pub fn forget_reads(&mut self, abandoned: &BTreeSet<Token>) {
+        if abandoned.is_empty() {
+            return;
+        }
+        self.reads_sent.retain(|_, readers| {
+            readers.retain(|r| !abandoned.contains(r));
+            !readers.is_empty()
+        });
+    }
+
+    /// Hands leadership to `target` (Maintenance.MoveLeader).
+    pub fn transfer_leader(&mut self, target: NodeId) -> Result<(), Error> {
+        self.raw.transfer_leader(target).map_err(raft_error)
+    }
+
+    /// How far the leader has replicated to `peer`. Leader only.
+    pub fn peer_match(&self, peer: NodeId) -> Result<Option<PeerMatch>, Error> {
+        if self.raw.role() != Role::Leader {
+            return Err(Error::NotLeader {
+                leader: self.raw.leader(),
+            });
+        }
+        Ok(self.raw.peer_progress(peer).map(|(matched, _)| PeerMatch {
+            matched,
+            leader_last: self.raw.last_index(),
+        }))
+    }
+
+    /// On shutdown a leader hands over to its most up-to-date voter, so a rolling restart
+    /// loses no request. Returns false when there is nobody to hand over to.
+    pub fn begin_handoff(&mut self) -> bool {
+        if self.raw.role() != Role::Leader {
+            return false;
+        }
+        let me = self.raw.id();
+        let best = self
+            .raw
+            .conf_state()
+            .voters
+            .iter()
+            .copied()
+            .filter(|&id| id != me)
+            .filter_map(|id| self.raw.peer_progress(id).map(|(matched, _)| (matched, id)))
+            .max();
+        match best {
+            Some((_, target)) => {
+                tracing::info!(target, "shutting down: transferring leadership");
+                self.raw.transfer_leader(target).is_ok()
+            }
+            None => false,
+        }
+    }
+
+    // ---- the turn --------------------------------------------------------------------------
+
+    /// After a batch of inputs: one ReadIndex round for the new reads, the duties, then every
+    /// Ready in the contract's order. Fatal storage errors stop the node.
+    pub fn turn(
+        &mut self,
+        duties: &mut impl Duties<M, S>,
+        io: &mut impl ReadyIo,
+    ) -> Result<TurnEnd, Error> {
+        self.flush_reads();
+        let ticked = std::mem::take(&mut self.ticked);
+        duties.turn(self, ticked);
+        while self.raw.has_ready() {
+            if self.handle_ready(duties, io)? == TurnEnd::Stopped {
+                return Ok(TurnEnd::Stopped);
+            }
+        }
+        Ok(TurnEnd::Done)
+    }
+
+    /// Starts one ReadIndex round for every read asked for since the last one.
+    fn flush_reads(&mut self) {
+        if self.reads_unsent.is_empty() {
+            return;
+        }
+        let context = self.next_read_context;
+        self.next_read_context += 1;
+        let readers = std::mem::take(&mut self.reads_unsent);
+        match self
+            .raw
+            .read_index(Bytes::copy_from_slice(&context.to_be_bytes()))
+        {
+            Ok(()) => {
+                self.reads_sent.insert(context, readers);
+            }
+            Err(error) => {
+                let error = raft_error(error);
+                for token in readers {
+                    self.outputs.push(Output::ReadReady {
+                        token,
+                        result: Err(clone_error(&error)),
+                    });
+                }
+            }
+        }
+    }
+
+    /// Handles one Ready in the order its documentation prescribes.
+    fn handle_ready(
+        &mut self,
+        duties: &mut impl Duties<M, S>,
+        io: &mut impl ReadyIo,
+    ) -> Result<TurnEnd, Error> {
+        let ready: Ready = self.raw.ready();
+        if let Some(soft) = ready.soft_state {
+            tracing::info!(role = ?soft.role, leader = ?soft.leader, term = soft.term, "raft role");
+            // Read rounds do not survive a leader change; let their callers retry at once.
+            for (_, readers) in self.reads_sent.drain() {
+                for token in readers {
+                    self.outputs.push(Output::ReadReady {
+                        token,
+                        result: Err(Error::LeaderChanged),
+                    });
+                }
+            }
+            duties.role_changed(soft.role, soft.leader, soft.term);
+        }
+        // A leader's appends go out before its own write, so the followers' fsyncs overlap
+        // the leader's instead of following it: the Ready contract allows it, as the core
+        // counts the leader's copy toward a quorum only once `advance` reports it durable
+        // (the simulator crashes leaders in that window).
+        let leader = self.raw.role() == Role::Leader;
+        let sent_early =
+            |message: &Message| leader && matches!(message.body, MessageBody::Append { .. });
+        for message in ready.messages.iter().filter(|m| sent_early(m)) {
+            io.send(message.clone());
+        }
+        #[cfg(feature = "negative-controls")]
+        let apply_early = self.bugs.apply_before_persist && !leader;
+        #[cfg(feature = "negative-controls")]
+        if apply_early {
+            // The bug: the Ready's committed entries are applied before its entries are
+            // durable, and the rest of the contract then runs as usual.
+            self.apply_snapshot_and_entries(&ready, duties)?;
+            if !io.reached(ReadyPoint::Applied, &ready) {
+                return Ok(TurnEnd::Stopped);
+            }
+        }
+        if !io.reached(ReadyPoint::BeforePersist, &ready) {
+            return Ok(TurnEnd::Stopped);
+        }
+        // 1. Persist: snapshot, entries, hard state; fsync when asked.
+        let store = self.raw.store_mut();
+        if let Some(snapshot) = &ready.snapshot {
+            store.apply_snapshot(snapshot.clone())?;
+        }
+        if !ready.entries.is_empty() {
+            store.append(&ready.entries)?;
+        }
+        if let Some(hard_state) = ready.hard_state {
+            store.set_hard_state(hard_state)?;
+        }
+        if !io.reached(ReadyPoint::BeforeSync, &ready) {
+            return Ok(TurnEnd::Stopped);
+        }
+        if ready.must_sync {
+            self.raw.store_mut().sync()?;
+        }
+        if !io.reached(ReadyPoint::Persisted, &ready) {
+            return Ok(TurnEnd::Stopped);
+        }
+        // 2. Send: everything a message depends on is durable now.
+        for message in ready.messages.iter().filter(|m| !sent_early(m)) {
+            io.send(message.clone());
+        }
+        if !io.reached(ReadyPoint::Sent, &ready) {
+            return Ok(TurnEnd::Stopped);
+        }
+        // 3. Apply: a snapshot from the leader replaces the state, then committed entries.
+        #[cfg(feature = "negative-controls")]
+        let applied_already = apply_early;
+        #[cfg(not(feature = "negative-controls"))]
+        let applied_already = false;
+        if !applied_already {
+            self.apply_snapshot_and_entries(&ready, duties)?;
+            if !io.reached(ReadyPoint::Applied, &ready) {
+                return Ok(TurnEnd::Stopped);
+            }
+        }
+        // 4. Reads whose index is now applied.
+        for read_state in &ready.read_states {
+            let Ok(context) = <[u8; 8]>::try_from(&read_state.context[..]) else {
+                continue;
+            };
+            if let Some(readers) = self.reads_sent.remove(&u64::from_be_bytes(context)) {
+                self.reads_confirmed.push((read_state.index, readers));
+            }
+        }
+        // 5. Advance: committed membership changes take effect here.
+        self.raw.advance(ready);
+        self.finish_removals();
+        self.release_reads();
+        Ok(TurnEnd::Done)
+    }
+
+    fn apply_snapshot_and_entries(
+        &mut self,
+        ready: &Ready,
+        duties: &mut impl Duties<M, S>,
+    ) -> Result<(), Error> {
+        if let Some(snapshot) = &ready.snapshot {
+            let members = restore_machine(&mut *self.machine_mut(), snapshot)?;
+            if let Some(members) = members {
+                self.members = members.into_iter().map(|m| (m.id, m)).collect();
+                self.members_changed = true;
+            }
+            self.snapshot_index = snapshot.meta.index;
+            tracing::info!(
+                index = snapshot.meta.index,
+                term = snapshot.meta.term,
+                "snapshot from the leader installed"
+            );
+            // Proposals at or below the snapshot can no longer be matched to their entry.
+            let lost: Vec<u64> = self
+                .proposals
+                .range(..=snapshot.meta.index)
+                .map(|(&i, _)| i)
+                .collect();
+            for index in lost {
+                if let Some(waiter) = self.proposals.remove(&index) {
+                    self.fail(waiter, Error::LeaderChanged);
+                }
+            }
+        }
+        self.apply_entries(ready, duties);
+        Ok(())
+    }
+
+    fn fail(&mut self, waiter: Waiter, error: Error) {
+        self.outputs.push(Output::Settled {
+            token: waiter.token,
+            result: Err(error),
+        });
+    }
+
+    fn answer(&mut self, waiter: Waiter, entry_term: u64, outcome: Outcome<M::Output>) {
+        if waiter.term != entry_term {
+            return self.fail(waiter, Error::LeaderChanged);
+        }
+        let result = match (waiter.wants, outcome) {
+            (Wants::Output, Outcome::Output(applied)) => Ok(Some(applied)),
+            (Wants::Done, Outcome::Done) => Ok(None),
+            (_, Outcome::Rejected(error)) => Err(error),
+            // Another kind of entry took the index: what was waited for is lost.
+            _ => Err(Error::LeaderChanged),
+        };
+        self.outputs.push(Output::Settled {
+            token: waiter.token,
+            result,
+        });
+    }
+
+    fn apply_entries(&mut self, ready: &Ready, duties: &mut impl Duties<M, S>) {
+        if ready.committed_entries.is_empty() {
+            return;
+        }
+        let mut answers = Vec::new();
+        {
+            let mut machine = self
+                .machine
+                .write()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            for entry in &ready.committed_entries {
+                let waiter = self.proposals.remove(&entry.index);
+                if entry.kind == EntryKind::ConfChange {
+                    // The core applies it at advance; the shell follows with the peers.
+                    if let Some(ConfChange::Enter(steps)) = ConfChange::decode(&entry.data) {
+                        for step in steps {
+                            if let ConfChangeStep::RemoveNode(id) = step {
+                                self.removals.insert(id);
+                            }
+                        }
+                        self.members_changed = true;
+                    }
+                    if let Some(waiter) = waiter {
+                        answers.push((waiter, entry.term, Outcome::Done));
+                    }
+                    continue;
+                }
+                let outcome = match entries::entry_body(&entry.data) {
+                    EntryBody::Empty => {
+                        // A leader's no-op: whatever waited at this index was overwritten.
+                        if let Some(waiter) = waiter {
+                            answers.push((waiter, 0, Outcome::Done));
+                        }
+                        continue;
+                    }
+                    EntryBody::Member(Some(member)) => {
+                        self.members.insert(member.id, member);
+                        self.members_changed = true;
+                        Outcome::Done
+                    }
+                    EntryBody::MemberUpdate(Some(member)) => {
+                        let present = self.members.contains_key(&member.id)
+                            && !self.removals.contains(&member.id)
+                            && self.raw.conf_state().contains(member.id);
+                        if present {
+                            self.members.insert(member.id, member);
+                            self.members_changed = true;
+                        } else {
+                            tracing::info!(
+                                id = member.id,
+                                "update of a member no longer in the configuration ignored"
+                            );
+                        }
+                        Outcome::Done
+                    }
+                    EntryBody::Member(None) | EntryBody::MemberUpdate(None) => {
+                        tracing::error!(index = entry.index, "bad member record skipped");
+                        Outcome::Done
+                    }
+                    EntryBody::Machine(bytes) => match machine.apply(entry.index, bytes) {
+                        Ok(output) => {
+                            duties.applied(&output);
+                            Outcome::Output(Applied {
+                                output,
+                                term: entry.term,
+                            })
+                        }
+                        Err(error) => {
+                            // Every replica decodes the same bytes the same way, so skipping
+                            // keeps them identical; it can only be a bug in the proposer.
+                            tracing::error!(index = entry.index, %error, "entry rejected by the machine");
+                            Outcome::Rejected(Error::EntryRejected {
+                                index: entry.index,
+                                reason: error.to_string(),
+                            })
+                        }
+                    },
+                };
+                if let Some(waiter) = waiter {
+                    answers.push((waiter, entry.term, outcome));
+                }
+            }
+        }
+        duties.batch_applied();
+        for (waiter, term, outcome) in answers {
+            // Term 0 marks a waiter whose index a no-op took (no entry has term 0).
+            self.answer(waiter, term, outcome);
+        }
+        // Anything still waiting below the last applied index was overwritten.
+        let applied = ready.committed_entries.last().map_or(0, |e| e.index);
+        let stale: Vec<u64> = self.proposals.range(..=applied).map(|(&i, _)| i).collect();
+        for index in stale {
+            if let Some(waiter) = self.proposals.remove(&index) {
+                self.fail(waiter, Error::LeaderChanged);
+            }
+        }
+    }
+
+    fn release_reads(&mut self) {
+        let applied = self.raw.applied_index();
+        let (ready, waiting): (Vec<_>, Vec<_>) = std::mem::take(&mut self.reads_confirmed)
+            .into_iter()
+            .partition(|(index, _)| *index <= applied);
+        self.reads_confirmed = waiting;
+        for (_, readers) in ready {
+            for token in readers {
+                self.outputs.push(Output::ReadReady {
+                    token,
+                    result: Ok(()),
+                });
+            }
+        }
+    }
+
+    /// Drops the records of removed nodes once the configuration no longer holds them.
+    fn finish_removals(&mut self) {
+        if self.removals.is_empty() {
+            return;
+        }
+        let conf = self.raw.conf_state().clone();
+        let gone: Vec<NodeId> = self
+            .removals
+            .iter()
+            .copied()
+            .filter(|&id| !conf.contains(id))
+            .collect();
+        for id in gone {
+            self.removals.remove(&id);
+            if id != self.raw.id() {
+                self.members.remove(&id);
+            }
+            tracing::info!(id, "member removed");
+        }
+        self.members_changed = true;
+    }
+
+    /// Fails every waiter (the node stops).
+    pub fn fail_all_waiters(&mut self, error: impl Fn() -> Error) {
+        for (_, waiter) in std::mem::take(&mut self.proposals) {
+            self.fail(waiter, error());
+        }
+        let mut readers: Vec<Token> = std::mem::take(&mut self.reads_unsent);
+        readers.extend(self.reads_sent.drain().flat_map(|(_, r)| r));
+        readers.extend(
+            std::mem::take(&mut self.reads_confirmed)
+                .into_iter()
+                .flat_map(|(_, r)| r),
+        );
+        for token in readers {
+            self.outputs.push(Output::ReadReady {
+                token,
+                result: Err(error()),
+            });
+        }
+    }
+
+    // ---- outputs ---------------------------------------------------------------------------
+
+    /// The answers produced since the last call, in order.
+    pub fn take_outputs(&mut self) -> Vec<Output<M::Output>> {
+        std::mem::take(&mut self.outputs)
+    }
+
+    /// Whether the member records changed since the last call (the shell re-dials its peers).
+    pub fn take_members_changed(&mut self) -> bool {
+        std::mem::take(&mut self.members_changed)
+    }
+
+    /// Every `snapshot_entries` applied entries: the snapshot the shell should write now.
+    /// Only one at a time; [`NodeCore::snapshot_written`] records it.
+    pub fn snapshot_due(&mut self) -> Result<Option<SnapshotPlan>, Error> {
+        let applied = self.raw.applied_index();
+        if self.snapshot_pending.is_some()
+            || self.settings.snapshot_entries == 0
+            || applied < self.snapshot_index + self.settings.snapshot_entries
+        {
+            return Ok(None);
+        }
+        let image = self.machine().snapshot();
+        let data = Bytes::from(entries::snapshot_bytes(self.members.values(), &image));
+        let term =
+            self.raw.store().term(applied).map_err(|e| {
+                Error::RaftStart(format!("no term for applied entry {applied}: {e}"))
+            })?;
+        let meta = SnapshotMeta {
+            index: applied,
+            term,
+            conf_state: self.raw.conf_state().clone(),
+        };
+        self.snapshot_pending = Some(applied);
+        Ok(Some(SnapshotPlan { meta, data }))
+    }
+
+    /// The shell wrote the snapshot at `index`; `record` makes the storage adopt it (and drop
+    /// the log below it) unless a snapshot from the leader installed meanwhile supersedes it.
+    /// Returns whether it was recorded.
+    pub fn snapshot_written(
+        &mut self,
+        index: u64,
+        record: impl FnOnce(&mut S) -> Result<(), Error>,
+    ) -> Result<bool, Error> {
+        assert_eq!(
+            self.snapshot_pending.take(),
+            Some(index),
+            "a snapshot was reported written that the core did not ask for"
+        );
+        let store = self.raw.store_mut();
+        let stored = store
+            .first_index()
+            .map_err(|e| Error::RaftStart(e.to_string()))?
+            - 1;
+        if stored >= index {
+            tracing::info!(
+                index,
+                stored,
+                "snapshot superseded by the leader's before it was recorded"
+            );
+            return Ok(false);
+        }
+        record(store)?;
+        self.snapshot_index = index;
+        Ok(true)
+    }
+
+    /// The index of the snapshot the shell is writing, if any.
+    pub fn snapshot_pending(&self) -> Option<u64> {
+        self.snapshot_pending
+    }
+
+    pub fn status(&self) -> NodeStatus {
+        NodeStatus {
+            id: self.raw.id(),
+            role: Some(self.raw.role()),
+            leader: self.raw.leader(),
+            term: self.raw.term(),
+            commit_index: self.raw.commit_index(),
+            applied_index: self.raw.applied_index(),
+            last_index: self.raw.last_index(),
+            conf_state: self.raw.conf_state().clone(),
+            members: self.members.values().cloned().collect(),
+            stopped: None,
+            refused_peer_messages: self.refused.total,
+        }
+    }
+
+    // ---- views -----------------------------------------------------------------------------
+
+    /// The shell's clock as last given.
+    pub fn now_ms(&self) -> u64 {
+        self.now_ms
+    }
+
+    /// This node's Raft role.
+    pub fn role(&self) -> Role {
+        self.raw.role()
+    }
+
+    /// The leader this node knows of.
+    pub fn leader(&self) -> Option<NodeId> {
+        self.raw.leader()
+    }
+
+    /// The index of the last entry the machine applied.
+    pub fn applied_index(&self) -> u64 {
+        self.raw.applied_index()
+    }
+
+    /// The index of the last entry in this node's log.
+    pub fn last_index(&self) -> u64 {
+        self.raw.last_index()
+    }
+
+    /// The Raft core (read only).
+    pub fn raw(&self) -> &RawNode<S> {
+        &self.raw
+    }
+
+    /// The storage, for a shell's own bookkeeping (durability, shutdown sync).
+    pub fn store_mut(&mut self) -> &mut S {
+        self.raw.store_mut()
+    }
+
+    /// The member records, by id.
+    pub fn members(&self) -> &BTreeMap<NodeId, Member> {
+        &self.members
+    }
+
+    /// Proposals waiting to be applied.
+    pub fn proposals_waiting(&self) -> usize {
+        self.proposals.len()
+    }
+
+    /// The shared machine the shell's readers lock.
+    pub fn machine_handle(&self) -> Arc<RwLock<M>> {
+        self.machine.clone()
+    }
+
+    /// The applied machine, read-locked.
+    pub fn machine(&self) -> RwLockReadGuard<'_, M> {
+        self.machine
+            .read()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn machine_mut(&self) -> RwLockWriteGuard<'_, M> {
+        self.machine
+            .write()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
