@@ -116,17 +116,36 @@ struct Inflight {
 
 #[derive(Debug, Clone)]
 enum ClientOp {
-    Put { key: usize, slot: usize },
-    LogGet { key: usize, slot: usize },
-    IndexGet { key: usize, slot: usize },
-    OpenSession { secret: u128 },
-    SessionPut { seq: u64 },
-    Grant { index: u64 },
+    Put {
+        key: usize,
+        slot: usize,
+    },
+    LogGet {
+        key: usize,
+        slot: usize,
+    },
+    IndexGet {
+        key: usize,
+        slot: usize,
+    },
+    OpenSession {
+        secret: u128,
+    },
+    SessionPut {
+        seq: u64,
+    },
+    Grant {
+        index: u64,
+    },
     Register,
     /// A keepalive's checkpoint on its way to commit; the confirmation round follows.
-    Checkpoint { renewal: KeepaliveRenewal },
+    Checkpoint {
+        renewal: KeepaliveRenewal,
+    },
     /// A keepalive's leadership confirmation (a leader-only ReadIndex round).
-    Confirm { renewal: KeepaliveRenewal },
+    Confirm {
+        renewal: KeepaliveRenewal,
+    },
     ConfigureTopic,
     Publish,
 }

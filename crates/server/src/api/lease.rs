@@ -3,10 +3,12 @@
 //! ```text
 //!  Grant / Revoke ─► Api::write (through the log; followers forward)
 //!  KeepAlive stream ─► leader: NodeHandle::lease_renew (LeaseKeeper, not the log; a checkpoint
-//!                      commits first when the keeper asks) ─► TTL
+//!                      commits first when the keeper asks) ─► confirm_leadership (a
+//!                      ReadIndex round of the renewing term) ─► TTL
 //!                   └► follower: one upstream KeepAlive stream to the leader per client
 //!                      stream, re-opened on the new leader when leadership moves
-//!  TimeToLive ─► the leader's remaining TTL (forwarded) + granted TTL and keys from the state
+//!  TimeToLive ─► the leader's remaining TTL (forwarded; confirmed like a keepalive) + granted
+//!                TTL and keys from the state
 //!  Leases ─► linearizable read of the lease table
 //! ```
 //!
@@ -126,8 +128,9 @@ impl Shared {
     /// at time t, and a quorum acknowledged this term after t. Any later leader needs votes
     /// from a member of that quorum, which refuses older terms once it has voted, so it is
     /// elected after t; `LeaseKeeper::promote` then resumes the lease no earlier than the
-    /// bound this leader's records allow and a TTL after its promotion, both at least t + TTL,
-    /// so the promise holds. If the round fails the client gets the usual retriable
+    /// bound the log records (the renewal lies within one checkpoint interval of a committed
+    /// "renewed" record, so that bound is at least t + TTL) and a TTL after its promotion
+    /// (after t), so the promise t + TTL holds. If the round fails the client gets the usual retriable
     /// not-leader error and its etcd client retries on the new leader. The core batches
     /// every read asked for in one turn into one round, so many keepalives share it.
     async fn confirm_leadership(&self, ctx: &CallContext, term: u64) -> Result<(), Status> {
