@@ -546,3 +546,95 @@ async fn etcdctl_lock_of_a_killed_holder_frees_when_its_session_lease_expires() 
         "lock freed {waited:?} after the holder died"
     );
 }
+
+/// Stops a process with SIGSTOP; SIGCONT when dropped (also when the test fails).
+struct Paused(u32);
+
+impl Paused {
+    fn new(pid: u32) -> Paused {
+        let stopped = Command::new("kill")
+            .args(["-STOP", &pid.to_string()])
+            .status()
+            .expect("run kill");
+        assert!(stopped.success(), "SIGSTOP {pid}");
+        Paused(pid)
+    }
+}
+
+impl Drop for Paused {
+    fn drop(&mut self) {
+        let _ = Command::new("kill")
+            .args(["-CONT", &self.0.to_string()])
+            .status();
+    }
+}
+
+/// A leader paused by SIGSTOP still believes it leads when it is continued, until it hears
+/// the higher term. A keepalive that waited in its socket meanwhile must not be answered by
+/// it with a TTL: the new leader never saw the keepalive, and the holder would act on a lease
+/// the cluster may have ended (the fault suite saw two lock holders at once this way). An
+/// answer, if any, comes from the new leader (the deposed member retries there).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_continued_deposed_leader_does_not_answer_keepalives_itself() {
+    let cluster = Cluster::start(3).await;
+    let old = cluster.wait_for_leader(Duration::from_secs(10)).await;
+    let lease = grant(&cluster, old, 5).await;
+    let mut keepalive = KeepAlive::new(&cluster, old);
+    // Opens the stream on the leader and leaves a fresh "renewed" record, so the continued
+    // leader could answer the next keepalive from its memory alone, without a log entry.
+    let (_, first) = keepalive.until_acked(lease, Duration::from_secs(5)).await;
+    assert!(first.ttl > 0, "first keepalive: {first:?}");
+    let pid = cluster.nodes[(old - 1) as usize]
+        .child
+        .as_ref()
+        .expect("leader running")
+        .id();
+    let paused = Paused::new(pid);
+    let (sender, stream) = keepalive.open.as_mut().expect("stream open");
+    sender
+        .send(LeaseKeepAliveRequest { id: lease })
+        .await
+        .expect("keepalive queued");
+    let others: Vec<u64> = cluster
+        .live_ids()
+        .into_iter()
+        .filter(|&id| id != old)
+        .collect();
+    let start = Instant::now();
+    let new = loop {
+        let mut leader = None;
+        for &id in &others {
+            if let Some(status) = cluster.status(id).await
+                && status.header.map(|h| h.member_id) == Some(status.leader)
+            {
+                leader = Some(id);
+            }
+        }
+        if let Some(leader) = leader {
+            break leader;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "no new leader while {old} was paused"
+        );
+        tokio::time::sleep(POLL_INTERVAL).await;
+    };
+    drop(paused);
+    let answer = tokio::time::timeout(Duration::from_secs(5), stream.message()).await;
+    println!("paused leader {old}, new leader {new}: {answer:?}");
+    if let Ok(Ok(Some(response))) = answer
+        && response.ttl > 0
+    {
+        let from = response.header.map(|h| h.member_id);
+        assert_ne!(
+            from,
+            Some(old),
+            "deposed member {old} answered a keepalive with TTL {} after {new} took over",
+            response.ttl
+        );
+    }
+    // The lease is still there and kept alive by the new leader.
+    let mut fresh = KeepAlive::new(&cluster, new);
+    let (_, kept) = fresh.until_acked(lease, Duration::from_secs(5)).await;
+    assert!(kept.ttl > 0, "lease lost across the pause: {kept:?}");
+}

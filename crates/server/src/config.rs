@@ -158,7 +158,10 @@ impl ClientLimits {
             ("election_observers_max", self.election_observers_max == 0),
             ("lock_waits_max", self.lock_waits_max == 0),
             ("campaign_waits_max", self.campaign_waits_max == 0),
-            ("range_response_bytes_max", self.range_response_bytes_max == 0),
+            (
+                "range_response_bytes_max",
+                self.range_response_bytes_max == 0,
+            ),
         ];
         if let Some((name, _)) = zero.iter().find(|(_, is_zero)| *is_zero) {
             return Err(Error::InvalidConfig {

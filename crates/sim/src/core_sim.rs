@@ -62,13 +62,17 @@ pub enum Bug {
     ApplyBeforePersist,
     /// The leader never proposes the state machine's timer `Tick`.
     SkipTick,
+    /// A keepalive is answered as soon as the leader renewed it, without confirming in a
+    /// ReadIndex round that the node still leads (a deposed leader answers).
+    KeepaliveWithoutConfirm,
 }
 
 impl Bug {
-    pub const ALL: [Bug; 3] = [
+    pub const ALL: [Bug; 4] = [
         Bug::AnswerBeforeApply,
         Bug::ApplyBeforePersist,
         Bug::SkipTick,
+        Bug::KeepaliveWithoutConfirm,
     ];
 
     pub fn name(self) -> &'static str {
@@ -76,6 +80,7 @@ impl Bug {
             Bug::AnswerBeforeApply => "answer-before-apply",
             Bug::ApplyBeforePersist => "apply-before-persist",
             Bug::SkipTick => "skip-tick",
+            Bug::KeepaliveWithoutConfirm => "keepalive-without-confirm",
         }
     }
 }
@@ -111,16 +116,50 @@ struct Inflight {
 
 #[derive(Debug, Clone)]
 enum ClientOp {
-    Put { key: usize, slot: usize },
-    LogGet { key: usize, slot: usize },
-    IndexGet { key: usize, slot: usize },
-    OpenSession { secret: u128 },
-    SessionPut { seq: u64 },
-    Grant { index: u64 },
+    Put {
+        key: usize,
+        slot: usize,
+    },
+    LogGet {
+        key: usize,
+        slot: usize,
+    },
+    IndexGet {
+        key: usize,
+        slot: usize,
+    },
+    OpenSession {
+        secret: u128,
+    },
+    SessionPut {
+        seq: u64,
+    },
+    Grant {
+        index: u64,
+    },
     Register,
-    Checkpoint { lease: i64, requested_ms: u64 },
+    /// A keepalive's checkpoint on its way to commit; the confirmation round follows.
+    Checkpoint {
+        renewal: KeepaliveRenewal,
+    },
+    /// A keepalive's leadership confirmation (a leader-only ReadIndex round).
+    Confirm {
+        renewal: KeepaliveRenewal,
+    },
     ConfigureTopic,
     Publish,
+}
+
+/// A keepalive a node renewed as leader, not answered yet.
+#[derive(Debug, Clone, Copy)]
+struct KeepaliveRenewal {
+    lease: i64,
+    requested_ms: u64,
+    node: NodeId,
+    /// The term the node led when it renewed.
+    term: u64,
+    /// The newest term any node had been elected leader in at the renewal.
+    newest_leader_term: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -203,6 +242,10 @@ pub struct CoreSimulation {
     dropped: BTreeSet<(usize, usize)>,
     next_value: u64,
     leases: BTreeMap<i64, LeaseTrack>,
+    /// The newest term any node has been elected leader in so far.
+    newest_leader_term: u64,
+    /// Per holder: the member its keepalives go to.
+    keepalive_homes: BTreeMap<usize, NodeId>,
     /// Election-group fences ever seen, with their holder.
     fences: BTreeMap<i64, String>,
     trace_tail: VecDeque<String>,
@@ -354,6 +397,8 @@ impl CoreSimulation {
             dropped: BTreeSet::new(),
             next_value: 1,
             leases: BTreeMap::new(),
+            newest_leader_term: 0,
+            keepalive_homes: BTreeMap::new(),
             fences: BTreeMap::new(),
             trace_tail: VecDeque::new(),
             trace_hash: 0xcbf2_9ce4_8422_2325,
@@ -763,6 +808,9 @@ impl CoreSimulation {
             }
         }
         self.checker.observe_role(id, after.0, after.1);
+        if after.0 == Role::Leader {
+            self.newest_leader_term = self.newest_leader_term.max(after.1);
+        }
         self.checker.observe_commit(after.2);
         if after.0 == Role::Leader && (before.0 != Role::Leader || before.1 != after.1) {
             self.trace(format!("{id} leads term {}", after.1));
@@ -970,13 +1018,7 @@ impl CoreSimulation {
                     *registered = true;
                 }
             }
-            (
-                ClientOp::Checkpoint {
-                    lease,
-                    requested_ms,
-                },
-                Ok(_),
-            ) => self.promise(*lease, *requested_ms),
+            (ClientOp::Checkpoint { renewal }, Ok(_)) => self.confirm(client, *renewal),
             (ClientOp::ConfigureTopic, Ok(Some(Ok(_)))) => {
                 if let ClientRole::Publisher { configured, .. } = &mut self.clients[client].role {
                     *configured = true;
@@ -986,8 +1028,55 @@ impl CoreSimulation {
         }
     }
 
-    /// The leader accepted a keepalive of `lease` asked for at `requested_ms`.
-    fn promise(&mut self, lease: i64, requested_ms: u64) {
+    /// Asks the renewing node to confirm, in a leader-only ReadIndex round, that it still
+    /// leads; the keepalive is answered (promised) once it has.
+    fn confirm(&mut self, client: usize, renewal: KeepaliveRenewal) {
+        if self.bug == Some(Bug::KeepaliveWithoutConfirm) {
+            self.promise(renewal);
+            return;
+        }
+        let now = self.now_ms;
+        let Some(core) = self
+            .nodes
+            .get_mut(&renewal.node)
+            .and_then(|n| n.core.as_mut())
+        else {
+            return;
+        };
+        let Ok(token) = core.read_index_as_leader(renewal.term) else {
+            return;
+        };
+        let serial = self.clients[client].next_serial;
+        self.clients[client].next_serial += 1;
+        if let Some(n) = self.nodes.get_mut(&renewal.node) {
+            n.waiting.insert(token, (client, serial));
+        }
+        self.clients[client].inflight = Some(Inflight {
+            serial,
+            started_ms: now,
+            op: ClientOp::Confirm { renewal },
+        });
+    }
+
+    /// A keepalive was answered: its lease may not end before its request time + TTL, and
+    /// the node that answered must not have been deposed already when it renewed (a later
+    /// leader may have resumed the lease at an earlier deadline).
+    fn promise(&mut self, renewal: KeepaliveRenewal) {
+        let KeepaliveRenewal {
+            lease,
+            requested_ms,
+            ..
+        } = renewal;
+        if renewal.term < renewal.newest_leader_term {
+            self.fail(
+                "KeepaliveLeadership",
+                format!(
+                    "node {} answered a keepalive of lease {lease} renewed at {requested_ms} ms \
+                     as leader of term {}, when term {} already had a leader",
+                    renewal.node, renewal.term, renewal.newest_leader_term
+                ),
+            );
+        }
         let ttl = self.clients.iter().find_map(|c| match &c.role {
             ClientRole::Holder {
                 lease: Some((id, ttl)),
@@ -1010,6 +1099,13 @@ impl CoreSimulation {
         result: Result<(), NodeError>,
     ) {
         self.clients[client].inflight = None;
+        if let ClientOp::Confirm { renewal } = inflight.op {
+            // A failed round: the holder's etcd client would retry on the new leader.
+            if result.is_ok() {
+                self.promise(renewal);
+            }
+            return;
+        }
         let ClientOp::IndexGet { key, slot } = inflight.op else {
             return;
         };
@@ -1233,7 +1329,9 @@ impl CoreSimulation {
             ClientOp::LogGet { key, .. } => {
                 plain(Request::Range(RangeRequest::key(key_name(*key))))
             }
-            ClientOp::IndexGet { .. } | ClientOp::Checkpoint { .. } => None,
+            ClientOp::IndexGet { .. } | ClientOp::Checkpoint { .. } | ClientOp::Confirm { .. } => {
+                None
+            }
             ClientOp::OpenSession { secret } => {
                 plain(Request::OpenSessionWithSecret { secret: *secret })
             }
@@ -1342,15 +1440,27 @@ impl CoreSimulation {
         self.turn(node);
     }
 
-    /// A holder's keepalive, served by the leader's lease duty.
+    /// A holder's keepalive, served by the leader's lease duty. Like an etcd client's stream,
+    /// it stays on the member it last used while that member believes it leads (so a holder
+    /// keeps talking to a leader a partition has deposed).
     fn keepalive(&mut self, client: usize, lease: i64) {
-        let Some(node) = self.pick_node() else { return };
+        let home = self.keepalive_homes.get(&client).copied().filter(|id| {
+            self.nodes
+                .get(id)
+                .and_then(|n| n.core.as_ref())
+                .is_some_and(|c| c.role() == Role::Leader)
+        });
+        let Some(node) = home.or_else(|| self.pick_node()) else {
+            return;
+        };
+        self.keepalive_homes.insert(client, node);
         let now = self.now_ms;
         let Some(n) = self.nodes.get_mut(&node) else {
             return;
         };
         let Some(core) = n.core.as_mut() else { return };
         core.set_time(now);
+        let term = core.raw().term();
         let renewal = n.duties.lease_renew(core, lease);
         if let ClientRole::Holder {
             last_keepalive_ms, ..
@@ -1358,11 +1468,18 @@ impl CoreSimulation {
         {
             *last_keepalive_ms = now;
         }
+        let pending = KeepaliveRenewal {
+            lease,
+            requested_ms: now,
+            node,
+            term,
+            newest_leader_term: self.newest_leader_term,
+        };
         let line = format!("keepalive of lease {lease} at {node}: {renewal:?}");
         self.trace(line);
         match renewal {
             Ok(Some(renewal)) => match renewal.checkpoint {
-                None => self.promise(lease, now),
+                None => self.confirm(client, pending),
                 Some(token) => {
                     let serial = self.clients[client].next_serial;
                     self.clients[client].next_serial += 1;
@@ -1372,10 +1489,7 @@ impl CoreSimulation {
                     self.clients[client].inflight = Some(Inflight {
                         serial,
                         started_ms: now,
-                        op: ClientOp::Checkpoint {
-                            lease,
-                            requested_ms: now,
-                        },
+                        op: ClientOp::Checkpoint { renewal: pending },
                     });
                 }
             },

@@ -54,6 +54,7 @@ enum BugArg {
     AnswerBeforeApply,
     ApplyBeforePersist,
     SkipTick,
+    KeepaliveWithoutConfirm,
 }
 
 impl BugArg {
@@ -62,6 +63,7 @@ impl BugArg {
             BugArg::AnswerBeforeApply => Bug::AnswerBeforeApply,
             BugArg::ApplyBeforePersist => Bug::ApplyBeforePersist,
             BugArg::SkipTick => Bug::SkipTick,
+            BugArg::KeepaliveWithoutConfirm => Bug::KeepaliveWithoutConfirm,
         }
     }
 }

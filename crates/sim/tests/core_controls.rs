@@ -82,3 +82,15 @@ fn a_leader_that_never_proposes_tick_is_caught() {
     );
     println!("caught at seed {seed:?}");
 }
+
+#[test]
+fn a_deposed_leader_answering_keepalives_is_caught() {
+    // Without the leadership confirmation, a leader cut off by a partition answers its
+    // holders after the majority has elected another.
+    let seed = first_catching_seed(Bug::KeepaliveWithoutConfirm, "KeepaliveLeadership");
+    assert!(
+        seed.is_some(),
+        "keepalives answered by deposed leaders went unnoticed for {SEED_BUDGET} seeds"
+    );
+    println!("caught at seed {seed:?}");
+}

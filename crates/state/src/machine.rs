@@ -529,17 +529,16 @@ impl StateMachine {
                     } else {
                         range
                     };
-                    let (_, bytes) = self.state.kv.range_within(measured, room).map_err(|e| {
-                        match e {
-                            Error::RangeTooLarge { .. } => too_large.clone(),
-                            other => other,
-                        }
-                    })?;
+                    let (_, bytes) =
+                        self.state
+                            .kv
+                            .range_within(measured, room)
+                            .map_err(|e| match e {
+                                Error::RangeTooLarge { .. } => too_large.clone(),
+                                other => other,
+                            })?;
                     let cost = bytes.saturating_add(budget.written_bytes);
-                    budget.bytes_left = budget
-                        .bytes_left
-                        .checked_sub(cost)
-                        .ok_or(too_large)?;
+                    budget.bytes_left = budget.bytes_left.checked_sub(cost).ok_or(too_large)?;
                 }
                 RequestOp::Put(put) => {
                     self.check_put(put)?;

@@ -340,7 +340,8 @@ impl KvStore {
     /// Reads at the current revision include the current command's writes, as an etcd Txn
     /// reads its own writes.
     pub fn range(&self, request: &RangeRequest) -> Result<RangeResponse> {
-        self.range_within(request, usize::MAX).map(|(response, _)| response)
+        self.range_within(request, usize::MAX)
+            .map(|(response, _)| response)
     }
 
     /// etcd's Range, refused with [`Error::RangeTooLarge`] as soon as the key-values it holds

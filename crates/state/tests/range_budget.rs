@@ -40,27 +40,39 @@ fn a_range_over_its_budget_is_refused_and_narrower_reads_still_work() {
     );
     // The message names the cap and says what to do instead.
     let message = too_large(budget).to_string();
-    assert!(message.contains("10000 bytes") && message.contains("limit"), "{message}");
+    assert!(
+        message.contains("10000 bytes") && message.contains("limit"),
+        "{message}"
+    );
 
     let limited = RangeRequest {
         limit: 5,
         ..all.clone()
     };
-    let answer = driver.machine.range_within(&limited, budget).expect("limit");
+    let answer = driver
+        .machine
+        .range_within(&limited, budget)
+        .expect("limit");
     assert_eq!((answer.kvs.len(), answer.more, answer.count), (5, true, 20));
 
     let counted = RangeRequest {
         count_only: true,
         ..all.clone()
     };
-    let answer = driver.machine.range_within(&counted, 1).expect("count_only");
+    let answer = driver
+        .machine
+        .range_within(&counted, 1)
+        .expect("count_only");
     assert_eq!((answer.kvs.len(), answer.count), (0, 20));
 
     let keys = RangeRequest {
         keys_only: true,
         ..all.clone()
     };
-    let answer = driver.machine.range_within(&keys, budget).expect("keys_only");
+    let answer = driver
+        .machine
+        .range_within(&keys, budget)
+        .expect("keys_only");
     assert_eq!(answer.kvs.len(), 20);
     assert!(answer.kvs.iter().all(|kv| kv.value.is_empty()));
 
@@ -70,13 +82,19 @@ fn a_range_over_its_budget_is_refused_and_narrower_reads_still_work() {
         min_mod_revision: newest,
         ..all.clone()
     };
-    let answer = driver.machine.range_within(&filtered, budget).expect("filtered");
+    let answer = driver
+        .machine
+        .range_within(&filtered, budget)
+        .expect("filtered");
     assert_eq!(answer.kvs.len(), 5);
     assert_eq!(answer.kvs[0].key, Bytes::from("/big/015"));
 
     // At the exact size the budget allows it.
     let exact: usize = 20 * (1000 + "/big/000".len());
-    let answer = driver.machine.range_within(&all, exact).expect("exact budget");
+    let answer = driver
+        .machine
+        .range_within(&all, exact)
+        .expect("exact budget");
     assert_eq!(answer.kvs.len(), 20);
     assert_eq!(
         driver.machine.range_within(&all, exact - 1),
@@ -89,7 +107,10 @@ fn a_sorted_limited_range_keeps_only_its_best_candidates() {
     let mut driver = Driver::new();
     fill(&mut driver, 300, 1000);
     // The etcd lock and election recipes read a prefix's oldest or newest key this way.
-    for (order, expected) in [(SortOrder::Ascend, "/big/000"), (SortOrder::Descend, "/big/299")] {
+    for (order, expected) in [
+        (SortOrder::Ascend, "/big/000"),
+        (SortOrder::Descend, "/big/299"),
+    ] {
         let first = RangeRequest {
             sort_order: order,
             sort_target: SortTarget::Create,
@@ -97,7 +118,10 @@ fn a_sorted_limited_range_keeps_only_its_best_candidates() {
             ..RangeRequest::prefix("/big/")
         };
         // 300 KB in the range; the answer and its candidates fit in 100 KB.
-        let answer = driver.machine.range_within(&first, 100_000).expect("sorted");
+        let answer = driver
+            .machine
+            .range_within(&first, 100_000)
+            .expect("sorted");
         assert_eq!(answer.kvs.len(), 1);
         assert_eq!(answer.kvs[0].key, Bytes::from(expected));
         assert!(answer.more);
@@ -201,7 +225,10 @@ fn a_limited_range_after_a_write_in_the_txn_is_charged_for_the_whole_range() {
         RequestOp::Range(first.clone()),
     ]));
     assert_eq!(output.result, Err(too_large(TXN_RANGE_BYTES_MAX)));
-    assert!(driver.machine.kv().get(b"/big/000").is_some(), "nothing deleted");
+    assert!(
+        driver.machine.kv().get(b"/big/000").is_some(),
+        "nothing deleted"
+    );
     // Before any write, the limit counts.
     let output = driver.apply(txn(vec![
         RequestOp::Range(first),

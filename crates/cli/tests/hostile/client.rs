@@ -918,7 +918,10 @@ async fn a_range_over_the_byte_budget_is_refused_while_narrower_reads_work() {
             .await
             .expect("a local read")
             .into_inner();
-        assert_eq!(local.count, 0, "member {id} (leader {leader}) applied the refused Txn's put");
+        assert_eq!(
+            local.count, 0,
+            "member {id} (leader {leader}) applied the refused Txn's put"
+        );
         let rss = member_rss_kb(&cluster, id);
         assert!(rss < BIG_RANGE_RSS_BOUND_KB, "member {id}: RSS {rss} kB");
     }

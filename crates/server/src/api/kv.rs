@@ -45,9 +45,10 @@ impl Kv for KvService {
         let range = convert::range_from_pb(message)?;
         // Checked while the answer is built under the state lock, not after.
         let bytes_max = self.api.config.client_limits.range_response_bytes_max;
-        let (result, revision) = self.api.node.read_state(|state| {
-            (state.range_within(&range, bytes_max), state.revision())
-        });
+        let (result, revision) = self
+            .api
+            .node
+            .read_state(|state| (state.range_within(&range, bytes_max), state.revision()));
         let response = result.map_err(|e| match e {
             conclave_state::Error::RangeTooLarge { .. } => self.api.limits.range_refused(client),
             other => state_status(&other),

@@ -3,10 +3,12 @@
 //! ```text
 //!  Grant / Revoke ─► Api::write (through the log; followers forward)
 //!  KeepAlive stream ─► leader: NodeHandle::lease_renew (LeaseKeeper, not the log; a checkpoint
-//!                      commits first when the keeper asks) ─► TTL
+//!                      commits first when the keeper asks) ─► confirm_leadership (a
+//!                      ReadIndex round of the renewing term) ─► TTL
 //!                   └► follower: one upstream KeepAlive stream to the leader per client
 //!                      stream, re-opened on the new leader when leadership moves
-//!  TimeToLive ─► the leader's remaining TTL (forwarded) + granted TTL and keys from the state
+//!  TimeToLive ─► the leader's remaining TTL (forwarded; confirmed like a keepalive) + granted
+//!                TTL and keys from the state
 //!  Leases ─► linearizable read of the lease table
 //! ```
 //!
@@ -108,11 +110,34 @@ impl Shared {
                 Ok(Ok(Ok(_))) => {}
             }
         }
+        self.confirm_leadership(ctx, renewal.term).await?;
         Ok(pb::LeaseKeepAliveResponse {
             header: Some(self.api.read_header()),
             id,
             ttl: ttl_seconds(renewal.ttl_ms),
         })
+    }
+
+    /// Holds a keepalive's (or TimeToLive's) answer until a quorum has confirmed, in a
+    /// ReadIndex round started after the renewal was recorded, that this node still leads
+    /// the term it renewed in.
+    ///
+    /// Why: a leader that was paused (SIGSTOP, a long stall) or cut off still believes it
+    /// leads until it hears a higher term, and would answer keepalives buffered meanwhile
+    /// with a full TTL that the real leader never saw. With the round: the renewal happened
+    /// at time t, and a quorum acknowledged this term after t. Any later leader needs votes
+    /// from a member of that quorum, which refuses older terms once it has voted, so it is
+    /// elected after t; `LeaseKeeper::promote` then resumes the lease no earlier than the
+    /// bound the log records (the renewal lies within one checkpoint interval of a committed
+    /// "renewed" record, so that bound is at least t + TTL) and a TTL after its promotion
+    /// (after t), so the promise t + TTL holds. If the round fails the client gets the usual retriable
+    /// not-leader error and its etcd client retries on the new leader. The core batches
+    /// every read asked for in one turn into one round, so many keepalives share it.
+    async fn confirm_leadership(&self, ctx: &CallContext, term: u64) -> Result<(), Status> {
+        tokio::time::timeout(ctx.remaining(), self.api.node.confirm_leadership(term))
+            .await
+            .map_err(|_| to_status(Error::Timeout))?
+            .map_err(to_status)
     }
 
     /// One keepalive through the leader's stream, opening it when needed.
@@ -185,13 +210,15 @@ impl Shared {
         ctx: &CallContext,
         message: &pb::LeaseTimeToLiveRequest,
     ) -> Result<pb::LeaseTimeToLiveResponse, Status> {
-        let remaining_ms = tokio::time::timeout(
+        let (remaining_ms, term) = tokio::time::timeout(
             ctx.remaining(),
             self.api.node.lease_remaining_ms(message.id),
         )
         .await
         .map_err(|_| to_status(Error::Timeout))?
         .map_err(to_status)?;
+        // A deposed leader's remaining TTL may be one the cluster has already ended.
+        self.confirm_leadership(ctx, term).await?;
         let found = self.api.node.read_state(|state| {
             let revision = state.revision();
             let lease = state.lease(message.id).map(|lease| {

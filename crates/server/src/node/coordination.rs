@@ -74,6 +74,9 @@ pub struct AppliedEvents {
 pub struct LeaseRenewal {
     /// The lease's granted TTL, for the answer.
     pub ttl_ms: u64,
+    /// The term this node led when it renewed; the answer waits for
+    /// [`NodeHandle::confirm_leadership`] of it.
+    pub term: u64,
     /// When set, answer the client only after this checkpoint has committed: otherwise a
     /// later leader could resume the lease at an earlier deadline than the one promised.
     pub checkpoint: Option<oneshot::Receiver<Result<Applied<ApplyOutput>, Error>>>,
@@ -87,10 +90,11 @@ pub(crate) enum LeaseRequest {
         id: i64,
         reply: oneshot::Sender<Result<Option<LeaseRenewal>, Error>>,
     },
-    /// The leader's remaining time to live of a lease; `None` when it does not exist.
+    /// The leader's remaining time to live of a lease (`None` when it does not exist), with
+    /// the term this node led when it read it.
     Remaining {
         id: i64,
-        reply: oneshot::Sender<Result<Option<u64>, Error>>,
+        reply: oneshot::Sender<Result<(Option<u64>, u64), Error>>,
     },
 }
 
@@ -173,8 +177,15 @@ impl NodeHandle {
         self.node.peer_match(peer).await
     }
 
-    /// The leader's remaining TTL of a lease; `None` when it does not exist.
-    pub async fn lease_remaining_ms(&self, id: i64) -> Result<Option<u64>, Error> {
+    /// Waits until a quorum has confirmed, in a round started after this call, that this
+    /// node still leads `term`. Fails with a retriable not-leader error otherwise.
+    pub async fn confirm_leadership(&self, term: u64) -> Result<(), Error> {
+        self.node.confirm_leadership(term).await
+    }
+
+    /// The leader's remaining TTL of a lease (`None` when it does not exist), with the term
+    /// this node led when it read it.
+    pub async fn lease_remaining_ms(&self, id: i64) -> Result<(Option<u64>, u64), Error> {
         self.node
             .ask(|reply| NodeRequest::Duty(LeaseRequest::Remaining { id, reply }))
             .await
@@ -266,9 +277,11 @@ impl ShellDuties<StateMachine> for CoordinationDuties {
     ) {
         match request {
             LeaseRequest::Renew { id, reply } => {
+                let term = core.raw().term();
                 let result = self.leader.lease_renew(core, id).map(|renewal| {
                     renewal.map(|renewal| LeaseRenewal {
                         ttl_ms: renewal.ttl_ms,
+                        term,
                         checkpoint: renewal.checkpoint.map(|token| {
                             let (reply, committed) = oneshot::channel();
                             waiters.command(token, reply);
@@ -279,7 +292,9 @@ impl ShellDuties<StateMachine> for CoordinationDuties {
                 let _ = reply.send(result);
             }
             LeaseRequest::Remaining { id, reply } => {
-                let _ = reply.send(self.leader.lease_remaining_ms(core, id));
+                let term = core.raw().term();
+                let remaining = self.leader.lease_remaining_ms(core, id);
+                let _ = reply.send(remaining.map(|remaining| (remaining, term)));
             }
         }
     }

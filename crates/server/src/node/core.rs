@@ -282,6 +282,9 @@ pub struct NodeCore<M: ReplicatedMachine, S: NodeStore> {
     proposals: BTreeMap<u64, Waiter>,
     /// Reads asked for in this turn; they share one ReadIndex round.
     reads_unsent: Vec<Token>,
+    /// Leadership confirmations asked for in this turn, with the term they must confirm; they
+    /// join the same round, or fail if this node no longer leads that term when it starts.
+    leader_reads_unsent: Vec<(Token, u64)>,
     /// Reads whose round is under way, by context.
     reads_sent: HashMap<u64, Vec<Token>>,
     /// Reads confirmed at an index the machine has not reached yet.
@@ -363,6 +366,7 @@ impl<M: ReplicatedMachine, S: NodeStore> NodeCore<M, S> {
             next_token: 1,
             proposals: BTreeMap::new(),
             reads_unsent: Vec::new(),
+            leader_reads_unsent: Vec::new(),
             reads_sent: HashMap::new(),
             reads_confirmed: Vec::new(),
             next_read_context: 1,
@@ -527,7 +531,27 @@ impl<M: ReplicatedMachine, S: NodeStore> NodeCore<M, S> {
     /// Asks for a linearizable read; the token's [`Output::ReadReady`] says when the machine
     /// has applied up to a quorum-confirmed commit index.
     pub fn read_index(&mut self) -> Result<Token, Error> {
+        self.check_reads_room()?;
+        let token = self.new_token();
+        self.reads_unsent.push(token);
+        Ok(token)
+    }
+
+    /// Like [`NodeCore::read_index`], but only as the leader of `term`: the round is started
+    /// by this node as leader of `term` (never forwarded to another leader), so its
+    /// [`Output::ReadReady`] success means a quorum acknowledged this node's leadership of
+    /// `term` after the call. Fails with `LeaderChanged` when this node no longer leads `term`
+    /// when the round starts, or loses leadership before it completes.
+    pub fn read_index_as_leader(&mut self, term: u64) -> Result<Token, Error> {
+        self.check_reads_room()?;
+        let token = self.new_token();
+        self.leader_reads_unsent.push((token, term));
+        Ok(token)
+    }
+
+    fn check_reads_room(&self) -> Result<(), Error> {
         let pending: usize = self.reads_unsent.len()
+            + self.leader_reads_unsent.len()
             + self.reads_sent.values().map(Vec::len).sum::<usize>()
             + self
                 .reads_confirmed
@@ -537,9 +561,7 @@ impl<M: ReplicatedMachine, S: NodeStore> NodeCore<M, S> {
         if pending >= self.settings.reads_inflight_max {
             return Err(Error::TooManyRequests);
         }
-        let token = self.new_token();
-        self.reads_unsent.push(token);
-        Ok(token)
+        Ok(())
     }
 
     /// Forgets reads whose caller gave up, so a round whose answer was lost cannot pin memory.
@@ -618,6 +640,18 @@ impl<M: ReplicatedMachine, S: NodeStore> NodeCore<M, S> {
 
     /// Starts one ReadIndex round for every read asked for since the last one.
     fn flush_reads(&mut self) {
+        let leads = self.raw.role() == Role::Leader;
+        let term = self.raw.term();
+        for (token, wanted) in std::mem::take(&mut self.leader_reads_unsent) {
+            if leads && wanted == term {
+                self.reads_unsent.push(token);
+            } else {
+                self.outputs.push(Output::ReadReady {
+                    token,
+                    result: Err(Error::LeaderChanged),
+                });
+            }
+        }
         if self.reads_unsent.is_empty() {
             return;
         }
@@ -940,6 +974,11 @@ impl<M: ReplicatedMachine, S: NodeStore> NodeCore<M, S> {
             self.fail(waiter, error());
         }
         let mut readers: Vec<Token> = std::mem::take(&mut self.reads_unsent);
+        readers.extend(
+            std::mem::take(&mut self.leader_reads_unsent)
+                .into_iter()
+                .map(|(token, _)| token),
+        );
         readers.extend(self.reads_sent.drain().flat_map(|(_, r)| r));
         readers.extend(
             std::mem::take(&mut self.reads_confirmed)

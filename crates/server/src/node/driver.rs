@@ -48,6 +48,9 @@ pub(crate) enum NodeRequest<M: ReplicatedMachine, R> {
     },
     /// Answer once the machine has applied up to a quorum-confirmed commit index.
     ReadIndex { reply: ReadWaiter },
+    /// Answer once this node, as leader of `term`, has had its leadership confirmed by a
+    /// quorum in a round started after this request (and applied up to that commit index).
+    ConfirmLeadership { term: u64, reply: ReadWaiter },
     /// Hand leadership to `target` (Maintenance.MoveLeader, shutdown).
     TransferLeader {
         target: NodeId,
@@ -213,6 +216,12 @@ impl<M: ReplicatedMachine, R> Handle<M, R> {
 
     pub async fn read_index(&self) -> Result<(), Error> {
         self.ask(|reply| NodeRequest::ReadIndex { reply }).await
+    }
+
+    /// See [`NodeCore::read_index_as_leader`].
+    pub async fn confirm_leadership(&self, term: u64) -> Result<(), Error> {
+        self.ask(|reply| NodeRequest::ConfirmLeadership { term, reply })
+            .await
     }
 
     pub async fn transfer_leader(&self, target: NodeId) -> Result<(), Error> {
@@ -544,7 +553,13 @@ impl<M: ReplicatedMachine, D: ShellDuties<M>> Driver<M, D> {
             }
             for _ in 0..DRAIN_BATCH_MAX {
                 match requests.try_recv() {
-                    Ok(request) => self.handle_request(request),
+                    Ok(request) => {
+                        // After a pause (SIGSTOP, a long stall) the select may have woken on a
+                        // peer message, which does not refresh the clock: a keepalive renewed
+                        // at the pre-pause time would look covered by an old lease record.
+                        self.core.set_time(now_ms());
+                        self.handle_request(request);
+                    }
                     Err(_) => break,
                 }
             }
@@ -603,6 +618,16 @@ impl<M: ReplicatedMachine, D: ShellDuties<M>> Driver<M, D> {
                     let _ = reply.send(Err(error));
                 }
             },
+            NodeRequest::ConfirmLeadership { term, reply } => {
+                match core.read_index_as_leader(term) {
+                    Ok(token) => {
+                        waiters.reads.insert(token, reply);
+                    }
+                    Err(error) => {
+                        let _ = reply.send(Err(error));
+                    }
+                }
+            }
             NodeRequest::TransferLeader { target, reply } => {
                 let _ = reply.send(core.transfer_leader(target));
             }
