@@ -103,6 +103,32 @@ impl From<StateV1> for State {
     }
 }
 
+/// [`State`] as snapshot format version 2 wrote it (session answers without their revision).
+#[derive(Deserialize)]
+pub(crate) struct StateV2 {
+    last_applied: u64,
+    now_ms: u64,
+    kv: KvStore,
+    leases: LeaseTable,
+    groups: BTreeMap<String, Group>,
+    topics: Topics,
+    sessions: crate::session::SessionsV2,
+}
+
+impl From<StateV2> for State {
+    fn from(old: StateV2) -> State {
+        State {
+            last_applied: old.last_applied,
+            now_ms: old.now_ms,
+            kv: old.kv,
+            leases: old.leases,
+            groups: old.groups,
+            topics: old.topics,
+            sessions: old.sessions.into(),
+        }
+    }
+}
+
 /// Everything that is replicated and goes into a snapshot.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct State {
@@ -174,8 +200,14 @@ impl StateMachine {
             let ttl_ms = self.config.session_ttl_ms;
             match state.sessions.check(at, state.now_ms, ttl_ms) {
                 Err(error) => return self.output(Err(error), Vec::new(), false),
-                Ok(SessionCheck::Duplicate(result)) => {
-                    return self.output(result, Vec::new(), true);
+                Ok(SessionCheck::Duplicate { result, revision }) => {
+                    // The header of a retried write names the revision it was applied at, not
+                    // the current one: a client watches or compares from there.
+                    let mut output = self.output(result, Vec::new(), true);
+                    if revision > 0 {
+                        output.revision = revision;
+                    }
+                    return output;
                 }
                 Ok(SessionCheck::Fresh) => {}
             }
@@ -229,7 +261,10 @@ impl StateMachine {
         let now_ms = self.state.now_ms;
         // Closing one's own session has nothing left to cache.
         if !matches!(result, Ok(Response::SessionClosed)) {
-            self.state.sessions.record(at, now_ms, result.clone());
+            let revision = self.state.kv.revision();
+            self.state
+                .sessions
+                .record(at, now_ms, result.clone(), revision);
         }
     }
 

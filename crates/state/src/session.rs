@@ -32,6 +32,49 @@ struct ClientSession {
     last_active_ms: u64,
     /// The answer to `last_seq`; `None` before the first request.
     last_result: Option<Result<Response>>,
+    /// The store revision right after `last_seq` was applied, which its retry reports in the
+    /// response header; 0 when unknown (restored from a snapshot written before it was kept).
+    last_revision: i64,
+}
+
+/// A session as snapshot format version 2 stored it, before the answer's revision was kept.
+#[derive(Deserialize)]
+struct ClientSessionV2 {
+    secret: u128,
+    last_seq: u64,
+    last_active_ms: u64,
+    last_result: Option<Result<Response>>,
+}
+
+/// [`Sessions`] as snapshot format version 2 stored them. A retry of a restored answer
+/// reports the revision current at the retry, as version 2 builds did.
+#[derive(Deserialize)]
+pub(crate) struct SessionsV2 {
+    clients: BTreeMap<u64, ClientSessionV2>,
+    by_activity: BTreeSet<(u64, u64)>,
+}
+
+impl From<SessionsV2> for Sessions {
+    fn from(old: SessionsV2) -> Sessions {
+        let clients = old
+            .clients
+            .into_iter()
+            .map(|(client_id, session)| {
+                let session = ClientSession {
+                    secret: session.secret,
+                    last_seq: session.last_seq,
+                    last_active_ms: session.last_active_ms,
+                    last_result: session.last_result,
+                    last_revision: 0,
+                };
+                (client_id, session)
+            })
+            .collect();
+        Sessions {
+            clients,
+            by_activity: old.by_activity,
+        }
+    }
 }
 
 /// A session as snapshot format version 1 stored it, before secrets.
@@ -61,6 +104,7 @@ impl From<SessionsV1> for Sessions {
                     last_seq: session.last_seq,
                     last_active_ms: session.last_active_ms,
                     last_result: session.last_result,
+                    last_revision: 0,
                 };
                 (client_id, session)
             })
@@ -78,7 +122,12 @@ pub(crate) enum SessionCheck {
     /// A new request: apply it, then [`Sessions::record`] the answer.
     Fresh,
     /// A retry: answer with this and change nothing.
-    Duplicate(Result<Response>),
+    Duplicate {
+        /// The first answer.
+        result: Result<Response>,
+        /// The revision the first answer was given at; 0 when unknown.
+        revision: i64,
+    },
 }
 
 /// All client sessions.
@@ -113,6 +162,7 @@ impl Sessions {
             last_seq: 0,
             last_active_ms: now_ms,
             last_result: None,
+            last_revision: 0,
         };
         if let Some(old) = self.clients.insert(client_id, session) {
             self.by_activity.remove(&(old.last_active_ms, client_id));
@@ -185,12 +235,22 @@ impl Sessions {
         if at.seq == session.last_seq
             && let Some(result) = &session.last_result
         {
-            return Ok(SessionCheck::Duplicate(result.clone()));
+            return Ok(SessionCheck::Duplicate {
+                result: result.clone(),
+                revision: session.last_revision,
+            });
         }
         Ok(SessionCheck::Fresh)
     }
 
-    pub(crate) fn record(&mut self, at: SessionSeq, now_ms: u64, result: Result<Response>) {
+    /// Remembers `result`, given at store `revision`, as the answer to `at`.
+    pub(crate) fn record(
+        &mut self,
+        at: SessionSeq,
+        now_ms: u64,
+        result: Result<Response>,
+        revision: i64,
+    ) {
         let Some(session) = self.clients.get_mut(&at.client_id) else {
             return;
         };
@@ -203,6 +263,7 @@ impl Sessions {
         session.last_seq = at.seq;
         session.last_active_ms = now_ms;
         session.last_result = Some(result);
+        session.last_revision = revision;
         self.by_activity.insert((now_ms, at.client_id));
     }
 }
@@ -230,12 +291,15 @@ mod tests {
             sessions.check(first, 1, 100),
             Ok(SessionCheck::Fresh)
         ));
-        sessions.record(first, 1, Ok(Response::Ticked));
+        sessions.record(first, 1, Ok(Response::Ticked), 1);
         assert!(matches!(
             sessions.check(first, 2, 100),
-            Ok(SessionCheck::Duplicate(Ok(Response::Ticked)))
+            Ok(SessionCheck::Duplicate {
+                result: Ok(Response::Ticked),
+                ..
+            })
         ));
-        sessions.record(at(7, 2), 2, Ok(Response::Ticked));
+        sessions.record(at(7, 2), 2, Ok(Response::Ticked), 1);
         assert!(matches!(
             sessions.check(first, 3, 100),
             Err(Error::SessionSeqStale { .. })
@@ -252,7 +316,7 @@ mod tests {
     fn another_secret_reads_nothing_and_moves_nothing() {
         let mut sessions = Sessions::default();
         sessions.open(7, SECRET, 0, 10);
-        sessions.record(at(7, 1), 1, Ok(Response::Ticked));
+        sessions.record(at(7, 1), 1, Ok(Response::Ticked), 1);
         for secret in [0, 1, SECRET ^ 1] {
             let foreign = SessionSeq {
                 client_id: 7,
@@ -264,12 +328,15 @@ mod tests {
                 Err(Error::SessionNotFound { client_id: 7 })
             ));
             let ahead = SessionSeq { seq: 5, ..foreign };
-            sessions.record(ahead, 2, Ok(Response::SessionClosed));
+            sessions.record(ahead, 2, Ok(Response::SessionClosed), 1);
             assert!(!sessions.close(7, secret), "closed with a foreign secret");
         }
         assert!(matches!(
             sessions.check(at(7, 1), 3, 100),
-            Ok(SessionCheck::Duplicate(Ok(Response::Ticked)))
+            Ok(SessionCheck::Duplicate {
+                result: Ok(Response::Ticked),
+                ..
+            })
         ));
         assert!(sessions.close(7, SECRET));
     }
@@ -297,7 +364,7 @@ mod tests {
         let mut sessions = Sessions::default();
         sessions.open(1, SECRET, 0, 2);
         sessions.open(2, SECRET, 5, 2);
-        sessions.record(at(1, 1), 10, Ok(Response::Ticked));
+        sessions.record(at(1, 1), 10, Ok(Response::Ticked), 1);
         sessions.open(3, SECRET, 11, 2);
         assert_eq!(sessions.len(), 2);
         assert!(sessions.clients.contains_key(&1) && sessions.clients.contains_key(&3));

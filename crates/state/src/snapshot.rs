@@ -14,14 +14,15 @@ use std::io::{Read, Write};
 
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::machine::{State, StateMachine, StateV1};
+use crate::machine::{State, StateMachine, StateV1, StateV2};
 
 /// Magic bytes at the start of every snapshot.
 pub const SNAPSHOT_MAGIC: &[u8; 8] = b"CNCLSTAT";
 /// The format version this build writes and reads. The body is the postcard encoding of the
 /// state types, so any change to them (a field added, a variant moved) must bump this.
-pub const SNAPSHOT_FORMAT_VERSION: u32 = 2;
-/// The oldest format version this build reads: version 1 lacks session secrets.
+pub const SNAPSHOT_FORMAT_VERSION: u32 = 3;
+/// The oldest format version this build reads: version 1 lacks session secrets, version 2
+/// the revision of each session's cached answer.
 pub const SNAPSHOT_FORMAT_VERSION_MIN: u32 = 1;
 /// Payload bytes per frame when writing.
 const FRAME_BYTES: usize = 64 * 1024;
@@ -168,6 +169,10 @@ impl StateMachine {
         let (state, rest) = if version == 1 {
             let (old, rest) =
                 postcard::take_from_bytes::<StateV1>(&body).map_err(does_not_decode)?;
+            (State::from(old), rest)
+        } else if version == 2 {
+            let (old, rest) =
+                postcard::take_from_bytes::<StateV2>(&body).map_err(does_not_decode)?;
             (State::from(old), rest)
         } else {
             postcard::take_from_bytes::<State>(&body).map_err(does_not_decode)?

@@ -6,8 +6,9 @@ mod common;
 use bytes::Bytes;
 use common::Driver;
 use conclave_state::{
-    Command, Error, Event, EventKind, LeaseCheckpoint, LeaseKeeper, PutRequest, QueueStatus,
-    RangeRequest, Request, RequestOp, Response, Retention, SessionSeq, TxnRequest,
+    Command, Config, Error, Event, EventKind, LeaseCheckpoint, LeaseKeeper, PutRequest,
+    QueueStatus, RangeRequest, Request, RequestOp, Response, Retention, SessionSeq, StateMachine,
+    TxnRequest,
 };
 
 #[test]
@@ -273,6 +274,40 @@ fn topics_sequence_inbox_ack_and_age_retention() {
     let read = driver.machine.topic_read("election:g", 1, 0);
     assert!(read.messages.is_empty());
     assert_eq!((read.first_seq, read.last_seq), (4, 3));
+}
+
+#[test]
+fn session_retry_reports_the_revision_it_was_applied_at() {
+    let mut driver = Driver::new();
+    let Response::SessionOpened { client_id } = driver.ok(Request::OpenSession) else {
+        panic!()
+    };
+    let put = Command {
+        leader_time_ms: 0,
+        session: Some(SessionSeq {
+            client_id,
+            seq: 1,
+            secret: 0,
+        }),
+        request: Request::Put(PutRequest::new("k", "v")),
+    };
+    driver.index += 1;
+    let first = driver.machine.apply(driver.index, &put);
+    assert!(first.result.is_ok() && !first.duplicate, "{first:?}");
+    // Other clients write before the retry arrives.
+    driver.put("other", "1", 0);
+    driver.put("other", "2", 0);
+    assert_eq!(driver.machine.kv().revision(), first.revision + 2);
+    driver.index += 1;
+    let retry = driver.machine.apply(driver.index, &put);
+    assert!(retry.duplicate);
+    assert_eq!(retry.revision, first.revision, "a retry names its own revision");
+    // The remembered revision survives a snapshot.
+    let bytes = driver.machine.snapshot_to_vec();
+    let mut restored = StateMachine::restore(Config::default(), bytes.as_slice()).expect("restore");
+    let after_restore = restored.apply(driver.index + 1, &put);
+    assert!(after_restore.duplicate);
+    assert_eq!(after_restore.revision, first.revision);
 }
 
 #[test]

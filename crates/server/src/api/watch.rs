@@ -25,6 +25,7 @@ use tonic::{Status, Streaming, async_trait};
 
 use super::Api;
 use super::convert::event_to_pb;
+use crate::node::AppliedEvents;
 
 /// Responses queued for one stream before its watch tasks wait for the client.
 pub const WATCH_STREAM_RESPONSES_MAX: usize = 256;
@@ -223,19 +224,9 @@ fn start_watch(
         let history = match history {
             Ok(history) => history,
             Err(conclave_state::Error::Compacted { compact_revision }) => {
-                // etcd's cancellation for compaction carries no revision in its header.
-                let compacted = pb::WatchResponse {
-                    header: Some(pb::ResponseHeader {
-                        revision: 0,
-                        ..header
-                    }),
-                    watch_id: id,
-                    canceled: true,
-                    compact_revision,
-                    cancel_reason: "etcdserver: mvcc: required revision has been compacted".into(),
-                    ..Default::default()
-                };
-                let _ = responses.send(Ok(compacted)).await;
+                let _ = responses
+                    .send(Ok(compacted_cancel(&api, id, compact_revision)))
+                    .await;
                 return;
             }
             Err(error) => {
@@ -259,6 +250,8 @@ fn start_watch(
                 return;
             }
         }
+        // Every revision up to `seen` has been delivered (or filtered out) by this watch.
+        let mut seen = revision;
         loop {
             let batch = match live.recv().await {
                 Ok(batch) => batch,
@@ -275,27 +268,61 @@ fn start_watch(
                 }
                 Err(broadcast::error::RecvError::Closed) => return,
             };
-            let events: Vec<_> = batch
-                .events
-                .iter()
-                .filter_map(|event| match event {
-                    // A watch from a future revision (or created while a restarted member
-                    // is still replaying its log) must not see anything before its start.
-                    Event::Kv(e)
-                        if e.kv.mod_revision > revision
-                            && e.kv.mod_revision >= start_revision
-                            && filter.matches(e) =>
-                    {
-                        Some(event_to_pb(e.clone(), filter.prev_kv))
+            let (events, header_revision) = if skips_revisions(seen, &batch) {
+                // The member jumped over revisions without applying them one by one (a
+                // snapshot from the leader was installed): read them from the history, or
+                // cancel as compacted so the client resumes, never skip them silently.
+                let from = (seen + 1).max(start_revision);
+                let (history, now) = api.node.read_state(|state| {
+                    let history = state.events_since(from, &filter.key, &filter.range_end);
+                    (history, state.revision())
+                });
+                let history = match history {
+                    Ok(history) => history,
+                    Err(conclave_state::Error::Compacted { compact_revision }) => {
+                        let _ = responses
+                            .send(Ok(compacted_cancel(&api, id, compact_revision)))
+                            .await;
+                        return;
                     }
-                    _ => None,
-                })
-                .collect();
+                    Err(error) => {
+                        let _ = responses.send(Err(super::state_status(&error))).await;
+                        return;
+                    }
+                };
+                seen = seen.max(now);
+                let events: Vec<_> = history
+                    .into_iter()
+                    .filter(|e| filter.matches(e))
+                    .map(|e| event_to_pb(e, filter.prev_kv))
+                    .collect();
+                (events, now)
+            } else {
+                let events: Vec<_> = batch
+                    .events
+                    .iter()
+                    .filter_map(|event| match event {
+                        // A watch from a future revision (or created while a restarted member
+                        // is still replaying its log) must not see anything before its start,
+                        // nor anything a history read already delivered.
+                        Event::Kv(e)
+                            if e.kv.mod_revision > seen
+                                && e.kv.mod_revision >= start_revision
+                                && filter.matches(e) =>
+                        {
+                            Some(event_to_pb(e.clone(), filter.prev_kv))
+                        }
+                        _ => None,
+                    })
+                    .collect();
+                seen = seen.max(batch.revision);
+                (events, batch.revision)
+            };
             if events.is_empty() {
                 continue;
             }
             let response = pb::WatchResponse {
-                header: Some(api.header(batch.revision)),
+                header: Some(api.header(header_revision)),
                 watch_id: id,
                 events,
                 ..Default::default()
@@ -305,4 +332,94 @@ fn start_watch(
             }
         }
     })
+}
+
+/// etcd's cancellation of a watch whose next revision was compacted away; the client watches
+/// again from `compact_revision`. It carries no revision in its header, as etcd's does not.
+fn compacted_cancel(api: &Api, id: i64, compact_revision: i64) -> pb::WatchResponse {
+    pb::WatchResponse {
+        header: Some(pb::ResponseHeader {
+            revision: 0,
+            ..api.read_header()
+        }),
+        watch_id: id,
+        canceled: true,
+        compact_revision,
+        cancel_reason: "etcdserver: mvcc: required revision has been compacted".into(),
+        ..Default::default()
+    }
+}
+
+/// True when `batch` does not continue, revision by revision, from `seen`: some revision
+/// after `seen` reached the state without its events passing through the broadcast, as
+/// when a follower installs a snapshot. Every revision carries at least one KV event, so a
+/// batch that continues the stream has, above `seen`, events at `seen + 1`, `seen + 2`, ...
+/// up to its own revision. Events at or below `seen` were already delivered and are skipped.
+fn skips_revisions(seen: i64, batch: &AppliedEvents) -> bool {
+    let mut covered = seen;
+    for event in batch.events.iter() {
+        let Event::Kv(event) = event else {
+            continue;
+        };
+        let revision = event.kv.mod_revision;
+        if revision <= covered {
+            continue;
+        }
+        if revision != covered + 1 {
+            return true;
+        }
+        covered = revision;
+    }
+    batch.revision > covered
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use conclave_state::{Event, EventKind, KeyValue, WatchEvent};
+
+    use super::{AppliedEvents, skips_revisions};
+
+    fn put(mod_revision: i64) -> Event {
+        Event::Kv(WatchEvent {
+            kind: EventKind::Put,
+            kv: KeyValue {
+                key: b"k".to_vec().into(),
+                mod_revision,
+                ..KeyValue::default()
+            },
+            prev_kv: None,
+        })
+    }
+
+    fn batch(revision: i64, events: Vec<Event>) -> AppliedEvents {
+        AppliedEvents {
+            revision,
+            events: Arc::new(events),
+        }
+    }
+
+    #[test]
+    fn a_batch_that_continues_the_stream_is_no_gap() {
+        assert!(!skips_revisions(4, &batch(5, vec![put(5)])));
+        // Several events at one revision (a txn), then the next revision.
+        assert!(!skips_revisions(4, &batch(6, vec![put(5), put(5), put(6)])));
+        // Events a history read already delivered are skipped, not a gap.
+        assert!(!skips_revisions(9, &batch(10, vec![put(8), put(9), put(10)])));
+        assert!(!skips_revisions(9, &batch(7, vec![put(7)])));
+        // A batch with no KV event that moves no revision (a topic publish, say).
+        assert!(!skips_revisions(9, &batch(9, Vec::new())));
+    }
+
+    #[test]
+    fn revisions_a_snapshot_jumped_over_are_a_gap() {
+        // Installed a snapshot at 20, then applied 21: 5..=20 never went through the broadcast.
+        assert!(skips_revisions(4, &batch(21, vec![put(21)])));
+        // The jump in the middle of a batch.
+        assert!(skips_revisions(4, &batch(21, vec![put(5), put(21)])));
+        // The jump with no KV event after it: the batch's revision is past what it carries.
+        assert!(skips_revisions(4, &batch(20, vec![put(5)])));
+        assert!(skips_revisions(4, &batch(20, Vec::new())));
+    }
 }

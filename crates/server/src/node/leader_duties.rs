@@ -280,7 +280,10 @@ impl<S: NodeStore> Duties<StateMachine, S> for LeaderDuties {
     }
 
     fn applied(&mut self, output: &ApplyOutput) {
-        self.batch_revision = output.revision;
+        // A session retry reports the revision it was first applied at, not the store's.
+        if !output.duplicate {
+            self.batch_revision = output.revision;
+        }
         self.batch_events.extend(output.events.iter().cloned());
     }
 }
