@@ -121,7 +121,10 @@ async fn a_watcher_on_a_member_that_installs_a_snapshot_misses_no_revision() {
         }
     }
     let during = keys.iter().filter(|key| *key != "gap/after").count();
-    assert_eq!(during, WRITES, "every write made while the member was cut off");
+    assert_eq!(
+        during, WRITES,
+        "every write made while the member was cut off"
+    );
     assert!(
         revisions.windows(2).all(|pair| pair[1] == pair[0] + 1),
         "one event per revision, in order, none twice or skipped"

@@ -301,7 +301,10 @@ fn session_retry_reports_the_revision_it_was_applied_at() {
     driver.index += 1;
     let retry = driver.machine.apply(driver.index, &put);
     assert!(retry.duplicate);
-    assert_eq!(retry.revision, first.revision, "a retry names its own revision");
+    assert_eq!(
+        retry.revision, first.revision,
+        "a retry names its own revision"
+    );
     // The remembered revision survives a snapshot.
     let bytes = driver.machine.snapshot_to_vec();
     let mut restored = StateMachine::restore(Config::default(), bytes.as_slice()).expect("restore");

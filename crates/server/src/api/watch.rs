@@ -406,7 +406,10 @@ mod tests {
         // Several events at one revision (a txn), then the next revision.
         assert!(!skips_revisions(4, &batch(6, vec![put(5), put(5), put(6)])));
         // Events a history read already delivered are skipped, not a gap.
-        assert!(!skips_revisions(9, &batch(10, vec![put(8), put(9), put(10)])));
+        assert!(!skips_revisions(
+            9,
+            &batch(10, vec![put(8), put(9), put(10)])
+        ));
         assert!(!skips_revisions(9, &batch(7, vec![put(7)])));
         // A batch with no KV event that moves no revision (a topic publish, say).
         assert!(!skips_revisions(9, &batch(9, Vec::new())));
