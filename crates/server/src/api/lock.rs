@@ -28,7 +28,7 @@ use tonic::{Status, async_trait};
 
 use super::limits::Wait;
 use super::route::leader_call;
-use super::{Api, CallContext, Served, answer, state_status, to_status, unexpected};
+use super::{Api, CallContext, Served, answer, convert, state_status, to_status, unexpected};
 use crate::error::Error;
 use crate::node::AppliedEvents;
 
@@ -164,7 +164,12 @@ pub(crate) async fn wait_for_turn(
         return Ok(revision);
     }
     // Armed from here on: dropped on a refusal below, it removes the key.
-    let mut guard = QueueGuard::new(api.clone(), queued.key.clone(), queued.fence);
+    let mut guard = QueueGuard::new(
+        api.clone(),
+        Bytes::copy_from_slice(name),
+        queued.key.clone(),
+        queued.fence,
+    );
     let (kind, client) = cap;
     let _slot = api.limits.wait(kind, client)?;
     let waited = wait_for_queue(api, ctx.deadline, name, &queued.key, queued.fence).await;
@@ -172,68 +177,97 @@ pub(crate) async fn wait_for_turn(
     waited?.ok_or_else(|| to_status(Error::Timeout))
 }
 
-/// Deletes a queue key if it was still created at `fence` (a waiter that gave up).
-pub(crate) async fn fenced_delete(
+/// How often an abandoned waiter's key is looked at again when the key ahead of it changed
+/// before its withdrawal applied (the local state may lag the leader's).
+const WITHDRAW_ATTEMPTS_MAX: usize = 5;
+/// Pause between those attempts, so a lagging local state can catch up.
+const WITHDRAW_RETRY_MS: u64 = 50;
+
+/// Withdraws a queue key whose waiting call was dropped, but only while it is still waiting:
+/// the delete is a Txn that also requires the key just ahead to exist unchanged, so it applies
+/// only while this key has never owned the queue. Lock and Campaign are idempotent under one
+/// lease, so a client that gave up on one call and retried elsewhere shares this key with its
+/// retry; once the key owns the queue that retry may have been told so, and deleting the key
+/// would hand the lock to the next waiter while the holder's lease is still valid (the fault
+/// suite saw this when a member paused with such a call was continued). An owner key is left
+/// to its holder or its lease.
+pub(crate) async fn withdraw_waiter(
     api: &Api,
     ctx: &CallContext,
+    name: &[u8],
     key: Bytes,
     fence: i64,
 ) -> Result<bool, Status> {
-    let command = Request::Unlock {
-        key: key.clone(),
-        fence: Some(fence),
-    };
-    // The same fenced delete as a Txn, which every member serves.
     use pb::compare::{CompareResult, CompareTarget, TargetUnion};
-    let txn = pb::TxnRequest {
-        compare: vec![pb::Compare {
-            result: CompareResult::Equal as i32,
-            target: CompareTarget::Create as i32,
-            key: key.clone(),
-            target_union: Some(TargetUnion::CreateRevision(fence)),
-            ..Default::default()
-        }],
-        success: vec![pb::RequestOp {
-            request: Some(pb::request_op::Request::RequestDeleteRange(
-                pb::DeleteRangeRequest {
-                    key,
-                    ..Default::default()
-                },
-            )),
-        }],
-        failure: vec![],
+    let create_is = |key: Bytes, revision: i64| pb::Compare {
+        result: CompareResult::Equal as i32,
+        target: CompareTarget::Create as i32,
+        key,
+        target_union: Some(TargetUnion::CreateRevision(revision)),
+        ..Default::default()
     };
-    let served = api
-        .write_routed(
-            ctx,
-            command,
-            &txn,
-            leader_call!(KvClient::txn),
-            |applied| match answer(&applied)? {
-                Response::Unlocked { released } => Ok(*released),
-                other => Err(unexpected(other)),
-            },
-        )
-        .await?;
-    Ok(match served {
-        Served::Here(released) => released,
-        Served::Leader(response) => response.into_inner().succeeded,
-    })
+    for attempt in 0..WITHDRAW_ATTEMPTS_MAX {
+        if attempt > 0 {
+            tokio::time::sleep(Duration::from_millis(WITHDRAW_RETRY_MS)).await;
+        }
+        let ahead = match api
+            .node
+            .read_state(|state| state.queue_status(name, &key, fence))
+        {
+            QueueStatus::Waiting { waiting_for } => waiting_for,
+            QueueStatus::Owner { .. } | QueueStatus::Lost => return Ok(false),
+        };
+        let txn = pb::TxnRequest {
+            compare: vec![
+                create_is(key.clone(), fence),
+                create_is(ahead.key.clone(), ahead.create_revision),
+            ],
+            success: vec![pb::RequestOp {
+                request: Some(pb::request_op::Request::RequestDeleteRange(
+                    pb::DeleteRangeRequest {
+                        key: key.clone(),
+                        ..Default::default()
+                    },
+                )),
+            }],
+            failure: vec![],
+        };
+        let command = Request::Txn(convert::txn_from_pb(txn.clone())?);
+        let served =
+            api.write_routed(ctx, command, &txn, leader_call!(KvClient::txn), |applied| {
+                match answer(&applied)? {
+                    Response::Txn(answer) => Ok(answer.succeeded),
+                    other => Err(unexpected(other)),
+                }
+            })
+            .await?;
+        let withdrawn = match served {
+            Served::Here(succeeded) => succeeded,
+            Served::Leader(response) => response.into_inner().succeeded,
+        };
+        if withdrawn {
+            return Ok(true);
+        }
+    }
+    Ok(false)
 }
 
-/// Removes a waiter's queue key if the call is dropped while waiting (the client cancelled
-/// or disconnected), as etcd's recipes do; disarmed on every answer.
+/// Withdraws a waiter's queue key if the call is dropped while waiting (the client cancelled
+/// or disconnected), as etcd's recipes do, unless the key has come to own the queue meanwhile
+/// (see [`withdraw_waiter`]); disarmed on every answer.
 pub(crate) struct QueueGuard {
     api: Arc<Api>,
+    name: Bytes,
     key: Bytes,
     fence: i64,
     armed: bool,
 }
 
 impl QueueGuard {
-    pub(crate) fn new(api: Arc<Api>, key: Bytes, fence: i64) -> Self {
+    pub(crate) fn new(api: Arc<Api>, name: Bytes, key: Bytes, fence: i64) -> Self {
         QueueGuard {
             api,
+            name,
             key,
             fence,
             armed: true,
@@ -254,6 +288,7 @@ impl Drop for QueueGuard {
             return;
         };
         let api = self.api.clone();
+        let name = self.name.clone();
         let key = self.key.clone();
         let fence = self.fence;
         runtime.spawn(async move {
@@ -263,8 +298,14 @@ impl Drop for QueueGuard {
                 session: None,
                 fence: None,
             };
-            if let Err(status) = fenced_delete(&api, &ctx, key, fence).await {
-                tracing::debug!(%status, "abandoned queue key not removed; its lease will");
+            match withdraw_waiter(&api, &ctx, &name, key, fence).await {
+                Ok(true) => {}
+                Ok(false) => tracing::debug!(
+                    "abandoned queue key owns the queue or is gone; left to its lease"
+                ),
+                Err(status) => {
+                    tracing::debug!(%status, "abandoned queue key not removed; its lease will")
+                }
             }
         });
     }
