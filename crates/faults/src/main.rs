@@ -30,7 +30,7 @@ const SKEW_DRIFT_PPM: u64 = 10_000;
 /// First port on loopback (below Linux's ephemeral range).
 const LOOPBACK_FIRST_PORT: u16 = 23_000;
 
-const WORKLOADS: &[&str] = &["register", "watch", "lock", "election", "lease"];
+const WORKLOADS: &[&str] = &["register", "watch", "lock", "election", "lease", "topic"];
 const NEGATIVE_CONTROLS: &[(&str, &str)] = &[
     ("register-serializable", "register"),
     ("watch-drop", "watch"),
@@ -38,6 +38,7 @@ const NEGATIVE_CONTROLS: &[(&str, &str)] = &[
     ("election-unfenced", "election"),
     ("lease-short-ttl", "lease"),
     ("lease-fast-clock", "lease"),
+    ("topic-ack-unread", "topic"),
 ];
 /// Clock rate of every member in the `lease-fast-clock` control: far beyond the clients'
 /// drift allowance, so leases end early in real time and the lease checker must say so.
@@ -81,10 +82,10 @@ struct RunArgs {
         value_delimiter = ','
     )]
     nemesis: Vec<String>,
-    /// Workloads: register, watch, lock, election, lease.
+    /// Workloads: register, watch, lock, election, lease, topic.
     #[arg(
         long,
-        default_value = "register,watch,lock,election,lease",
+        default_value = "register,watch,lock,election,lease,topic",
         value_delimiter = ','
     )]
     workload: Vec<String>,
@@ -104,7 +105,7 @@ struct RunArgs {
     election_timeout_ms: u64,
     /// Run a negative control instead: the named bug is planted and the run succeeds only if
     /// its checker catches it. One of register-serializable, watch-drop, lock-unfenced,
-    /// election-unfenced, lease-short-ttl, lease-fast-clock.
+    /// election-unfenced, lease-short-ttl, lease-fast-clock, topic-ack-unread.
     #[arg(long)]
     negative_control: Option<String>,
 }
@@ -288,11 +289,12 @@ async fn run_async(
     };
     let negative_name = negative.map(|(n, _)| n);
     let has = |w: &str| args.workload.iter().any(|x| x == w);
-    let histories: BTreeMap<&str, Recorder> =
-        ["register", "watch", "lock", "election", "lease", "faults"]
-            .into_iter()
-            .map(|w| (w, Recorder::new(start)))
-            .collect();
+    let histories: BTreeMap<&str, Recorder> = [
+        "register", "watch", "lock", "election", "lease", "topic", "faults",
+    ]
+    .into_iter()
+    .map(|w| (w, Recorder::new(start)))
+    .collect();
     let mut tasks = Vec::new();
     if has("register") || has("watch") {
         let pinned =
@@ -375,6 +377,24 @@ async fn run_async(
                 process,
                 histories["lease"].clone(),
                 extra,
+            )));
+        }
+    }
+    if has("topic") {
+        for process in 501..=502 {
+            tasks.push(tokio::spawn(workloads::publisher(
+                ctx.clone(),
+                process,
+                histories["topic"].clone(),
+            )));
+        }
+        let ack_unread = negative_name == Some("topic-ack-unread");
+        for process in 511..=512 {
+            tasks.push(tokio::spawn(workloads::consumer(
+                ctx.clone(),
+                process,
+                histories["topic"].clone(),
+                ack_unread && process == 511,
             )));
         }
     }
@@ -582,6 +602,15 @@ fn check_events(
                 .extend(found);
         }
     }
+    if !get("topic").is_empty() {
+        let ops = paired("topic", get("topic"), &mut report);
+        let found = checkers::topic::check(&ops);
+        report
+            .anomalies
+            .entry("topic".into())
+            .or_default()
+            .extend(found);
+    }
     if !get("lease").is_empty() {
         let ops = paired("lease", get("lease"), &mut report);
         let bounds = LeaseBounds {
@@ -601,7 +630,9 @@ fn check_events(
 
 fn check_dir(dir: &Path, election_timeout_ms: u64) -> Result<Report, Error> {
     let mut histories = BTreeMap::new();
-    for name in ["register", "watch", "lock", "election", "lease", "faults"] {
+    for name in [
+        "register", "watch", "lock", "election", "lease", "topic", "faults",
+    ] {
         let path = dir.join(format!("{name}.jsonl"));
         if path.exists() {
             histories.insert(name.to_string(), history::read_events(&path)?);

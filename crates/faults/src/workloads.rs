@@ -369,11 +369,15 @@ pub async fn lock(
         while key.is_none() && started.elapsed() < Duration::from_secs(10) {
             let channel = channels[rng.below(channels.len() as u64) as usize].clone();
             let sent = Instant::now();
-            let _ = ctx
+            // A TTL of 0 says the lease is gone: no promise to count from.
+            if ctx
                 .client
                 .lease_keep_alive_once(lease)
                 .await
-                .map(|_| last_ack_sent = sent);
+                .is_ok_and(|ttl| !ttl.is_zero())
+            {
+                last_ack_sent = sent;
+            }
             let request = LockRequest {
                 name: name.as_bytes().to_vec().into(),
                 lease,
@@ -651,6 +655,130 @@ pub async fn lease(ctx: Ctx, process: u64, history: Recorder, claimed_extra: Dur
                 continue;
             }
             tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    }
+}
+
+/// Topics the topic workload publishes to.
+pub const TOPICS: &[&str] = &["faults-topic-0", "faults-topic-1"];
+/// Messages one inbox read asks for.
+const INBOX_LIMIT: u32 = 50;
+/// How long a consumer may take to drain its inbox once the run is over.
+const DRAIN_MAX: Duration = Duration::from_secs(30);
+
+/// Publishes unique messages to the topics, in exactly-once sessions (the client's own).
+pub async fn publisher(ctx: Ctx, process: u64, history: Recorder) {
+    let mut rng = Rng::new(ctx.seed ^ (process * 0x2b79));
+    let topics = ctx.client.topics();
+    let mut counter = 0u64;
+    while ctx.running() {
+        counter += 1;
+        let topic = TOPICS[rng.below(TOPICS.len() as u64) as usize];
+        let data = format!("p{process}-{counter}");
+        history.record(process, Kind::Invoke, "publish", topic, json!(data));
+        match topics.publish(topic, data.clone()).await {
+            Ok(seq) => {
+                history.record(process, Kind::Ok, "publish", topic, json!({"seq": seq}));
+            }
+            Err(error) => {
+                history.record(
+                    process,
+                    outcome_of(&error),
+                    "publish",
+                    topic,
+                    json!(error.code()),
+                );
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(rng.below(20))).await;
+    }
+}
+
+/// A consumer: reads its inbox on every topic, then acknowledges what it read (at least once
+/// delivery). Once the run is over it drains its inbox and records that it did.
+/// `ack_unread` acknowledges one message before reading it (the topic checker's negative
+/// control: that message is never delivered).
+pub async fn consumer(ctx: Ctx, process: u64, history: Recorder, ack_unread: bool) {
+    let topics_api = ctx.client.topics();
+    let name = format!("faults-consumer-{process}");
+    let mut cheated = !ack_unread;
+    let mut reads_with_messages = 0u64;
+    let mut empty_in_a_row = 0;
+    let mut drain_deadline: Option<Instant> = None;
+    loop {
+        if !ctx.running() && drain_deadline.is_none() {
+            drain_deadline = Some(Instant::now() + DRAIN_MAX);
+            empty_in_a_row = 0;
+        }
+        if let Some(deadline) = drain_deadline {
+            if empty_in_a_row >= 2 {
+                history.record(process, Kind::Invoke, "drained", &name, Value::Null);
+                history.record(process, Kind::Ok, "drained", &name, Value::Null);
+                return;
+            }
+            if Instant::now() >= deadline {
+                return;
+            }
+        }
+        history.record(process, Kind::Invoke, "inbox", &name, Value::Null);
+        let options = conclave_client::InboxOptions {
+            limit: INBOX_LIMIT,
+            ack: false,
+            wait: Duration::from_millis(200),
+        };
+        let messages = match topics_api.inbox(&name, TOPICS, options).await {
+            Ok(messages) => messages,
+            Err(_) => {
+                // A read changes nothing: the checker ignores failed ones.
+                history.record(process, Kind::Fail, "inbox", &name, Value::Null);
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let delivered: Vec<Value> = messages
+            .iter()
+            .map(|m| json!([m.topic, m.seq, String::from_utf8_lossy(&m.data)]))
+            .collect();
+        history.record(process, Kind::Ok, "inbox", &name, Value::Array(delivered));
+        if messages.is_empty() {
+            empty_in_a_row += 1;
+            continue;
+        }
+        empty_in_a_row = 0;
+        reads_with_messages += 1;
+        for topic in TOPICS {
+            let Some(last) = messages
+                .iter()
+                .filter(|m| m.topic == *topic)
+                .map(|m| m.seq)
+                .max()
+            else {
+                continue;
+            };
+            let mut seq = last;
+            if !cheated && reads_with_messages >= 10 {
+                // Acknowledge the next message before it was read (it may not exist yet:
+                // then the ack is refused and the consumer tries again next time).
+                seq = last + 1;
+            }
+            history.record(process, Kind::Invoke, "ack", topic, json!({"seq": seq}));
+            match topics_api.ack(&name, topic, seq).await {
+                Ok(acked) => {
+                    if seq > last {
+                        cheated = true;
+                    }
+                    history.record(process, Kind::Ok, "ack", topic, json!({"acked": acked}));
+                }
+                Err(error) => {
+                    history.record(
+                        process,
+                        outcome_of(&error),
+                        "ack",
+                        topic,
+                        json!(error.code()),
+                    );
+                }
+            }
         }
     }
 }

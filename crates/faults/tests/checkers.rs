@@ -2,7 +2,7 @@
 //! caught (negative controls), and correct histories pass.
 
 use conclave_faults::checkers::linearizable::{self, Entry, RegOp, Verdict};
-use conclave_faults::checkers::{self, fence, lease, watch};
+use conclave_faults::checkers::{self, fence, lease, topic, watch};
 use conclave_faults::history::{Event, Kind, Op, pair};
 use proptest::prelude::*;
 use proptest::strategy::ValueTree;
@@ -592,4 +592,113 @@ fn watch_controls() {
     );
     // Writes outside the covered range are not expected.
     assert!(watch::check(&watch_history(&[(3, 101), (4, 102)], 3, 4), &writes).is_empty());
+}
+
+// ---------- topics ----------
+
+fn publish(process: u64, topic: &str, data: &str, seq: u64, invoke: u64, complete: u64) -> Op {
+    op(
+        process,
+        "publish",
+        topic,
+        json!(data),
+        Kind::Ok,
+        json!({"seq": seq}),
+        invoke,
+        complete,
+    )
+}
+
+fn inbox(process: u64, messages: Value, invoke: u64, complete: u64) -> Op {
+    op(
+        process,
+        "inbox",
+        "c",
+        Value::Null,
+        Kind::Ok,
+        messages,
+        invoke,
+        complete,
+    )
+}
+
+fn ack(process: u64, topic: &str, seq: u64, invoke: u64, complete: u64) -> Op {
+    op(
+        process,
+        "ack",
+        topic,
+        json!({"seq": seq}),
+        Kind::Ok,
+        json!({"acked": seq}),
+        invoke,
+        complete,
+    )
+}
+
+fn drained(process: u64, at: u64) -> Op {
+    op(
+        process,
+        "drained",
+        "c",
+        Value::Null,
+        Kind::Ok,
+        Value::Null,
+        at,
+        at,
+    )
+}
+
+/// Two publishes, read, acknowledged, then an empty inbox: correct.
+fn topic_history() -> Vec<Op> {
+    vec![
+        publish(1, "t", "a", 1, 0, 10),
+        publish(1, "t", "b", 2, 20, 30),
+        inbox(9, json!([["t", 1, "a"], ["t", 2, "b"]]), 40, 50),
+        ack(9, "t", 2, 60, 70),
+        inbox(9, json!([]), 80, 90),
+        drained(9, 100),
+    ]
+}
+
+fn kinds(anomalies: &[String]) -> Vec<&str> {
+    anomalies
+        .iter()
+        .map(|a| a.split(':').next().unwrap_or(""))
+        .collect()
+}
+
+#[test]
+fn topic_controls() {
+    assert_eq!(topic::check(&topic_history()), Vec::<String>::new());
+    // A consumer that acknowledged a message it never read: it is lost for it.
+    let mut lost = topic_history();
+    lost[2] = inbox(9, json!([["t", 1, "a"]]), 40, 50);
+    assert_eq!(kinds(&topic::check(&lost)), ["topic-lost"]);
+    // A message delivered again after its acknowledgement completed.
+    let mut again = topic_history();
+    again[4] = inbox(9, json!([["t", 2, "b"]]), 80, 90);
+    assert_eq!(kinds(&topic::check(&again)), ["topic-duplicate"]);
+    // Redelivery before the acknowledgement completed is allowed (at least once).
+    let mut early = topic_history();
+    early.insert(4, inbox(9, json!([["t", 2, "b"]]), 61, 65));
+    assert_eq!(topic::check(&early), Vec::<String>::new());
+    // Out of order within one answer, and a phantom.
+    let mut reordered = topic_history();
+    reordered[2] = inbox(9, json!([["t", 2, "b"], ["t", 1, "a"]]), 40, 50);
+    assert_eq!(kinds(&topic::check(&reordered)), ["topic-order"]);
+    let mut phantom = topic_history();
+    phantom[4] = inbox(9, json!([["t", 3, "zz"]]), 80, 90);
+    assert_eq!(kinds(&topic::check(&phantom)), ["topic-phantom"]);
+    // A later publish with a lower seq, a seq given twice, a publish applied twice.
+    let mut backwards = topic_history();
+    backwards[1] = publish(1, "t", "b", 1, 20, 30);
+    assert!(kinds(&topic::check(&backwards)).contains(&"topic-order"));
+    assert!(kinds(&topic::check(&backwards)).contains(&"topic-seq"));
+    let mut twice = topic_history();
+    twice.push(publish(2, "t", "a", 3, 200, 210));
+    assert!(kinds(&topic::check(&twice)).contains(&"topic-seq"));
+    // A consumer that never drained is reported, never passed.
+    let mut undrained = topic_history();
+    undrained.pop();
+    assert_eq!(kinds(&topic::check(&undrained)), ["topic-undrained"]);
 }
