@@ -96,12 +96,13 @@ pub fn check(ops: &[Op]) -> Vec<String> {
     // Completed acknowledgements per (consumer, topic): (completion time, position).
     let mut acks: BTreeMap<(u64, &str), Vec<(u64, u64)>> = BTreeMap::new();
     for op in ops {
-        if op.f == "ack" && op.outcome == Kind::Ok {
-            if let Some(position) = op.args.get("seq").and_then(Value::as_u64) {
-                acks.entry((op.process, op.key.as_str()))
-                    .or_default()
-                    .push((op.complete_us, position));
-            }
+        if op.f == "ack"
+            && op.outcome == Kind::Ok
+            && let Some(position) = op.args.get("seq").and_then(Value::as_u64)
+        {
+            acks.entry((op.process, op.key.as_str()))
+                .or_default()
+                .push((op.complete_us, position));
         }
         if op.f == "drained" && op.outcome == Kind::Ok {
             drained.insert(op.process);
