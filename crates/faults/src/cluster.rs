@@ -17,7 +17,13 @@ const PEER_SECRET: &str = "conclave-faults-peer-secret-0123456789";
 const STATUS_TIMEOUT: Duration = Duration::from_millis(500);
 
 pub struct Member {
+    /// Raft member id: the founding id (index + 1) until the member nemesis replaces the
+    /// member, then the id MemberAdd gave its replacement.
     pub id: u64,
+    /// Started with `--initial-cluster-state existing` (a replacement that joined later).
+    pub joined: bool,
+    /// A learner not promoted yet.
+    pub learner: bool,
     child: Option<Child>,
     pub paused: bool,
     /// Rate of the member's wall clock from its next start (`None`: the real clock).
@@ -51,6 +57,8 @@ impl Cluster {
         let members = (1..=net.places.len() as u64)
             .map(|id| Member {
                 id,
+                joined: false,
+                learner: false,
                 child: None,
                 paused: false,
                 clock_rate,
@@ -80,19 +88,25 @@ impl Cluster {
     /// (Re)starts member `index` (0-based) over its data directory.
     pub fn spawn(&mut self, index: usize) -> Result<(), Error> {
         let places = &self.net.places;
-        let initial = places
+        let id = self.members[index].id;
+        let joined = self.members[index].joined;
+        // The founding list exactly as the founders were started (the cluster id derives
+        // from it); a replacement adds itself under its own id.
+        let mut initial = places
             .iter()
             .enumerate()
             .map(|(i, p)| format!("{}={}", i + 1, p.peer_addr))
-            .collect::<Vec<_>>()
-            .join(",");
-        let clients = places
+            .collect::<Vec<_>>();
+        let mut clients = places
             .iter()
             .enumerate()
             .map(|(i, p)| format!("{}={}", i + 1, p.client_addr))
-            .collect::<Vec<_>>()
-            .join(",");
-        let id = index + 1;
+            .collect::<Vec<_>>();
+        if joined {
+            initial.push(format!("{id}={}", places[index].peer_addr));
+            clients.push(format!("{id}={}", places[index].client_addr));
+        }
+        let (initial, clients) = (initial.join(","), clients.join(","));
         let log_path = self.root.join(format!("member{id}.log"));
         let log = std::fs::OpenOptions::new()
             .create(true)
@@ -120,6 +134,10 @@ impl Cluster {
             .args(["--initial-cluster", &initial])
             .args(["--initial-cluster-clients", &clients])
             .args(["--snapshot-entries", "500"])
+            .args([
+                "--initial-cluster-state",
+                if joined { "existing" } else { "new" },
+            ])
             .args([
                 "--election-timeout-ms",
                 &self.election_timeout_ms.to_string(),
@@ -212,8 +230,8 @@ impl Cluster {
             .flatten();
             if let Some(status) = status {
                 let leader = status.into_inner().leader;
-                if leader >= 1 && (leader as usize) <= self.members.len() {
-                    return Some(leader as usize - 1);
+                if let Some(index) = self.members.iter().position(|m| m.id == leader) {
+                    return Some(index);
                 }
             }
         }

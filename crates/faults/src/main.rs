@@ -75,10 +75,10 @@ struct RunArgs {
     /// Members of the cluster (3 or 5).
     #[arg(long, default_value_t = 3)]
     members: usize,
-    /// Faults: partition, kill, pause, skew (comma-separated; empty for none).
+    /// Faults: partition, kill, pause, skew, member (comma-separated; empty for none).
     #[arg(
         long,
-        default_value = "partition,kill,pause,skew",
+        default_value = "partition,kill,pause,skew,member",
         value_delimiter = ','
     )]
     nemesis: Vec<String>,
@@ -138,7 +138,7 @@ fn run(args: RunArgs) -> Result<u8, Error> {
         .map(|n| {
             Family::parse(n).ok_or_else(|| {
                 Error::Usage(format!(
-                    "unknown nemesis {n:?} (partition, kill, pause, skew)"
+                    "unknown nemesis {n:?} (partition, kill, pause, skew, member)"
                 ))
             })
         })

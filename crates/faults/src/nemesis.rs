@@ -2,6 +2,8 @@
 
 use std::time::{Duration, Instant};
 
+use conclave_proto::etcdserverpb::cluster_client::ClusterClient;
+use conclave_proto::etcdserverpb::{MemberAddRequest, MemberPromoteRequest, MemberRemoveRequest};
 use serde_json::json;
 
 use crate::cluster::Cluster;
@@ -15,6 +17,7 @@ pub enum Family {
     Kill,
     Pause,
     Skew,
+    Member,
 }
 
 impl Family {
@@ -24,6 +27,7 @@ impl Family {
             "kill" => Some(Family::Kill),
             "pause" => Some(Family::Pause),
             "skew" => Some(Family::Skew),
+            "member" => Some(Family::Member),
             _ => None,
         }
     }
@@ -42,7 +46,14 @@ enum Undo {
     Restart(usize),
     Resume(usize),
     Unskew(usize),
+    /// Re-add (if that failed at first) and promote a replaced member.
+    Rejoin(usize),
 }
+
+/// Deadline of one membership call, and how long a heal keeps trying to promote a learner
+/// that is still catching up.
+const MEMBERSHIP_CALL: Duration = Duration::from_secs(3);
+const PROMOTE_WITHIN: Duration = Duration::from_secs(10);
 
 /// Clock rates the skew nemesis gives a member: slow ones well beyond real hardware, fast ones
 /// only within the clients' documented drift allowance (`LeaseSafety`, 1%), since a leader
@@ -89,7 +100,7 @@ pub async fn run(
         tokio::time::sleep(between(&mut rng, FAULT_MS)).await;
         {
             let mut cluster = cluster.lock().await;
-            undo_fault(&mut cluster, undo);
+            undo_fault(&mut cluster, undo).await;
         }
         let end = history.record(0, Kind::Ok, "fault", &what, json!("healed"));
         windows.push((start, end));
@@ -146,6 +157,37 @@ async fn start_fault(
                     victim + 1
                 ),
                 Some(Undo::Unskew(victim)),
+            )
+        }
+        Family::Member => {
+            // Replace a member: remove it from the configuration, stop it, and add a fresh
+            // node at its address as a learner under a new id, promoted when the fault ends.
+            // Voters never drop below a majority of the founding ones.
+            let voters = cluster.members.iter().filter(|m| !m.learner).count();
+            let victim = pick(rng);
+            let was_voter = !cluster.members[victim].learner;
+            if was_voter && voters - 1 < n / 2 + 1 {
+                return (String::new(), None);
+            }
+            let old_id = cluster.members[victim].id;
+            let removed = membership_call(cluster, |mut c| async move {
+                c.member_remove(MemberRemoveRequest { id: old_id })
+                    .await
+                    .map(|_| ())
+            })
+            .await;
+            if removed.is_none() {
+                return (String::new(), None);
+            }
+            cluster.kill(victim);
+            cluster.members[victim].learner = true;
+            let readded = add_learner(cluster, victim).await;
+            (
+                format!(
+                    "member {old_id} removed, replaced by learner {}",
+                    readded.map_or("(not yet added)".to_string(), |id| id.to_string())
+                ),
+                Some(Undo::Rejoin(victim)),
             )
         }
         Family::Partition => {
@@ -251,7 +293,67 @@ fn pick_any(leader: Option<usize>, rng: &mut Rng, n: usize) -> usize {
     }
 }
 
-fn undo_fault(cluster: &mut Cluster, undo: Undo) {
+/// A membership call through the first live member that answers it.
+async fn membership_call<T, F, Fut>(cluster: &Cluster, call: F) -> Option<T>
+where
+    F: Fn(ClusterClient<tonic::transport::Channel>) -> Fut,
+    Fut: std::future::Future<Output = Result<T, tonic::Status>>,
+{
+    for (index, place) in cluster.net.places.iter().enumerate() {
+        if !cluster.is_up(index) || cluster.members[index].paused {
+            continue;
+        }
+        let Ok(endpoint) =
+            tonic::transport::Endpoint::from_shared(format!("http://{}", place.client_addr))
+        else {
+            continue;
+        };
+        let channel = endpoint.connect_timeout(MEMBERSHIP_CALL).connect_lazy();
+        match tokio::time::timeout(MEMBERSHIP_CALL, call(ClusterClient::new(channel))).await {
+            Ok(Ok(answer)) => return Some(answer),
+            Ok(Err(status)) => eprintln!("nemesis: membership call: {}", status.message()),
+            Err(_) => {}
+        }
+    }
+    None
+}
+
+/// Adds a fresh learner at member `index`'s address and starts it; its new id, if added.
+async fn add_learner(cluster: &mut Cluster, index: usize) -> Option<u64> {
+    let peer = format!("http://{}", cluster.net.places[index].peer_addr);
+    // The removed record may still be there for a moment (the joint phase needs it).
+    let mut added = None;
+    for _ in 0..5 {
+        let peer = peer.clone();
+        added = membership_call(cluster, move |mut c| {
+            let peer = peer.clone();
+            async move {
+                c.member_add(MemberAddRequest {
+                    peer_ur_ls: vec![peer],
+                    is_learner: true,
+                })
+                .await
+                .map(|answer| answer.into_inner().member.map(|m| m.id))
+            }
+        })
+        .await
+        .flatten();
+        if added.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let id = added?;
+    cluster.members[index].id = id;
+    cluster.members[index].joined = true;
+    cluster.members[index].learner = true;
+    if let Err(error) = cluster.spawn(index) {
+        eprintln!("nemesis: start of learner {id} failed: {error}");
+    }
+    Some(id)
+}
+
+async fn undo_fault(cluster: &mut Cluster, undo: Undo) {
     match undo {
         Undo::Heal => {
             if let Err(error) = cluster.net.heal() {
@@ -264,6 +366,28 @@ fn undo_fault(cluster: &mut Cluster, undo: Undo) {
             }
         }
         Undo::Resume(index) => cluster.resume(index),
+        Undo::Rejoin(index) => {
+            if !cluster.is_up(index) && add_learner(cluster, index).await.is_none() {
+                eprintln!("nemesis: member slot {} could not be re-added", index + 1);
+                return;
+            }
+            let id = cluster.members[index].id;
+            let start = Instant::now();
+            while start.elapsed() < PROMOTE_WITHIN {
+                let promoted = membership_call(cluster, |mut c| async move {
+                    c.member_promote(MemberPromoteRequest { id })
+                        .await
+                        .map(|_| ())
+                })
+                .await;
+                if promoted.is_some() {
+                    cluster.members[index].learner = false;
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            eprintln!("nemesis: learner {id} not promoted within {PROMOTE_WITHIN:?}");
+        }
         Undo::Unskew(index) => {
             cluster.kill(index);
             cluster.members[index].clock_rate = None;
