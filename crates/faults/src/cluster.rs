@@ -102,7 +102,9 @@ impl Cluster {
             .enumerate()
             .map(|(i, p)| format!("{}={}", i + 1, p.client_addr))
             .collect::<Vec<_>>();
-        if joined {
+        // MemberAdd may give a replacement the id of the founder it replaced (at the same
+        // address): the founding list already names it then.
+        if joined && !initial.iter().any(|e| e.starts_with(&format!("{id}="))) {
             initial.push(format!("{id}={}", places[index].peer_addr));
             clients.push(format!("{id}={}", places[index].client_addr));
         }
@@ -236,6 +238,17 @@ impl Cluster {
             }
         }
         None
+    }
+
+    /// Deletes member `index`'s data directory, so a replacement joins empty even when
+    /// MemberAdd gave it the id of a removed member (ids are reused, see docs/faults.md).
+    pub fn clear_data_dir(&self, index: usize) {
+        let dir = self.root.join(format!("member{}", self.members[index].id));
+        if dir.exists()
+            && let Err(error) = std::fs::remove_dir_all(&dir)
+        {
+            eprintln!("nemesis: cannot clear {}: {error}", dir.display());
+        }
     }
 
     pub fn log_dir(&self) -> &std::path::Path {

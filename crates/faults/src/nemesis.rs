@@ -347,6 +347,7 @@ async fn add_learner(cluster: &mut Cluster, index: usize) -> Option<u64> {
     cluster.members[index].id = id;
     cluster.members[index].joined = true;
     cluster.members[index].learner = true;
+    cluster.clear_data_dir(index);
     if let Err(error) = cluster.spawn(index) {
         eprintln!("nemesis: start of learner {id} failed: {error}");
     }
