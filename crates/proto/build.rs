@@ -10,6 +10,7 @@ const PROTO_FILES: &[&str] = &[
     "v3lockpb/v3lock.proto",
     "v3electionpb/v3election.proto",
     "conclave/v1/conclave.proto",
+    "conclave/v1/queue.proto",
 ];
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {

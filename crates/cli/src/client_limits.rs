@@ -44,6 +44,9 @@ pub struct ClientLimitArgs {
     /// Campaign calls waiting to be elected at once on this node [default: 4096].
     #[arg(long, env = "CONCLAVE_CAMPAIGN_WAITS_MAX")]
     pub campaign_waits_max: Option<usize>,
+    /// Queue Claim calls waiting for a job at once on this node [default: 4096].
+    #[arg(long, env = "CONCLAVE_QUEUE_CLAIM_WAITS_MAX")]
+    pub queue_claim_waits_max: Option<usize>,
     /// Key and value bytes one KV Range answer may hold; a larger one is refused with
     /// RESOURCE_EXHAUSTED (1 to 268435456) [default: 67108864].
     #[arg(long, env = "CONCLAVE_RANGE_RESPONSE_BYTES_MAX")]
@@ -66,6 +69,7 @@ impl ClientLimitArgs {
             election_observers_max,
             lock_waits_max,
             campaign_waits_max,
+            queue_claim_waits_max,
             range_response_bytes_max,
         } = self.clone();
         macro_rules! set {
@@ -87,6 +91,7 @@ impl ClientLimitArgs {
             election_observers_max,
             lock_waits_max,
             campaign_waits_max,
+            queue_claim_waits_max,
             range_response_bytes_max
         );
         limits
@@ -106,6 +111,7 @@ impl ClientLimitArgs {
             election_observers_max,
             lock_waits_max,
             campaign_waits_max,
+            queue_claim_waits_max,
             range_response_bytes_max,
         } = self;
         let flags = [
@@ -146,6 +152,10 @@ impl ClientLimitArgs {
             (
                 "--campaign-waits-max",
                 campaign_waits_max.map(|v| v.to_string()),
+            ),
+            (
+                "--queue-claim-waits-max",
+                queue_claim_waits_max.map(|v| v.to_string()),
             ),
             (
                 "--range-response-bytes-max",

@@ -45,6 +45,7 @@ pub struct ConfigFile {
     pub election_observers_max: Option<usize>,
     pub lock_waits_max: Option<usize>,
     pub campaign_waits_max: Option<usize>,
+    pub queue_claim_waits_max: Option<usize>,
     pub range_response_bytes_max: Option<usize>,
 }
 
@@ -139,6 +140,7 @@ impl ServeCommandArgs {
             election_observers_max,
             lock_waits_max,
             campaign_waits_max,
+            queue_claim_waits_max,
             range_response_bytes_max,
         } = file;
         macro_rules! fill {
@@ -178,6 +180,7 @@ impl ServeCommandArgs {
         fill!(election_observers_max => limits.election_observers_max);
         fill!(lock_waits_max => limits.lock_waits_max);
         fill!(campaign_waits_max => limits.campaign_waits_max);
+        fill!(queue_claim_waits_max => limits.queue_claim_waits_max);
         fill!(range_response_bytes_max => limits.range_response_bytes_max);
     }
 }

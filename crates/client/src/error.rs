@@ -142,8 +142,11 @@ impl Error {
                 Error::AlreadyExists(message)
             }
             Code::AlreadyExists => Error::AlreadyExists(message),
+            // A queue claim that timed out or ended is a stale fence too.
             Code::FailedPrecondition
-                if lower.contains("not leader") || lower.contains("not the leader") =>
+                if lower.contains("not leader")
+                    || lower.contains("not the leader")
+                    || lower.contains("not claimed with fence") =>
             {
                 Error::LeadershipLost(message)
             }

@@ -30,6 +30,7 @@ mod etcd_election;
 mod kv;
 mod lease;
 mod lock;
+mod queue;
 mod session;
 mod topic;
 mod watch;
@@ -51,6 +52,7 @@ pub use kv::{
 };
 pub use lease::{LeaseGrant, LeaseId, LeaseKeepAlive, LeaseSafety, LeaseState, LeaseTimeToLive};
 pub use lock::{LockGuard, LockOptions, Mutex};
+pub use queue::{ClaimOptions, Job, JobState, PushOptions, Pushed, QueueStats, Queues};
 pub use session::SESSIONS_IDLE_MAX;
 pub use topic::{InboxOptions, ReadResponse, TopicMessage, TopicSubscription, Topics};
 pub use watch::{EventType, WatchEvent, WatchOptions, Watcher};
@@ -161,6 +163,11 @@ impl Client {
     /// Topics and consumer inboxes (`conclave.v1.Topic`).
     pub fn topics(&self) -> Topics {
         Topics::new(self.clone())
+    }
+
+    /// Work queues: push, claim under a visibility timeout, fenced ack / nack / extend.
+    pub fn queues(&self) -> Queues {
+        Queues::new(self.clone())
     }
 
     /// Closes the client's idle exactly-once sessions at once instead of leaving them to

@@ -110,6 +110,8 @@ pub struct ClientLimits {
     pub lock_waits_max: usize,
     /// Campaign calls (etcd's, and Conclave's with `wait`) in progress at once on this node.
     pub campaign_waits_max: usize,
+    /// Queue Claim calls waiting for a job (`wait_ms`) at once on this node.
+    pub queue_claim_waits_max: usize,
     /// Key and value bytes one KV Range answer may hold (serializable or linearizable, read
     /// from this node's applied state); a Range past it is refused with RESOURCE_EXHAUSTED
     /// while it is being built. At most `GRPC_RESPONSE_BYTES_MAX`. The Ranges of a Txn have
@@ -132,6 +134,7 @@ impl Default for ClientLimits {
             election_observers_max: 4096,
             lock_waits_max: 4096,
             campaign_waits_max: 4096,
+            queue_claim_waits_max: 4096,
             range_response_bytes_max: conclave_state::TXN_RANGE_BYTES_MAX,
         }
     }
@@ -158,6 +161,7 @@ impl ClientLimits {
             ("election_observers_max", self.election_observers_max == 0),
             ("lock_waits_max", self.lock_waits_max == 0),
             ("campaign_waits_max", self.campaign_waits_max == 0),
+            ("queue_claim_waits_max", self.queue_claim_waits_max == 0),
             (
                 "range_response_bytes_max",
                 self.range_response_bytes_max == 0,

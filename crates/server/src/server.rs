@@ -110,6 +110,7 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> Re
             .add_service(crate::api::election::server(&api, decode_max))
             .add_service(crate::api::conclave::election_server(&api, decode_max))
             .add_service(crate::api::conclave::topic_server(&api, decode_max))
+            .add_service(crate::api::conclave::queue_server(&api, decode_max))
             .add_service(crate::api::conclave::session_server(&api))
             .add_service(crate::api::conclave::status_server(&api))
             .add_service(crate::api::cluster::membership_server(&api))

@@ -11,6 +11,7 @@ use crate::election::{ElectionEvent, GroupPolicy, Seat};
 use crate::error::{Error, Result};
 use crate::lease::LeaseCheckpoint;
 use crate::mvcc::{KeyValue, RangeRequest, RangeResponse, WatchEvent};
+use crate::queue::{Job, JobPush};
 use crate::topic::{Message, Retention};
 use crate::txn::{
     DeleteRangeRequest, DeleteRangeResponse, PutRequest, PutResponse, TxnRequest, TxnResponse,
@@ -334,6 +335,48 @@ pub enum Request {
         /// The session's secret.
         secret: u128,
     },
+    /// Add a job to a work queue (created by its first push).
+    QueuePush(JobPush),
+    /// Hand the best ready job of a queue to one worker under a visibility timeout.
+    QueueClaim {
+        /// The queue.
+        queue: String,
+        /// Who claims (recorded for listings).
+        worker: String,
+        /// How long the claim lasts; 0 for the default.
+        visibility_timeout_ms: u64,
+    },
+    /// The job claimed with `fence` is done.
+    QueueAck {
+        /// The queue.
+        queue: String,
+        /// The job.
+        job_id: u64,
+        /// The claim's fence.
+        fence: u64,
+    },
+    /// Give the job claimed with `fence` back, claimable again after `delay_ms`.
+    QueueNack {
+        /// The queue.
+        queue: String,
+        /// The job.
+        job_id: u64,
+        /// The claim's fence.
+        fence: u64,
+        /// Not claimable for this long.
+        delay_ms: u64,
+    },
+    /// Make the claim with `fence` run out `visibility_timeout_ms` from now.
+    QueueExtend {
+        /// The queue.
+        queue: String,
+        /// The job.
+        job_id: u64,
+        /// The claim's fence.
+        fence: u64,
+        /// New timeout from now; 0 for the default.
+        visibility_timeout_ms: u64,
+    },
 }
 
 /// etcd Campaign / Lock outcome.
@@ -430,6 +473,27 @@ pub enum Response {
     SessionClosed,
     /// Time passed.
     Ticked,
+    /// Answer to a queue push.
+    JobPushed {
+        /// The job's id.
+        id: u64,
+        /// True when the dedup key named a job already queued or in flight (this one).
+        existing: bool,
+    },
+    /// Answer to a claim: the job with its claim (fence, deadline), or none ready.
+    JobClaimed(Option<Job>),
+    /// The job is done.
+    JobAcked,
+    /// The job was given back.
+    JobNacked {
+        /// True when it used its attempts and went to the dead-letter queue.
+        dead_lettered: bool,
+    },
+    /// The claim was extended.
+    JobExtended {
+        /// The claim's new deadline (leader clock).
+        deadline_ms: u64,
+    },
 }
 
 /// Something observers may want to hear about.
@@ -441,6 +505,8 @@ pub enum Event {
     Election(ElectionEvent),
     /// A topic got a message.
     Topic(Message),
+    /// A work queue changed (a job pushed, released, dead-lettered or claimed).
+    Queue(String),
 }
 
 /// The result of applying one command.

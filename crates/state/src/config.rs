@@ -56,6 +56,12 @@ pub struct Config {
     /// however often the Raft leader changes; the cost is at most one (batchable) log entry per
     /// kept-alive lease per interval.
     pub lease_checkpoint_interval_ms: u64,
+    /// Most work queues (their dead-letter queues not counted).
+    pub queues_max: usize,
+    /// Most jobs one work queue holds (ready, delayed and in flight together).
+    pub queue_jobs_max: usize,
+    /// Largest job payload.
+    pub job_payload_bytes_max: usize,
 }
 
 impl Default for Config {
@@ -76,6 +82,9 @@ impl Default for Config {
             topics_max: 100_000,
             topic_messages_max: 1_000_000,
             consumers_max: 100_000,
+            queues_max: 10_000,
+            queue_jobs_max: 100_000,
+            job_payload_bytes_max: DEFAULT_REQUEST_BYTES_MAX,
         }
     }
 }
@@ -109,6 +118,9 @@ impl Config {
         ];
         if bounds.contains(&0) || self.consumers_max == 0 || self.topic_messages_max == 0 {
             return invalid("object limits must be > 0");
+        }
+        if self.queues_max == 0 || self.queue_jobs_max == 0 || self.job_payload_bytes_max == 0 {
+            return invalid("queues_max, queue_jobs_max and job_payload_bytes_max must be > 0");
         }
         if self.lease_checkpoint_interval_ms == 0 {
             return invalid("lease_checkpoint_interval_ms must be > 0");

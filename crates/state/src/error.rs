@@ -179,6 +179,19 @@ pub enum Error {
         /// The cap that was passed, in bytes.
         bytes_max: u64,
     },
+    /// An ack, nack or extend named a claim that no longer holds: it timed out, was released
+    /// or the job is done (perhaps by another worker).
+    #[error(
+        "conclave: job {job_id} of queue {queue:?} is not claimed with fence {fence} any more (the claim timed out or ended); its result must not be used"
+    )]
+    QueueClaimStale {
+        /// The queue.
+        queue: String,
+        /// The job.
+        job_id: u64,
+        /// The fence presented.
+        fence: u64,
+    },
 }
 
 impl Error {
@@ -216,6 +229,7 @@ impl Error {
             Error::SnapshotIo(_) => 1604,
             Error::SessionSeqTooFar { .. } => 1504,
             Error::RangeTooLarge { .. } => 1010,
+            Error::QueueClaimStale { .. } => 1701,
         }
     }
 }
@@ -337,6 +351,11 @@ mod tests {
                 last_seq: 0,
             },
             Error::RangeTooLarge { bytes_max: 0 },
+            Error::QueueClaimStale {
+                queue: String::new(),
+                job_id: 0,
+                fence: 0,
+            },
         ];
         let codes: std::collections::BTreeSet<u32> = all.iter().map(Error::code).collect();
         assert_eq!(codes.len(), all.len());

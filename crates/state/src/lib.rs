@@ -21,6 +21,7 @@
 //! - [`election`]: priority election groups.
 //! - [`topic`]: topics with consumer cursors.
 //! - [`session`]: exactly-once client sessions.
+//! - [`queue`]: work queues with fenced claims and dead letters.
 //! - [`command`]: commands, responses, events and their encoding.
 //! - [`machine`]: [`StateMachine`], which ties it together (and etcd's Election and Lock
 //!   recipes).
@@ -89,6 +90,7 @@ pub mod error;
 pub mod lease;
 pub mod machine;
 pub mod mvcc;
+pub mod queue;
 pub mod session;
 pub mod snapshot;
 pub mod topic;
@@ -107,6 +109,7 @@ pub use mvcc::{
     EventKind, KeyValue, RangeRequest, RangeResponse, SortOrder, SortTarget, WatchEvent,
     range_answer_bytes,
 };
+pub use queue::{Job, JobClaim, JobPush, QueueCounters, QueueStats, WorkQueue};
 pub use topic::{Message, ReadBudget, Retention, TopicRead};
 pub use txn::{
     Compare, CompareResult, CompareTarget, DeleteRangeRequest, DeleteRangeResponse, PutRequest,

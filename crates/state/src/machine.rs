@@ -31,6 +31,7 @@ use crate::election::{
 use crate::error::{Error, Result};
 use crate::lease::{Lease, LeaseTable};
 use crate::mvcc::{KeyValue, KvStore, RangeRequest, RangeResponse, WatchEvent, prefix_end};
+use crate::queue::{QueueLimits, WorkQueue, WorkQueues};
 use crate::session::{SessionCheck, Sessions};
 use crate::topic::{ReadBudget, Retention, TopicRead, Topics};
 use crate::txn::{
@@ -146,6 +147,8 @@ pub(crate) struct State {
 pub struct StateMachine {
     pub(crate) config: Config,
     pub(crate) state: State,
+    /// Work queues: replicated too, a section of their own at the end of a snapshot.
+    pub(crate) queues: WorkQueues,
 }
 
 impl StateMachine {
@@ -160,7 +163,11 @@ impl StateMachine {
             "invalid state machine config: {validation:?}"
         );
         let state = State::default();
-        StateMachine { config, state }
+        StateMachine {
+            config,
+            state,
+            queues: WorkQueues::default(),
+        }
     }
 
     /// The configuration.
@@ -435,6 +442,83 @@ impl StateMachine {
                 self.tick(events);
                 Ok(Response::Ticked)
             }
+            Request::QueuePush(push) => {
+                let limits = self.queue_limits();
+                let now_ms = self.state.now_ms;
+                let (id, existing) = self.queues.push(push, now_ms, &limits)?;
+                events.push(Event::Queue(push.queue.clone()));
+                Ok(Response::JobPushed { id, existing })
+            }
+            Request::QueueClaim {
+                queue,
+                worker,
+                visibility_timeout_ms,
+            } => {
+                let limits = self.queue_limits();
+                let now_ms = self.state.now_ms;
+                let claimed =
+                    self.queues
+                        .claim(queue, worker, *visibility_timeout_ms, now_ms, &limits)?;
+                if claimed.is_some() {
+                    events.push(Event::Queue(queue.clone()));
+                }
+                Ok(Response::JobClaimed(claimed))
+            }
+            Request::QueueAck {
+                queue,
+                job_id,
+                fence,
+            } => {
+                let limits = self.queue_limits();
+                let now_ms = self.state.now_ms;
+                self.queues.ack(queue, *job_id, *fence, now_ms, &limits)?;
+                events.push(Event::Queue(queue.clone()));
+                Ok(Response::JobAcked)
+            }
+            Request::QueueNack {
+                queue,
+                job_id,
+                fence,
+                delay_ms,
+            } => {
+                let limits = self.queue_limits();
+                let now_ms = self.state.now_ms;
+                let dead_lettered = self
+                    .queues
+                    .nack(queue, *job_id, *fence, *delay_ms, now_ms, &limits)?;
+                events.push(Event::Queue(queue.clone()));
+                if dead_lettered {
+                    events.push(Event::Queue(crate::queue::dead_letter_queue(queue)));
+                }
+                Ok(Response::JobNacked { dead_lettered })
+            }
+            Request::QueueExtend {
+                queue,
+                job_id,
+                fence,
+                visibility_timeout_ms,
+            } => {
+                let limits = self.queue_limits();
+                let now_ms = self.state.now_ms;
+                let deadline_ms = self.queues.extend(
+                    queue,
+                    *job_id,
+                    *fence,
+                    *visibility_timeout_ms,
+                    now_ms,
+                    &limits,
+                )?;
+                Ok(Response::JobExtended { deadline_ms })
+            }
+        }
+    }
+
+    fn queue_limits(&self) -> QueueLimits {
+        QueueLimits {
+            queues_max: self.config.queues_max,
+            jobs_max: self.config.queue_jobs_max,
+            payload_bytes_max: self.config.job_payload_bytes_max,
+            name_bytes_max: self.config.name_bytes_max,
         }
     }
 
@@ -1202,6 +1286,10 @@ impl StateMachine {
         for group in due {
             self.reconcile_group(&group, events);
         }
+        let limits = self.queue_limits();
+        for queue in self.queues.settle_all(now_ms, &limits) {
+            events.push(Event::Queue(queue));
+        }
     }
 
     // ---- read-only queries -----------------------------------------------------------------
@@ -1330,12 +1418,28 @@ impl StateMachine {
         self.state.sessions.len()
     }
 
+    /// A work queue.
+    pub fn work_queue(&self, queue: &str) -> Option<&WorkQueue> {
+        self.queues.get(queue)
+    }
+
+    /// Work queue names from `from` on, in order.
+    pub fn work_queue_names_from<'a>(&'a self, from: &str) -> impl Iterator<Item = &'a str> + 'a {
+        self.queues.names_from(from)
+    }
+
+    /// The last claim fence handed out by any work queue (0: none yet).
+    pub fn last_queue_fence(&self) -> u64 {
+        self.queues.last_fence()
+    }
+
     /// The earliest leader-clock time at which a `Tick` would change something (a handoff
-    /// timeout or a topic's age retention). The leader proposes a `Tick` then.
+    /// timeout, a topic's age retention, a queue's delay or claim running out). The leader proposes a `Tick` then.
     pub fn next_timer_ms(&self) -> Option<u64> {
         let handoffs = self.state.groups.values().filter_map(Group::timer_ms).min();
         let retention = self.state.topics.next_expiry_ms();
-        [handoffs, retention].into_iter().flatten().min()
+        let queues = self.queues.next_timer_ms();
+        [handoffs, retention, queues].into_iter().flatten().min()
     }
 
     /// Asserts internal invariants (kept in release builds: a broken one is a bug).
@@ -1367,6 +1471,7 @@ impl StateMachine {
                 }
             }
         }
+        self.queues.verify()?;
         Ok(())
     }
 }
@@ -1445,6 +1550,13 @@ fn request_payload_bytes(request: &Request) -> usize {
             consumer, topic, ..
         } => consumer.len() + topic.len(),
         Request::TopicConfigure { topic, .. } => topic.len(),
+        Request::QueuePush(push) => {
+            push.queue.len() + push.payload.len() + push.dedup_key.as_ref().map_or(0, String::len)
+        }
+        Request::QueueClaim { queue, worker, .. } => queue.len() + worker.len(),
+        Request::QueueAck { queue, .. }
+        | Request::QueueNack { queue, .. }
+        | Request::QueueExtend { queue, .. } => queue.len(),
         Request::Compact { .. }
         | Request::LeaseGrant { .. }
         | Request::LeaseRevoke { .. }

@@ -108,6 +108,7 @@ fn describe_event(event: &Event) -> String {
                 text(&message.data)
             )
         }
+        Event::Queue(queue) => format!("queue {queue} changed"),
     }
 }
 

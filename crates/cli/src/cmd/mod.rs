@@ -12,6 +12,7 @@ mod kv;
 mod lease;
 mod lock;
 pub mod output;
+mod queue;
 mod repair;
 mod topic;
 mod txn;
@@ -96,6 +97,9 @@ pub enum ClientCommand {
     Inbox(topic::InboxArgs),
     /// Acknowledge a consumer's messages of TOPIC up to SEQ.
     Ack(topic::AckArgs),
+    /// Work queues: push, claim, ack, nack, extend, list, stats.
+    #[command(subcommand)]
+    Queue(queue::QueueCommand),
     /// Cluster membership.
     #[command(subcommand)]
     Member(cluster::MemberCommand),
@@ -317,6 +321,7 @@ pub async fn run(global: GlobalArgs, command: ClientCommand) -> i32 {
         ClientCommand::Subscribe(args) => topic::subscribe(&ctx, args).await,
         ClientCommand::Inbox(args) => topic::inbox(&ctx, args).await,
         ClientCommand::Ack(args) => topic::ack(&ctx, args).await,
+        ClientCommand::Queue(command) => queue::run(&ctx, command).await,
         ClientCommand::Member(command) => cluster::member(&ctx, command).await,
         ClientCommand::Status => cluster::status(&ctx).await,
         ClientCommand::TransferLeader(args) => cluster::transfer_leader(&ctx, args).await,

@@ -5,7 +5,7 @@
 //!  accept ─► connection slot? ── no ─► close at once (counted, WARN)
 //!        └─► IdleClosing stream: nothing read for client_idle_timeout_ms ─► closed (counted)
 //!  Watch create / LeaseKeepAlive stream ─► slot? ── no ─► RESOURCE_EXHAUSTED (counted, WARN)
-//!  Subscribe / Observe stream, waiting Lock / Campaign ─► Limits::wait(kind)? ── no ─► the same
+//!  Subscribe / Observe stream, waiting Lock / Campaign / queue Claim ─► Limits::wait(kind)? ── no ─► the same
 //!  the slot is released when the connection, watch or stream ends
 //! ```
 
@@ -81,14 +81,16 @@ pub enum Wait {
     ElectionObserver,
     Lock,
     Campaign,
+    QueueClaim,
 }
 
 impl Wait {
-    pub const ALL: [Wait; 4] = [
+    pub const ALL: [Wait; 5] = [
         Wait::TopicSubscription,
         Wait::ElectionObserver,
         Wait::Lock,
         Wait::Campaign,
+        Wait::QueueClaim,
     ];
 
     /// What the cap counts, for the refusal's sentence.
@@ -98,6 +100,7 @@ impl Wait {
             Wait::ElectionObserver => "election observers open",
             Wait::Lock => "Lock calls waiting",
             Wait::Campaign => "Campaign calls waiting",
+            Wait::QueueClaim => "queue Claim calls waiting",
         }
     }
 
@@ -108,6 +111,7 @@ impl Wait {
             Wait::ElectionObserver => "--election-observers-max",
             Wait::Lock => "--lock-waits-max",
             Wait::Campaign => "--campaign-waits-max",
+            Wait::QueueClaim => "--queue-claim-waits-max",
         }
     }
 
@@ -117,6 +121,7 @@ impl Wait {
             Wait::ElectionObserver => caps.election_observers_max,
             Wait::Lock => caps.lock_waits_max,
             Wait::Campaign => caps.campaign_waits_max,
+            Wait::QueueClaim => caps.queue_claim_waits_max,
         }
     }
 
@@ -146,7 +151,7 @@ pub struct Limits {
     watch_warn: WarnGate,
     keepalive_warn: WarnGate,
     inbox_warn: WarnGate,
-    waits: [WaitSlots; 4],
+    waits: [WaitSlots; 5],
     range_warn: WarnGate,
 }
 
@@ -471,6 +476,7 @@ mod tests {
             election_observers_max: 2,
             lock_waits_max: 3,
             campaign_waits_max: 4,
+            queue_claim_waits_max: 5,
             ..ClientLimits::default()
         });
         for (kind, cap) in Wait::ALL.into_iter().zip(1..) {

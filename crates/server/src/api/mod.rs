@@ -252,6 +252,7 @@ pub fn state_status(error: &conclave_state::Error) -> Status {
         E::ElectionNotLeader => Status::failed_precondition(message),
         E::ElectionNoLeader => Status::not_found(message),
         E::NotGroupLeader { .. } => Status::failed_precondition(message),
+        E::QueueClaimStale { .. } => Status::failed_precondition(message),
         E::CandidateIdTaken { .. } => Status::already_exists(message),
         E::CandidateNotFound { .. } | E::SessionNotFound { .. } => Status::not_found(message),
         // etcd clients read RESOURCE_EXHAUSTED as "response too large".

@@ -5,6 +5,7 @@
 //!  Election.Observe  ─► CURRENT, then the group's events from the apply path
 //!  Topic.Publish/Ack ─► log          Topic.Read/Inbox ─► linearizable read of the state
 //!  Topic.Subscribe   ─► backlog from the topic log, then each publish (apply path events)
+//!  Queue.Push/Claim/Ack/Nack/Extend ─► log (Claim may first wait)   Queue.List/Stats ─► read
 //!  Session.Open/Close ─► log (positions of later writes travel as metadata, see `api`)
 //!  Status.ClusterStatus ─► Maintenance.Status of every member, gathered concurrently
 //! ```
@@ -18,6 +19,7 @@
 //! client.
 
 pub mod election;
+pub mod queue;
 pub mod session;
 pub mod status;
 pub mod topic;
@@ -31,6 +33,7 @@ use super::{Api, state_status};
 use crate::node::AppliedEvents;
 
 pub use election::{ElectionService, election_server};
+pub use queue::{QueueService, queue_server};
 pub use session::{SessionService, session_server};
 pub use status::{STATUS_PROBE_TIMEOUT_MS, StatusService, status_server};
 pub use topic::{
