@@ -232,6 +232,9 @@ impl Client {
             .call(Retry::Idempotent, context, |channel, timeout| async move {
                 let (tx, rx) = mpsc::channel(1);
                 let _ = tx.send(LeaseKeepAliveRequest { id }).await;
+                // Half-close after the one request: the server sees a goodbye, not a stream
+                // cut off under it (which would shorten the lease to a short grace).
+                drop(tx);
                 let mut answers = LeaseClient::new(channel)
                     .lease_keep_alive(request(ReceiverStream::new(rx), timeout))
                     .await?

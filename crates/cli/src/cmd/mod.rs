@@ -96,6 +96,11 @@ pub enum ClientCommand {
     Inbox(topic::InboxArgs),
     /// Acknowledge a consumer's messages of TOPIC up to SEQ.
     Ack(topic::AckArgs),
+    /// Topics: configure retention.
+    #[command(subcommand)]
+    Topic(topic::TopicCommand),
+    /// The member this client talks to: node id, cluster id, endpoints, version.
+    Info,
     /// Cluster membership.
     #[command(subcommand)]
     Member(cluster::MemberCommand),
@@ -317,6 +322,8 @@ pub async fn run(global: GlobalArgs, command: ClientCommand) -> i32 {
         ClientCommand::Subscribe(args) => topic::subscribe(&ctx, args).await,
         ClientCommand::Inbox(args) => topic::inbox(&ctx, args).await,
         ClientCommand::Ack(args) => topic::ack(&ctx, args).await,
+        ClientCommand::Topic(command) => topic::topic(&ctx, command).await,
+        ClientCommand::Info => cluster::info(&ctx).await,
         ClientCommand::Member(command) => cluster::member(&ctx, command).await,
         ClientCommand::Status => cluster::status(&ctx).await,
         ClientCommand::TransferLeader(args) => cluster::transfer_leader(&ctx, args).await,

@@ -7,6 +7,11 @@
 //!                      ReadIndex round of the renewing term) ─► TTL
 //!                   └► follower: one upstream KeepAlive stream to the leader per client
 //!                      stream, re-opened on the new leader when leadership moves
+//!  KeepAlive stream ends without a goodbye (the client's connection closed under it, not a
+//!  cancel or a half-close) ─► leader: LeaseKeeper::orphan for the leases this stream renewed
+//!                   last (lease ends LEASE_ORPHAN_GRACE_MS later unless renewed, checkpointed)
+//!                   └► follower: ORPHANED_STREAM_MARK_ID on the upstream, so the leader's
+//!                      end of that stream does the same
 //!  TimeToLive ─► the leader's remaining TTL (forwarded; confirmed like a keepalive) + granted
 //!                TTL and keys from the state
 //!  Leases ─► linearizable read of the lease table
@@ -16,7 +21,8 @@
 //! below the minimum (1.5 × the election timeout) rounded up, as etcd does; remaining TTLs are
 //! truncated, as etcd reports them.
 
-use std::sync::Arc;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use conclave_proto::etcdserverpb::{
@@ -41,6 +47,45 @@ pub const KEEPALIVE_STREAM_RESPONSES_MAX: usize = 16;
 /// time; the slack lets a send never wait).
 const KEEPALIVE_UPSTREAM_REQUESTS_MAX: usize = 4;
 const MS_PER_SECOND: u64 = 1000;
+/// Sent by a follower on its upstream keepalive stream, in place of a lease id, when the
+/// client behind it vanished (its connection closed without a goodbye); the leader's end of
+/// the stream then shortens the leases that stream renewed last. Lease ids are never 0, and
+/// the mark touches only leases renewed on the very stream it arrives on, which their holder
+/// could revoke anyway.
+pub const ORPHANED_STREAM_MARK_ID: i64 = 0;
+/// How long a follower waits for the leader to take the mark before it drops the upstream.
+const ORPHANED_STREAM_MARK_WAIT_MS: u64 = 1000;
+/// How long we wait to learn how a client's stream ended once its answers can no longer be
+/// sent.
+const STREAM_END_PROBE_MS: u64 = 1000;
+
+/// Renewals made on this node as leader for one keepalive stream: lease -> stamp.
+type StreamRenewals = Mutex<BTreeMap<i64, u64>>;
+
+/// How a client's keepalive stream ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum StreamEnd {
+    /// The client half-closed or cancelled it, or the server ended it: leases keep their TTL.
+    Goodbye,
+    /// The client's connection was closed under the stream (a process that died: the kernel
+    /// closed its socket). Leases it renewed last are shortened to the orphan grace.
+    Vanished,
+}
+
+impl StreamEnd {
+    /// A stream error means the client vanished unless it cancelled the stream itself
+    /// (clients that drop a stream reset it with CANCEL) or the connection timed out (no
+    /// FIN came: a partition, which the TTL is for).
+    fn of(status: &Status) -> StreamEnd {
+        let described = format!("{status:?}").to_ascii_lowercase();
+        let timed_out = described.contains("timed out") || described.contains("timeout");
+        match status.code() {
+            tonic::Code::Cancelled | tonic::Code::DeadlineExceeded => StreamEnd::Goodbye,
+            _ if timed_out => StreamEnd::Goodbye,
+            _ => StreamEnd::Vanished,
+        }
+    }
+}
 
 /// The Lease gRPC server, refusing requests above `decode_max_bytes` before decoding them.
 pub fn server(api: &Arc<Api>, decode_max_bytes: usize) -> LeaseServer<LeaseService> {
@@ -88,6 +133,7 @@ impl Shared {
     async fn renew_here(
         &self,
         ctx: &CallContext,
+        renewed: &StreamRenewals,
         id: i64,
     ) -> Result<pb::LeaseKeepAliveResponse, Status> {
         let renewal = tokio::time::timeout(ctx.remaining(), self.api.node.lease_renew(id))
@@ -111,6 +157,9 @@ impl Shared {
             }
         }
         self.confirm_leadership(ctx, renewal.term).await?;
+        if let Ok(mut renewed) = renewed.lock() {
+            renewed.insert(id, renewal.stamp);
+        }
         Ok(pb::LeaseKeepAliveResponse {
             header: Some(self.api.read_header()),
             id,
@@ -192,16 +241,48 @@ impl Shared {
         &self,
         ctx: &CallContext,
         upstream: &tokio::sync::Mutex<Option<Upstream>>,
+        renewed: &StreamRenewals,
         id: i64,
     ) -> Result<pb::LeaseKeepAliveResponse, Status> {
         self.api
             .route(ctx, Serve::Leader, |target| async move {
                 match target {
-                    Target::Here => self.renew_here(ctx, id).await,
+                    Target::Here => self.renew_here(ctx, renewed, id).await,
                     Target::Leader(leader) => self.renew_at(ctx, upstream, leader, id).await,
                 }
             })
             .await
+    }
+
+    /// The client of a keepalive stream vanished: the leases this node renewed for it as
+    /// leader are shortened (unless renewed since through another stream), and a follower
+    /// passes the news up its stream to the leader.
+    async fn client_vanished(
+        &self,
+        upstream: &tokio::sync::Mutex<Option<Upstream>>,
+        renewed: StreamRenewals,
+    ) {
+        let renewed = renewed.into_inner().unwrap_or_default();
+        for (id, stamp) in renewed {
+            let shortened = self.api.node.lease_orphaned(id, stamp).await;
+            tracing::debug!(
+                lease = id,
+                shortened,
+                "keepalive stream ended without a goodbye"
+            );
+        }
+        let Some(mut stream) = upstream.lock().await.take() else {
+            return;
+        };
+        let mark = pb::LeaseKeepAliveRequest {
+            id: ORPHANED_STREAM_MARK_ID,
+        };
+        if stream.requests.send(mark).await.is_ok() {
+            // The leader ends the stream once it took the mark; dropping it sooner could
+            // reset the stream before the mark is read.
+            let wait = Duration::from_millis(ORPHANED_STREAM_MARK_WAIT_MS);
+            let _ = tokio::time::timeout(wait, stream.responses.message()).await;
+        }
     }
 
     /// LeaseTimeToLive answered by this node as leader.
@@ -331,8 +412,20 @@ impl Lease for LeaseService {
             let _slot = slot;
             // Used by one keepalive at a time; the lock only lets the routing loop lend it out.
             let upstream = tokio::sync::Mutex::new(None);
+            let renewed = StreamRenewals::default();
             // Keepalives on one stream are answered in order, one at a time, as etcd does.
-            while let Some(Ok(message)) = incoming.next().await {
+            let end = loop {
+                let message = match incoming.next().await {
+                    Some(Ok(message)) => message,
+                    Some(Err(status)) => {
+                        tracing::debug!(?status, "keepalive stream failed");
+                        break StreamEnd::of(&status);
+                    }
+                    None => break StreamEnd::Goodbye,
+                };
+                if forwarded && message.id == ORPHANED_STREAM_MARK_ID {
+                    break StreamEnd::Vanished;
+                }
                 // Each keepalive gets the request timeout; the stream itself has none.
                 let ctx = CallContext {
                     deadline: Instant::now()
@@ -341,12 +434,25 @@ impl Lease for LeaseService {
                     session: None,
                     fence: None,
                 };
-                let answer = shared.keep_alive_once(&ctx, &upstream, message.id).await;
+                let answer = shared
+                    .keep_alive_once(&ctx, &upstream, &renewed, message.id)
+                    .await;
                 let failed = answer.is_err();
-                // A failed keepalive ends the stream with its error; clients open a new one.
-                if responses.send(answer).await.is_err() || failed {
-                    break;
+                if responses.send(answer).await.is_err() {
+                    // The client's side is gone; how it went says whether it said goodbye.
+                    let probe = Duration::from_millis(STREAM_END_PROBE_MS);
+                    break match tokio::time::timeout(probe, incoming.next()).await {
+                        Ok(Some(Err(status))) => StreamEnd::of(&status),
+                        _ => StreamEnd::Goodbye,
+                    };
                 }
+                // A failed keepalive ends the stream with its error; clients open a new one.
+                if failed {
+                    break StreamEnd::Goodbye;
+                }
+            };
+            if end == StreamEnd::Vanished {
+                shared.client_vanished(&upstream, renewed).await;
             }
         });
         Ok(tonic::Response::new(ReceiverStream::new(output)))
