@@ -53,6 +53,12 @@ const MS_PER_SECOND: u64 = 1000;
 /// the mark touches only leases renewed on the very stream it arrives on, which their holder
 /// could revoke anyway.
 pub const ORPHANED_STREAM_MARK_ID: i64 = 0;
+/// Request metadata of a keepalive stream whose client's connection is its liveness: when
+/// such a stream ends without a goodbye, the leases it renewed last are shortened to the
+/// orphan grace. Conclave's client sets it on the streams that keep a lease alive for as long
+/// as its process runs; etcd clients do not (etcdctl's `keep-alive --once` exits with its
+/// stream open), so their leases always keep the TTL.
+pub const LEASE_LIVENESS_HEADER: &str = "conclave-lease-liveness";
 /// How long a follower waits for the leader to take the mark before it drops the upstream.
 const ORPHANED_STREAM_MARK_WAIT_MS: u64 = 1000;
 /// How long we wait to learn how a client's stream ended once its answers can no longer be
@@ -68,21 +74,34 @@ enum StreamEnd {
     /// The client half-closed or cancelled it, or the server ended it: leases keep their TTL.
     Goodbye,
     /// The client's connection was closed under the stream (a process that died: the kernel
-    /// closed its socket). Leases it renewed last are shortened to the orphan grace.
+    /// closed its socket). Leases it renewed last are shortened to the orphan grace when the
+    /// client opted in ([`LEASE_LIVENESS_HEADER`]).
     Vanished,
+    /// A follower's [`ORPHANED_STREAM_MARK_ID`]: its opted-in client vanished.
+    Marked,
 }
 
 impl StreamEnd {
-    /// A stream error means the client vanished unless it cancelled the stream itself
-    /// (clients that drop a stream reset it with CANCEL) or the connection timed out (no
-    /// FIN came: a partition, which the TTL is for).
+    /// A stream error means the client vanished when its connection was closed under the
+    /// stream (the kernel closes a dead process's socket: hyper reports a broken pipe or a
+    /// reset). A stream the client cancelled (RST_STREAM) said goodbye, and a connection that
+    /// timed out got no FIN at all: a partition, which the TTL is for.
     fn of(status: &Status) -> StreamEnd {
+        if status.code() == tonic::Code::Cancelled {
+            return StreamEnd::Goodbye;
+        }
         let described = format!("{status:?}").to_ascii_lowercase();
-        let timed_out = described.contains("timed out") || described.contains("timeout");
-        match status.code() {
-            tonic::Code::Cancelled | tonic::Code::DeadlineExceeded => StreamEnd::Goodbye,
-            _ if timed_out => StreamEnd::Goodbye,
-            _ => StreamEnd::Vanished,
+        let closed = [
+            "broken pipe",
+            "brokenpipe",
+            "connection reset",
+            "connectionreset",
+        ]
+        .iter()
+        .any(|cause| described.contains(cause));
+        match closed {
+            true => StreamEnd::Vanished,
+            false => StreamEnd::Goodbye,
         }
     }
 }
@@ -399,6 +418,7 @@ impl Lease for LeaseService {
         request: tonic::Request<Streaming<pb::LeaseKeepAliveRequest>>,
     ) -> Result<tonic::Response<Self::LeaseKeepAliveStream>, Status> {
         let forwarded = request.metadata().get(FORWARDED_HEADER).is_some();
+        let liveness = request.metadata().get(LEASE_LIVENESS_HEADER).is_some();
         // Held by the stream's task until the stream ends (lease_keepalive_streams_max).
         let slot = self
             .shared
@@ -415,7 +435,13 @@ impl Lease for LeaseService {
             let renewed = StreamRenewals::default();
             // Keepalives on one stream are answered in order, one at a time, as etcd does.
             let end = loop {
-                let message = match incoming.next().await {
+                let next = tokio::select! {
+                    next = incoming.next() => next,
+                    // A member shutting down ends its streams itself: the clients are alive
+                    // and move to another member, so their leases keep the full TTL.
+                    () = shared.api.draining() => break StreamEnd::Goodbye,
+                };
+                let message = match next {
                     Some(Ok(message)) => message,
                     Some(Err(status)) => {
                         tracing::debug!(?status, "keepalive stream failed");
@@ -424,7 +450,7 @@ impl Lease for LeaseService {
                     None => break StreamEnd::Goodbye,
                 };
                 if forwarded && message.id == ORPHANED_STREAM_MARK_ID {
-                    break StreamEnd::Vanished;
+                    break StreamEnd::Marked;
                 }
                 // Each keepalive gets the request timeout; the stream itself has none.
                 let ctx = CallContext {
@@ -451,7 +477,14 @@ impl Lease for LeaseService {
                     break StreamEnd::Goodbye;
                 }
             };
-            if end == StreamEnd::Vanished {
+            // A forwarded stream that broke lost a member, not the client: only the mark
+            // speaks for a client behind a follower.
+            let vanished = match end {
+                StreamEnd::Marked => true,
+                StreamEnd::Vanished => liveness && !forwarded,
+                StreamEnd::Goodbye => false,
+            };
+            if vanished {
                 shared.client_vanished(&upstream, renewed).await;
             }
         });
