@@ -4,8 +4,9 @@
 //! `LEASE_ORPHAN_GRACE_MS`); a holder cut off by a partition (no FIN) keeps the seat until its
 //! TTL; a holder whose member shuts down moves to another member and keeps its seat.
 //!
-//! The partition uses iptables on the loopback interface, so this file needs root and the
-//! `iptables` command (as the fault suite needs root for its namespaces).
+//! The partition runs the holder as another user and drops its packets with an iptables
+//! owner rule on loopback, so this file needs root, `iptables` and `setpriv` (as the fault
+//! suite needs root for its namespaces).
 
 mod cli_support;
 mod common;
@@ -13,7 +14,7 @@ mod common;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use cli_support::{Streaming, run, run_until_ok};
+use cli_support::{Streaming, run};
 use common::Cluster;
 use serde_json::Value;
 
@@ -148,75 +149,110 @@ async fn a_holder_whose_member_shuts_down_moves_and_keeps_its_seat() {
     }
 }
 
-/// iptables rules that drop one loopback port's traffic both ways until dropped.
-struct LoopbackPartition {
-    port: String,
-}
+/// The user the partitioned holder runs as: iptables matches its packets by owner.
+const PARTITIONED_UID: &str = "65534";
 
-impl LoopbackPartition {
-    fn rules(port: &str) -> [Vec<String>; 2] {
-        let rule = |direction: &str| {
-            [
-                "INPUT", "-i", "lo", "-p", "tcp", direction, port, "-j", "DROP",
-            ]
-            .iter()
-            .map(|s| s.to_string())
-            .collect()
-        };
-        [rule("--dport"), rule("--sport")]
-    }
-
-    fn cut(port: u16) -> LoopbackPartition {
-        let port = port.to_string();
-        for rule in Self::rules(&port) {
-            let status = Command::new("iptables")
-                .arg("-I")
-                .args(&rule)
-                .status()
-                .expect("this test needs the iptables command (and root)");
-            assert!(
-                status.success(),
-                "iptables -I {rule:?} failed (root needed)"
-            );
+/// `elect campaign` as [`PARTITIONED_UID`] (through `setpriv`), so that a rule on the
+/// owner of packets cuts this process alone from every member.
+fn campaign_as_partitionable(eps: &str, group: &str, id: &str, ttl: &str) -> Streaming {
+    use std::process::Stdio;
+    let mut child = Command::new("setpriv")
+        .args([
+            "--reuid",
+            PARTITIONED_UID,
+            "--regid",
+            PARTITIONED_UID,
+            "--clear-groups",
+        ])
+        .arg(env!("CARGO_BIN_EXE_conclave"))
+        .args([
+            "elect",
+            "campaign",
+            group,
+            "--id",
+            id,
+            "--priority",
+            "20",
+            "--ttl",
+            ttl,
+            "--json",
+            "--",
+            "sleep",
+            "600",
+        ])
+        .env("CONCLAVE_ENDPOINTS", eps)
+        .env_remove("CONCLAVE_LOG")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("this test needs setpriv (util-linux) and root");
+    let stdout = child.stdout.take().expect("piped stdout");
+    let (tx, lines) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if tx.send((Instant::now(), line)).is_err() {
+                break;
+            }
         }
-        LoopbackPartition { port }
+    });
+    Streaming { child, lines }
+}
+
+/// An iptables rule that drops every TCP packet [`PARTITIONED_UID`] sends on loopback, until
+/// dropped: its connections stay open (no FIN, no reset) and it cannot reach any member.
+struct Partition;
+
+impl Partition {
+    const RULE: [&str; 11] = [
+        "OUTPUT",
+        "-o",
+        "lo",
+        "-p",
+        "tcp",
+        "-m",
+        "owner",
+        "--uid-owner",
+        PARTITIONED_UID,
+        "-j",
+        "DROP",
+    ];
+
+    fn cut() -> Partition {
+        let status = Command::new("iptables")
+            .arg("-I")
+            .args(Self::RULE)
+            .status()
+            .expect("this test needs the iptables command (and root)");
+        assert!(
+            status.success(),
+            "iptables -I {:?} failed (root needed)",
+            Self::RULE
+        );
+        Partition
     }
 }
 
-impl Drop for LoopbackPartition {
+impl Drop for Partition {
     fn drop(&mut self) {
-        for rule in Self::rules(&self.port) {
-            let _ = Command::new("iptables").arg("-D").args(&rule).status();
-        }
+        let _ = Command::new("iptables").arg("-D").args(Self::RULE).status();
     }
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_partitioned_holder_keeps_its_seat_until_the_ttl() {
     let cluster = Cluster::start(3).await;
-    let leader = cluster.wait_for_leader(RETRY).await;
-    let follower = cluster
-        .live_ids()
-        .into_iter()
-        .find(|id| *id != leader)
-        .expect("a follower");
-    let follower_port: u16 = cluster
-        .endpoint(follower)
-        .rsplit(':')
-        .next()
-        .and_then(|p| p.parse().ok())
-        .expect("a port");
-    let holder_eps = cluster.endpoint(follower);
-    let eps = cluster.endpoint(leader);
+    let eps = cluster.endpoints();
+    let eps = eps.as_str();
     const TTL_S: u64 = 10;
-    let holder = campaign(&holder_eps, "cut", "holder", 20, &format!("{TTL_S}s"));
+    let holder = campaign_as_partitionable(eps, "cut", "holder", &format!("{TTL_S}s"));
     let (_, first) = elected(&holder, LINE_TIMEOUT);
     assert_eq!(first["leader"], "holder");
-    let waiting = campaign(&eps, "cut", "waiting", 10, &format!("{TTL_S}s"));
-    wait_candidates(&eps, "cut", 2);
-    run_until_ok(&eps, &["elect", "leader", "cut", "--json"], RETRY).data();
-    // No FIN, no reset: the holder's member sees nothing of its client.
-    let partition = LoopbackPartition::cut(follower_port);
+    let waiting = campaign(eps, "cut", "waiting", 10, &format!("{TTL_S}s"));
+    wait_candidates(eps, "cut", 2);
+    let partition = Partition::cut();
     let cut_at = Instant::now();
     let (at, next) = elected(&waiting, Duration::from_secs(TTL_S + 15));
     let takeover = at.duration_since(cut_at);
@@ -224,7 +260,7 @@ async fn a_partitioned_holder_keeps_its_seat_until_the_ttl() {
     eprintln!("takeover {takeover:?} after the partition (TTL {TTL_S} s)");
     assert_eq!(next["leader"], "waiting", "{next}");
     // The last keepalive was at most TTL/3 before the cut, so the lease lived at least
-    // 2/3 of the TTL after it; far longer than the orphan grace.
+    // 2/3 of the TTL after it: far longer than the orphan grace.
     assert!(
         takeover >= Duration::from_secs(TTL_S * 2 / 3 - 1),
         "the seat moved {takeover:?} after a partition: before the TTL"
