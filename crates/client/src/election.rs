@@ -32,6 +32,9 @@ pub struct Candidate {
     pub value: Vec<u8>,
     pub lease: LeaseId,
     pub joined_revision: i64,
+    /// How long ago the Raft leader last accepted a keepalive of the candidate's lease
+    /// (in [`Election::candidates`] answers; `None` elsewhere or when it has none).
+    pub keepalive_age: Option<Duration>,
 }
 
 impl From<cv1::Candidate> for Candidate {
@@ -42,6 +45,59 @@ impl From<cv1::Candidate> for Candidate {
             value: c.value.into(),
             lease: c.lease,
             joined_revision: c.joined_revision,
+            keepalive_age: c.keepalive_age_ms.map(Duration::from_millis),
+        }
+    }
+}
+
+/// Who may take a sitting leader's seat.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PreemptPolicy {
+    /// Only a strictly higher-priority candidate that campaigns with `preempt`.
+    #[default]
+    Higher,
+    /// Every strictly higher-priority candidate, with or without `preempt`.
+    Always,
+}
+
+/// A group's policy ([`Election::configure`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct GroupPolicy {
+    /// Fill an empty seat this long after the first live candidate shows up, from everyone
+    /// registered by then.
+    pub settle: Option<Duration>,
+    pub preempt: PreemptPolicy,
+    /// A requested handoff completes after this long even if the leader stays.
+    pub handoff_timeout: Option<Duration>,
+}
+
+fn millis(duration: Option<Duration>) -> u64 {
+    duration.map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+impl From<cv1::GroupPolicy> for GroupPolicy {
+    fn from(p: cv1::GroupPolicy) -> Self {
+        GroupPolicy {
+            settle: (p.settle_ms > 0).then(|| Duration::from_millis(p.settle_ms)),
+            preempt: match cv1::PreemptPolicy::try_from(p.preempt_policy) {
+                Ok(cv1::PreemptPolicy::Always) => PreemptPolicy::Always,
+                _ => PreemptPolicy::Higher,
+            },
+            handoff_timeout: (p.handoff_timeout_ms > 0)
+                .then(|| Duration::from_millis(p.handoff_timeout_ms)),
+        }
+    }
+}
+
+impl From<GroupPolicy> for cv1::GroupPolicy {
+    fn from(p: GroupPolicy) -> Self {
+        cv1::GroupPolicy {
+            settle_ms: millis(p.settle),
+            preempt_policy: match p.preempt {
+                PreemptPolicy::Higher => cv1::PreemptPolicy::Higher,
+                PreemptPolicy::Always => cv1::PreemptPolicy::Always,
+            } as i32,
+            handoff_timeout_ms: millis(p.handoff_timeout),
         }
     }
 }
@@ -59,6 +115,9 @@ pub struct LeaderInfo {
     /// A higher-priority candidate that asked for the seat (`preempt`) and waits for this
     /// leader to resign; `None` when no handoff is pending.
     pub handoff_to: Option<Candidate>,
+    /// When the leadership began, on the Raft leader's clock, in Unix milliseconds (0 from
+    /// servers that do not say).
+    pub elected_unix_ms: i64,
 }
 
 impl From<cv1::Leadership> for LeaderInfo {
@@ -70,6 +129,7 @@ impl From<cv1::Leadership> for LeaderInfo {
             fence: l.fence,
             elected_revision: l.elected_revision,
             handoff_to: l.handoff_to.map(Candidate::from),
+            elected_unix_ms: l.elected_unix_ms,
         }
     }
 }
@@ -358,6 +418,14 @@ impl Election {
 
     /// The group's current leadership, `None` when the seat is vacant.
     pub async fn leader(&self, group: &str) -> Result<Option<LeaderInfo>> {
+        Ok(self.leader_and_policy(group).await?.0)
+    }
+
+    /// The group's current leadership (`None` when the seat is vacant) and its policy.
+    pub async fn leader_and_policy(
+        &self,
+        group: &str,
+    ) -> Result<(Option<LeaderInfo>, GroupPolicy)> {
         let message = cv1::LeaderRequest {
             group: group.to_string(),
         };
@@ -377,15 +445,30 @@ impl Election {
             )
             .await;
         match answer {
-            Ok(answer) => Ok(answer.into_inner().leadership.map(LeaderInfo::from)),
+            Ok(answer) => {
+                let answer = answer.into_inner();
+                Ok((
+                    answer.leadership.map(LeaderInfo::from),
+                    answer.policy.map(GroupPolicy::from).unwrap_or_default(),
+                ))
+            }
             // etcd-style servers answer "no leader" as NotFound.
-            Err(Error::NotFound(_)) => Ok(None),
+            Err(Error::NotFound(_)) => Ok((None, GroupPolicy::default())),
             Err(error) => Err(error),
         }
     }
 
     /// The group's candidates in election order (leader first).
     pub async fn candidates(&self, group: &str) -> Result<Vec<Candidate>> {
+        Ok(self.candidates_and_policy(group).await?.0)
+    }
+
+    /// The group's candidates in election order (leader first), with their keepalive ages,
+    /// and the group's policy.
+    pub async fn candidates_and_policy(
+        &self,
+        group: &str,
+    ) -> Result<(Vec<Candidate>, GroupPolicy)> {
         let message = cv1::CandidatesRequest {
             group: group.to_string(),
         };
@@ -403,13 +486,41 @@ impl Election {
                     }
                 },
             )
-            .await?;
-        Ok(answer
-            .into_inner()
-            .candidates
-            .into_iter()
-            .map(Candidate::from)
-            .collect())
+            .await?
+            .into_inner();
+        Ok((
+            answer.candidates.into_iter().map(Candidate::from).collect(),
+            answer.policy.map(GroupPolicy::from).unwrap_or_default(),
+        ))
+    }
+
+    /// Sets the group's policy (creating the group if needed); answers the policy now in
+    /// force. Setting the same policy twice is harmless, so it is retried freely.
+    pub async fn configure(&self, group: &str, policy: GroupPolicy) -> Result<GroupPolicy> {
+        if group.is_empty() {
+            return Err(Error::InvalidArgument("a group needs a name".into()));
+        }
+        let message = cv1::ConfigureRequest {
+            group: group.to_string(),
+            policy: Some(policy.into()),
+        };
+        let answer = self
+            .client
+            .call(
+                Retry::Idempotent,
+                ErrorContext::default(),
+                |channel, timeout| {
+                    let message = message.clone();
+                    async move {
+                        election_client(channel)
+                            .configure(request(message, timeout))
+                            .await
+                    }
+                },
+            )
+            .await?
+            .into_inner();
+        Ok(answer.policy.map(GroupPolicy::from).unwrap_or_default())
     }
 
     /// A stream of the group's events, starting with a `Current` event. Survives reconnects:
@@ -887,6 +998,7 @@ mod tests {
             fence,
             elected_revision: fence as i64,
             handoff_to: None,
+            elected_unix_ms: 0,
         }
     }
 

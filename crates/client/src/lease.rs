@@ -232,6 +232,9 @@ impl Client {
             .call(Retry::Idempotent, context, |channel, timeout| async move {
                 let (tx, rx) = mpsc::channel(1);
                 let _ = tx.send(LeaseKeepAliveRequest { id }).await;
+                // Half-close after the one request: the server sees a goodbye, not a stream
+                // cut off under it (which would shorten the lease to a short grace).
+                drop(tx);
                 let mut answers = LeaseClient::new(channel)
                     .lease_keep_alive(request(ReceiverStream::new(rx), timeout))
                     .await?
@@ -403,6 +406,11 @@ pub(crate) async fn wait_expired(state: &mut watch::Receiver<LeaseState>) -> Str
     }
 }
 
+/// Request metadata that marks a keepalive stream whose connection is the client's liveness
+/// (the server's `LEASE_LIVENESS_HEADER`): if the connection is closed under the stream
+/// without a goodbye, the server shortens the lease to a short grace.
+pub const LEASE_LIVENESS_HEADER: &str = "conclave-lease-liveness";
+
 /// When the next keepalive is due after one acknowledged with `ttl`: every TTL/3, so two may
 /// be lost before the lease is in danger.
 pub(crate) fn keepalive_interval(ttl: Duration) -> Duration {
@@ -435,8 +443,16 @@ async fn keep_alive_task(inner: Shared, id: LeaseId, state: watch::Sender<LeaseS
             }
         };
         let (tx, rx) = mpsc::channel(1);
+        // This stream lives as long as this process: if its connection is closed under it
+        // (the process died), the server may end the lease after a short grace instead of
+        // the whole TTL.
+        let mut stream = tonic::Request::new(ReceiverStream::new(rx));
+        stream.metadata_mut().insert(
+            LEASE_LIVENESS_HEADER,
+            tonic::metadata::MetadataValue::from_static("connection"),
+        );
         let mut answers = match LeaseClient::new(active.channel.clone())
-            .lease_keep_alive(ReceiverStream::new(rx))
+            .lease_keep_alive(stream)
             .await
         {
             Ok(answers) => answers.into_inner(),

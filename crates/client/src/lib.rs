@@ -42,7 +42,7 @@ use std::time::Duration;
 pub use conn::{Backoff, ClientOptions};
 pub use election::{
     CampaignOptions, Candidate, Election, ElectionEvent, ElectionEventKind, ElectionEvents,
-    LeaderInfo, Leadership, LossReason, Registration, group_leader_key,
+    GroupPolicy, LeaderInfo, Leadership, LossReason, PreemptPolicy, Registration, group_leader_key,
 };
 pub use error::{Error, ErrorContext, Result};
 pub use etcd_election::{EtcdElection, EtcdLeaderKey};

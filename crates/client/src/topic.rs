@@ -100,6 +100,36 @@ impl Topics {
         Ok(answer.into_inner().seq)
     }
 
+    /// Sets `topic`'s retention (creating it if needed): keep at most `max_messages` (the
+    /// newest) and none older than `max_age`; `None` lifts that limit. Idempotent.
+    pub async fn configure(
+        &self,
+        topic: &str,
+        max_messages: Option<u64>,
+        max_age: Option<std::time::Duration>,
+    ) -> Result<()> {
+        let message = cv1::TopicConfigureRequest {
+            topic: topic.to_string(),
+            max_messages: max_messages.unwrap_or(0),
+            max_age_ms: max_age.map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+        };
+        self.client
+            .call(
+                Retry::Idempotent,
+                ErrorContext::default(),
+                |channel, timeout| {
+                    let message = message.clone();
+                    async move {
+                        topic_client(channel)
+                            .configure(request(message, timeout))
+                            .await
+                    }
+                },
+            )
+            .await?;
+        Ok(())
+    }
+
     /// Reads retained messages from `from_seq` (0: the oldest retained).
     pub async fn read(&self, topic: &str, from_seq: u64, limit: u32) -> Result<ReadResponse> {
         let message = cv1::ReadRequest {

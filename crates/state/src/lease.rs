@@ -250,6 +250,10 @@ pub struct Renewal {
     pub ttl_ms: u64,
     /// When `Some`, propose this checkpoint and answer the keepalive only after it commits.
     pub checkpoint_before_reply: Option<LeaseCheckpoint>,
+    /// Names this renewal among all renewals this keeper accepted: a keepalive stream that
+    /// ends without a goodbye may shorten the lease only while its renewal is still the last
+    /// one ([`LeaseKeeper::orphan`]).
+    pub stamp: u64,
 }
 
 /// The leader clock's resolution. A reading of `t` ms means some instant in `[t, t + 1)`, so
@@ -271,6 +275,11 @@ pub struct LeaseKeeper {
     /// Leader time of the last [`LeaseKeeper::promote`]. A "renewed" record older than it
     /// does not cover a keepalive: the promotion's own checkpoint (a deadline) replaces it.
     promoted_at_ms: u64,
+    /// Lease ID -> (stamp, leader time) of the last renewal this keeper accepted.
+    last_renewals: BTreeMap<i64, (u64, u64)>,
+    /// The last stamp handed out; never reset, so a stamp from an earlier leadership of this
+    /// keeper can never match a later renewal.
+    renewal_stamp: u64,
 }
 
 impl LeaseKeeper {
@@ -282,6 +291,8 @@ impl LeaseKeeper {
             deadlines: BTreeMap::new(),
             floors: BTreeMap::new(),
             promoted_at_ms: 0,
+            last_renewals: BTreeMap::new(),
+            renewal_stamp: 0,
         }
     }
 
@@ -298,6 +309,7 @@ impl LeaseKeeper {
     pub fn promote(&mut self, table: &LeaseTable, now_ms: u64) -> Vec<LeaseCheckpoint> {
         self.deadlines.clear();
         self.floors.clear();
+        self.last_renewals.clear();
         self.promoted_at_ms = now_ms;
         let grace_until_ms = now_ms.saturating_add(self.election_timeout_ms);
         let mut checkpoints = Vec::with_capacity(table.len());
@@ -324,6 +336,7 @@ impl LeaseKeeper {
     pub fn demote(&mut self) {
         self.deadlines.clear();
         self.floors.clear();
+        self.last_renewals.clear();
     }
 
     /// Call after applying committed commands: adopts newly granted leases at their recorded
@@ -331,6 +344,7 @@ impl LeaseKeeper {
     pub fn sync(&mut self, table: &LeaseTable) {
         self.deadlines.retain(|id, _| table.get(*id).is_some());
         self.floors.retain(|id, _| table.get(*id).is_some());
+        self.last_renewals.retain(|id, _| table.get(*id).is_some());
         for lease in table.iter() {
             let bound_ms = lease
                 .resume
@@ -374,10 +388,50 @@ impl LeaseKeeper {
             id,
             deadline_ms: None,
         });
+        self.renewal_stamp += 1;
+        self.last_renewals.insert(id, (self.renewal_stamp, now_ms));
         Ok(Renewal {
             ttl_ms: lease.ttl_ms,
             checkpoint_before_reply,
+            stamp: self.renewal_stamp,
         })
+    }
+
+    /// The keepalive stream that made renewal `stamp` of lease `id` ended without a goodbye
+    /// (its client's connection was closed under it). If no keepalive came since, the lease
+    /// ends `grace_ms` from `now_ms` unless renewed; returns the checkpoint to propose so a
+    /// later leader resumes it at that deadline too. `None`: another renewal came since (the
+    /// client went on through another stream), the lease is gone, or it ends sooner anyway.
+    pub fn orphan(
+        &mut self,
+        id: i64,
+        stamp: u64,
+        now_ms: u64,
+        grace_ms: u64,
+    ) -> Option<LeaseCheckpoint> {
+        if self.last_renewals.get(&id).map(|(last, _)| *last) != Some(stamp) {
+            return None;
+        }
+        let deadline_ms = self.deadlines.get_mut(&id)?;
+        let shortened_ms = now_ms.saturating_add(grace_ms);
+        if *deadline_ms <= shortened_ms {
+            return None;
+        }
+        *deadline_ms = shortened_ms;
+        // The floor kept a deposed leader's promise; the holder that had it is gone.
+        self.floors.remove(&id);
+        Some(LeaseCheckpoint {
+            id,
+            deadline_ms: Some(shortened_ms),
+        })
+    }
+
+    /// How long ago (leader clock) this keeper last renewed lease `id`; `None` when it has
+    /// not since it became leader.
+    pub fn last_renewal_age_ms(&self, id: i64, now_ms: u64) -> Option<u64> {
+        self.last_renewals
+            .get(&id)
+            .map(|(_, at_ms)| now_ms.saturating_sub(*at_ms))
     }
 
     /// Leases whose deadline has passed, by ID; propose `LeaseExpire` with them. At most
@@ -427,6 +481,41 @@ mod tests {
             table.grant(0, LEASE_TTL_MS_MAX + 1, 0, &config()),
             Err(Error::LeaseTtlTooLarge)
         );
+    }
+
+    #[test]
+    fn an_orphaned_stream_shortens_only_its_own_last_renewal() {
+        let mut table = LeaseTable::new();
+        let (id, _) = table.grant(0, 10_000, 0, &config()).expect("grant");
+        let mut keeper = LeaseKeeper::new(&config());
+        keeper.promote(&table, 0);
+        let first = keeper.renew(&table, id, 100).expect("renew").stamp;
+        let second = keeper.renew(&table, id, 200).expect("renew").stamp;
+        assert_ne!(first, second);
+        // The client went on through another stream: the first stream's end changes nothing.
+        assert_eq!(keeper.orphan(id, first, 300, 500), None);
+        assert_eq!(keeper.remaining_ms(id, 300), Some(9_901));
+        assert_eq!(keeper.last_renewal_age_ms(id, 300), Some(100));
+        // The stream of the last renewal ended: the lease ends 500 ms later, recorded.
+        assert_eq!(
+            keeper.orphan(id, second, 300, 500),
+            Some(LeaseCheckpoint {
+                id,
+                deadline_ms: Some(800)
+            })
+        );
+        assert_eq!(keeper.expired(799, 10), Vec::<i64>::new());
+        assert_eq!(keeper.expired(800, 10), vec![id]);
+        // A keepalive within the grace restores the full TTL.
+        let third = keeper
+            .renew(&table, id, 700)
+            .expect("renew within the grace");
+        assert!(third.checkpoint_before_reply.is_some());
+        assert_eq!(keeper.remaining_ms(id, 700), Some(10_001));
+        // A stamp from before a change of leadership never matches.
+        keeper.demote();
+        keeper.promote(&table, 1000);
+        assert_eq!(keeper.orphan(id, third.stamp, 1000, 500), None);
     }
 
     #[test]

@@ -160,6 +160,14 @@ impl Topics {
         self.cursors.contains_key(consumer)
     }
 
+    /// The topics `consumer` has a cursor in (it acknowledged there), by name.
+    pub fn followed_by(&self, consumer: &str) -> Vec<String> {
+        self.cursors
+            .get(consumer)
+            .map(|topics| topics.keys().cloned().collect())
+            .unwrap_or_default()
+    }
+
     /// Number of consumers with cursors.
     pub fn consumer_count(&self) -> usize {
         self.cursors.len()

@@ -490,3 +490,44 @@ mod tests {
         assert_eq!(reported_leader(std::iter::empty()), (0, 0));
     }
 }
+
+/// `info`: who this client talks to, as the seed's `pilotctl info` tells an agent its id.
+pub async fn info(ctx: &Ctx) -> CmdResult {
+    let client = ctx.connect().await?;
+    let status = client.status().await?;
+    let endpoint = client.current_endpoint().await?;
+    let members = client.member_list().await?;
+    let header = status.header.unwrap_or_default();
+    let name = members
+        .iter()
+        .find(|m| m.id == header.member_id)
+        .map(|m| m.name.clone())
+        .unwrap_or_default();
+    let endpoints: Vec<String> = members
+        .iter()
+        .flat_map(|m| m.client_ur_ls.iter().cloned())
+        .collect();
+    let leader = (status.leader != 0).then(|| id_hex(status.leader));
+    ctx.out.ok(
+        json!({
+            "node_id": id_hex(header.member_id),
+            "name": name,
+            "cluster_id": id_hex(header.cluster_id),
+            "endpoint": endpoint,
+            "endpoints": endpoints,
+            "version": status.version,
+            "leader_id": leader,
+            "raft_term": status.raft_term,
+        }),
+        || {
+            format!(
+                "node {} ({name}) of cluster {} at {endpoint}, version {}; members at {}",
+                id_hex(header.member_id),
+                id_hex(header.cluster_id),
+                status.version,
+                endpoints.join(",")
+            )
+        },
+    );
+    Ok(0)
+}

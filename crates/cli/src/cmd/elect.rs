@@ -1,12 +1,14 @@
-//! `elect campaign|leader|candidates|observe|resign`: Conclave's priority election groups.
+//! `elect campaign|leader|candidates|observe|resign|configure`: Conclave's priority election
+//! groups.
 
-use clap::{Args, Subcommand};
+use clap::{Args, Subcommand, ValueEnum};
 use conclave_client::{
-    CampaignOptions, Candidate, ElectionEvent, ElectionEventKind, LeaderInfo, LossReason,
+    CampaignOptions, Candidate, ElectionEvent, ElectionEventKind, GroupPolicy, LeaderInfo,
+    LossReason, PreemptPolicy,
 };
 use serde_json::{Value, json};
 
-use super::output::text;
+use super::output::{rfc3339_utc, text};
 use super::{CmdResult, Ctx, Failure, child, lease_hex, parse_duration, parse_lease_id};
 
 #[derive(Subcommand, Debug)]
@@ -25,6 +27,69 @@ pub enum ElectCommand {
         #[arg(long, value_name = "ID")]
         id: String,
     },
+    /// Set GROUP's policy (creating the group if needed); flags not given keep their value.
+    Configure(ConfigureArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct ConfigureArgs {
+    pub group: String,
+    /// Before an empty seat is filled, collect candidates this long from the first one, then
+    /// elect by priority (ties to the smallest id); `off` elects the first at once.
+    #[arg(long, value_name = "DURATION")]
+    pub settle: Option<String>,
+    /// Who may ask a sitting leader for its seat: `higher` (a higher-priority candidate that
+    /// campaigns with --preempt) or `always` (every higher-priority candidate).
+    #[arg(long, value_enum, value_name = "POLICY")]
+    pub preempt_policy: Option<PreemptPolicyArg>,
+    /// A requested handoff completes after this long even if the leader has not resigned;
+    /// `off` waits for the leader (or its lease).
+    #[arg(long, value_name = "DURATION")]
+    pub handoff_timeout: Option<String>,
+}
+
+/// `--preempt-policy`.
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PreemptPolicyArg {
+    Higher,
+    Always,
+}
+
+fn policy_name(policy: PreemptPolicy) -> &'static str {
+    match policy {
+        PreemptPolicy::Higher => "higher",
+        PreemptPolicy::Always => "always",
+    }
+}
+
+fn millis(duration: Option<std::time::Duration>) -> Option<u64> {
+    duration.map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+fn policy_json(policy: &GroupPolicy) -> Value {
+    json!({
+        "settle_ms": millis(policy.settle),
+        "preempt_policy": policy_name(policy.preempt),
+        "handoff_timeout_ms": millis(policy.handoff_timeout),
+    })
+}
+
+fn policy_human(policy: &GroupPolicy) -> String {
+    let off = |d: Option<std::time::Duration>| d.map_or("off".to_string(), |d| format!("{d:?}"));
+    format!(
+        "settle {}, preempt {}, handoff timeout {}",
+        off(policy.settle),
+        policy_name(policy.preempt),
+        off(policy.handoff_timeout)
+    )
+}
+
+/// A duration flag that may be `off`.
+fn optional_duration(text: &str, what: &str) -> CmdResult<Option<std::time::Duration>> {
+    match text {
+        "off" | "none" => Ok(None),
+        _ => parse_duration(text, what).map(Some),
+    }
 }
 
 #[derive(Args, Debug)]
@@ -68,6 +133,7 @@ fn candidate_json(c: &Candidate) -> Value {
         "value": text(&c.value),
         "lease": lease_hex(c.lease),
         "joined_revision": c.joined_revision,
+        "keepalive_age_ms": millis(c.keepalive_age),
     })
 }
 
@@ -82,6 +148,8 @@ fn leader_json(info: &LeaderInfo) -> Value {
         "fence": info.fence,
         "lease": lease_hex(info.leader.lease),
         "elected_revision": info.elected_revision,
+        "elected_at": (info.elected_unix_ms > 0).then(|| rfc3339_utc(info.elected_unix_ms)).flatten(),
+        "elected_unix_ms": (info.elected_unix_ms > 0).then_some(info.elected_unix_ms),
         "handoff_to": info.handoff_to.as_ref().map(|c| c.candidate_id.clone()),
     })
 }
@@ -165,15 +233,20 @@ fn check_group(group: &str) -> CmdResult<()> {
 pub async fn run(ctx: &Ctx, command: ElectCommand) -> CmdResult {
     match command {
         ElectCommand::Campaign(args) => campaign(ctx, args).await,
+        ElectCommand::Configure(args) => configure(ctx, args).await,
         ElectCommand::Leader { group } => {
             check_group(&group)?;
             let client = ctx.connect().await?;
-            match client.election().leader(&group).await? {
-                Some(info) => {
-                    ctx.out.ok(leader_json(&info), || leader_human(&info));
+            match client.election().leader_and_policy(&group).await? {
+                (Some(info), policy) => {
+                    let mut document = leader_json(&info);
+                    document["policy"] = policy_json(&policy);
+                    ctx.out.ok(document, || {
+                        format!("{}\npolicy: {}", leader_human(&info), policy_human(&policy))
+                    });
                     Ok(0)
                 }
-                None => Err(Failure::new(
+                (None, _) => Err(Failure::new(
                     "not_found",
                     format!("group {group:?} has no leader"),
                 )),
@@ -183,7 +256,7 @@ pub async fn run(ctx: &Ctx, command: ElectCommand) -> CmdResult {
             check_group(&group)?;
             let client = ctx.connect().await?;
             let election = client.election();
-            let candidates = election.candidates(&group).await?;
+            let (candidates, policy) = election.candidates_and_policy(&group).await?;
             let leader = election
                 .leader(&group)
                 .await
@@ -198,7 +271,9 @@ pub async fn run(ctx: &Ctx, command: ElectCommand) -> CmdResult {
                     value
                 })
                 .collect();
-            ctx.out.ok(json!({"group": group, "candidates": list}), || {
+            let document =
+                json!({"group": group, "candidates": list, "policy": policy_json(&policy)});
+            ctx.out.ok(document, || {
                 let rows: Vec<Vec<String>> = candidates
                     .iter()
                     .map(|c| {
@@ -213,11 +288,15 @@ pub async fn run(ctx: &Ctx, command: ElectCommand) -> CmdResult {
                             c.priority.to_string(),
                             text(&c.value),
                             lease_hex(c.lease),
+                            millis(c.keepalive_age).map_or("-".into(), |ms| format!("{ms} ms")),
                         ]
                     })
                     .collect();
-                ctx.out
-                    .table(&["", "ID", "PRIORITY", "VALUE", "LEASE"], &rows)
+                let table = ctx.out.table(
+                    &["", "ID", "PRIORITY", "VALUE", "LEASE", "KEEPALIVE"],
+                    &rows,
+                );
+                format!("{table}\npolicy: {}", policy_human(&policy))
             });
             Ok(0)
         }
@@ -254,6 +333,42 @@ pub async fn run(ctx: &Ctx, command: ElectCommand) -> CmdResult {
             Ok(0)
         }
     }
+}
+
+async fn configure(ctx: &Ctx, args: ConfigureArgs) -> CmdResult {
+    check_group(&args.group)?;
+    let settle = args
+        .settle
+        .as_deref()
+        .map(|t| optional_duration(t, "--settle"))
+        .transpose()?;
+    let handoff_timeout = args
+        .handoff_timeout
+        .as_deref()
+        .map(|t| optional_duration(t, "--handoff-timeout"))
+        .transpose()?;
+    let client = ctx.connect().await?;
+    let election = client.election();
+    let (_, mut policy) = election.leader_and_policy(&args.group).await?;
+    if let Some(settle) = settle {
+        policy.settle = settle;
+    }
+    if let Some(handoff_timeout) = handoff_timeout {
+        policy.handoff_timeout = handoff_timeout;
+    }
+    if let Some(preempt) = args.preempt_policy {
+        policy.preempt = match preempt {
+            PreemptPolicyArg::Higher => PreemptPolicy::Higher,
+            PreemptPolicyArg::Always => PreemptPolicy::Always,
+        };
+    }
+    let policy = election.configure(&args.group, policy).await?;
+    let mut document = policy_json(&policy);
+    document["group"] = json!(args.group);
+    ctx.out.ok(document, || {
+        format!("{}: {}", args.group, policy_human(&policy))
+    });
+    Ok(0)
 }
 
 async fn campaign(ctx: &Ctx, args: CampaignArgs) -> CmdResult {

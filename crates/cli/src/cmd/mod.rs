@@ -100,6 +100,11 @@ pub enum ClientCommand {
     /// Work queues: push, claim, ack, nack, extend, list, stats.
     #[command(subcommand)]
     Queue(queue::QueueCommand),
+    /// Topics: configure retention.
+    #[command(subcommand)]
+    Topic(topic::TopicCommand),
+    /// The member this client talks to: node id, cluster id, endpoints, version.
+    Info,
     /// Cluster membership.
     #[command(subcommand)]
     Member(cluster::MemberCommand),
@@ -322,6 +327,8 @@ pub async fn run(global: GlobalArgs, command: ClientCommand) -> i32 {
         ClientCommand::Inbox(args) => topic::inbox(&ctx, args).await,
         ClientCommand::Ack(args) => topic::ack(&ctx, args).await,
         ClientCommand::Queue(command) => queue::run(&ctx, command).await,
+        ClientCommand::Topic(command) => topic::topic(&ctx, command).await,
+        ClientCommand::Info => cluster::info(&ctx).await,
         ClientCommand::Member(command) => cluster::member(&ctx, command).await,
         ClientCommand::Status => cluster::status(&ctx).await,
         ClientCommand::TransferLeader(args) => cluster::transfer_leader(&ctx, args).await,

@@ -147,9 +147,73 @@ pub fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
 }
 
+/// Message data for `--json` documents: data that is a JSON document comes back as that
+/// JSON (an object stays an object, a JSON string a string), anything else as text.
+pub fn data_json(bytes: &[u8]) -> serde_json::Value {
+    serde_json::from_slice(bytes).unwrap_or_else(|_| serde_json::Value::String(text(bytes)))
+}
+
+/// Unix milliseconds as an RFC 3339 UTC timestamp with milliseconds
+/// (`2026-12-03T10:25:36.123Z`); `None` before 1970.
+pub fn rfc3339_utc(unix_ms: i64) -> Option<String> {
+    const MS_PER_DAY: i64 = 86_400_000;
+    if unix_ms < 0 {
+        return None;
+    }
+    let days = unix_ms / MS_PER_DAY;
+    let ms_of_day = unix_ms % MS_PER_DAY;
+    // Days since 1970-01-01 to a proleptic Gregorian date, counting in 400-year eras that
+    // start on March 1st (so the leap day is the last day of a year).
+    let shifted = days + 719_468;
+    let era = shifted / 146_097;
+    let day_of_era = shifted - era * 146_097;
+    let year_of_era =
+        (day_of_era - day_of_era / 1460 + day_of_era / 36_524 - day_of_era / 146_096) / 365;
+    let day_of_year = day_of_era - (365 * year_of_era + year_of_era / 4 - year_of_era / 100);
+    let month_index = (5 * day_of_year + 2) / 153;
+    let day = day_of_year - (153 * month_index + 2) / 5 + 1;
+    let month = if month_index < 10 {
+        month_index + 3
+    } else {
+        month_index - 9
+    };
+    let year = year_of_era + era * 400 + i64::from(month <= 2);
+    Some(format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z",
+        ms_of_day / 3_600_000,
+        ms_of_day / 60_000 % 60,
+        ms_of_day / 1000 % 60,
+        ms_of_day % 1000
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn timestamps_are_rfc3339_utc() {
+        assert_eq!(rfc3339_utc(0).as_deref(), Some("1970-01-01T00:00:00.000Z"));
+        assert_eq!(
+            rfc3339_utc(951_782_400_123).as_deref(),
+            Some("2000-02-29T00:00:00.123Z")
+        );
+        assert_eq!(
+            rfc3339_utc(1_796_293_536_000).as_deref(),
+            Some("2026-12-03T10:25:36.000Z")
+        );
+        assert_eq!(rfc3339_utc(-1), None);
+    }
+
+    #[test]
+    fn json_data_comes_back_as_json_and_text_as_a_string() {
+        assert_eq!(
+            data_json(br#"{"type":"heartbeat","term":3}"#),
+            serde_json::json!({"type": "heartbeat", "term": 3})
+        );
+        assert_eq!(data_json(br#""quoted""#), serde_json::json!("quoted"));
+        assert_eq!(data_json(b"plain text"), serde_json::json!("plain text"));
+    }
 
     #[test]
     fn tables_align_and_ignore_colour_codes() {

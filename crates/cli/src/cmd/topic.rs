@@ -1,18 +1,41 @@
-//! `publish`, `subscribe`, `inbox`, `ack`.
+//! `publish`, `subscribe`, `inbox`, `ack`, `topic configure`.
 
 use std::time::Duration;
 
-use clap::Args;
+use clap::{Args, Subcommand};
 use conclave_client::{InboxOptions, TopicMessage};
 use serde_json::{Value, json};
 
-use super::output::text;
+use super::output::{data_json, text};
 use super::{CmdResult, Ctx, Failure, parse_duration};
+
+/// Largest message `publish` reads from stdin; the server's request limit applies too.
+pub const PUBLISH_STDIN_BYTES_MAX: u64 = 16 * 1024 * 1024;
 
 #[derive(Args, Debug)]
 pub struct PublishArgs {
     pub topic: String,
-    pub data: String,
+    /// The message (any bytes; JSON comes back as JSON in `--json` output). Without it and
+    /// without --data, or as `-`, the message is read from stdin.
+    #[arg(conflicts_with = "data_flag")]
+    pub data: Option<String>,
+    /// The message, as the flag form of DATA (`--data '{"type":"heartbeat"}'`).
+    #[arg(long = "data", id = "data_flag", value_name = "DATA")]
+    pub data_flag: Option<String>,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum TopicCommand {
+    /// Set TOPIC's retention (creating it if needed); the limits not given are lifted.
+    Configure {
+        topic: String,
+        /// Keep only the newest N messages.
+        #[arg(long, value_name = "N")]
+        max_messages: Option<u64>,
+        /// Drop messages older than this (e.g. 10m), on the Raft leader's clock.
+        #[arg(long, value_name = "DURATION")]
+        max_age: Option<String>,
+    },
 }
 
 #[derive(Args, Debug)]
@@ -28,7 +51,9 @@ pub struct InboxArgs {
     /// The consumer whose unacknowledged messages to read.
     #[arg(long, value_name = "NAME")]
     pub consumer: String,
-    #[arg(required = true, value_name = "TOPIC")]
+    /// Topics to read; none: every topic the consumer follows (has acknowledged in; `ack
+    /// --consumer NAME TOPIC 0` follows a topic from its start).
+    #[arg(value_name = "TOPIC")]
     pub topics: Vec<String>,
     /// Acknowledge what is returned in the same write (at-most-once); without it, ack with
     /// `conclave ack` after processing (at-least-once).
@@ -56,7 +81,7 @@ fn message_json(m: &TopicMessage) -> Value {
     json!({
         "topic": m.topic,
         "seq": m.seq,
-        "data": text(&m.data),
+        "data": data_json(&m.data),
         "revision": m.revision,
         "published_unix_ms": m.published_unix_ms,
     })
@@ -69,13 +94,37 @@ fn check_topic(topic: &str) -> CmdResult<()> {
     Ok(())
 }
 
+/// The message of `publish`: DATA, --data, or stdin.
+async fn publish_data(args: &PublishArgs) -> CmdResult<Vec<u8>> {
+    match args.data.as_deref().or(args.data_flag.as_deref()) {
+        Some(data) if data != "-" => Ok(data.as_bytes().to_vec()),
+        _ => {
+            use tokio::io::AsyncReadExt;
+            let mut data = Vec::new();
+            tokio::io::stdin()
+                .take(PUBLISH_STDIN_BYTES_MAX + 1)
+                .read_to_end(&mut data)
+                .await
+                .map_err(|e| Failure::io(format!("reading the message from stdin: {e}")))?;
+            if data.len() as u64 > PUBLISH_STDIN_BYTES_MAX {
+                return Err(Failure::invalid(format!(
+                    "the message on stdin is larger than {PUBLISH_STDIN_BYTES_MAX} bytes"
+                )));
+            }
+            // `echo` ends its line; the line end is not part of the message.
+            if data.last() == Some(&b'\n') {
+                data.pop();
+            }
+            Ok(data)
+        }
+    }
+}
+
 pub async fn publish(ctx: &Ctx, args: PublishArgs) -> CmdResult {
     check_topic(&args.topic)?;
+    let data = publish_data(&args).await?;
     let client = ctx.connect().await?;
-    let seq = client
-        .topics()
-        .publish(&args.topic, args.data.as_bytes())
-        .await?;
+    let seq = client.topics().publish(&args.topic, data).await?;
     ctx.out.ok(json!({"topic": args.topic, "seq": seq}), || {
         format!("published {} #{seq}", args.topic)
     });
@@ -113,6 +162,7 @@ pub async fn inbox(ctx: &Ctx, args: InboxArgs) -> CmdResult {
     for topic in &args.topics {
         check_topic(topic)?;
     }
+    let all_followed = args.topics.is_empty();
     let wait = args
         .wait
         .as_deref()
@@ -136,6 +186,7 @@ pub async fn inbox(ctx: &Ctx, args: InboxArgs) -> CmdResult {
     ctx.out.ok(
         json!({
             "consumer": args.consumer,
+            "topics": if all_followed { json!("followed") } else { json!(args.topics) },
             "acked": args.ack,
             "messages": messages.iter().map(message_json).collect::<Vec<_>>(),
         }),
@@ -170,4 +221,34 @@ pub async fn ack(ctx: &Ctx, args: AckArgs) -> CmdResult {
         },
     );
     Ok(0)
+}
+
+pub async fn topic(ctx: &Ctx, command: TopicCommand) -> CmdResult {
+    match command {
+        TopicCommand::Configure {
+            topic,
+            max_messages,
+            max_age,
+        } => {
+            check_topic(&topic)?;
+            if max_messages == Some(0) {
+                return Err(Failure::invalid("--max-messages must be at least 1"));
+            }
+            let max_age = max_age
+                .as_deref()
+                .map(|age| parse_duration(age, "--max-age"))
+                .transpose()?;
+            let client = ctx.connect().await?;
+            client
+                .topics()
+                .configure(&topic, max_messages, max_age)
+                .await?;
+            let max_age_ms = max_age.map(|age| u64::try_from(age.as_millis()).unwrap_or(u64::MAX));
+            ctx.out.ok(
+                json!({"topic": topic, "max_messages": max_messages, "max_age_ms": max_age_ms}),
+                || format!("{topic} configured"),
+            );
+            Ok(0)
+        }
+    }
 }

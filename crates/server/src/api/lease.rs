@@ -7,6 +7,11 @@
 //!                      ReadIndex round of the renewing term) ─► TTL
 //!                   └► follower: one upstream KeepAlive stream to the leader per client
 //!                      stream, re-opened on the new leader when leadership moves
+//!  KeepAlive stream ends without a goodbye (the client's connection closed under it, not a
+//!  cancel or a half-close) ─► leader: LeaseKeeper::orphan for the leases this stream renewed
+//!                   last (lease ends LEASE_ORPHAN_GRACE_MS later unless renewed, checkpointed)
+//!                   └► follower: ORPHANED_STREAM_MARK_ID on the upstream, so the leader's
+//!                      end of that stream does the same
 //!  TimeToLive ─► the leader's remaining TTL (forwarded; confirmed like a keepalive) + granted
 //!                TTL and keys from the state
 //!  Leases ─► linearizable read of the lease table
@@ -16,7 +21,8 @@
 //! below the minimum (1.5 × the election timeout) rounded up, as etcd does; remaining TTLs are
 //! truncated, as etcd reports them.
 
-use std::sync::Arc;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use conclave_proto::etcdserverpb::{
@@ -41,6 +47,64 @@ pub const KEEPALIVE_STREAM_RESPONSES_MAX: usize = 16;
 /// time; the slack lets a send never wait).
 const KEEPALIVE_UPSTREAM_REQUESTS_MAX: usize = 4;
 const MS_PER_SECOND: u64 = 1000;
+/// Sent by a follower on its upstream keepalive stream, in place of a lease id, when the
+/// client behind it vanished (its connection closed without a goodbye); the leader's end of
+/// the stream then shortens the leases that stream renewed last. Lease ids are never 0, and
+/// the mark touches only leases renewed on the very stream it arrives on, which their holder
+/// could revoke anyway.
+pub const ORPHANED_STREAM_MARK_ID: i64 = 0;
+/// Request metadata of a keepalive stream whose client's connection is its liveness: when
+/// such a stream ends without a goodbye, the leases it renewed last are shortened to the
+/// orphan grace. Conclave's client sets it on the streams that keep a lease alive for as long
+/// as its process runs; etcd clients do not (etcdctl's `keep-alive --once` exits with its
+/// stream open), so their leases always keep the TTL.
+pub const LEASE_LIVENESS_HEADER: &str = "conclave-lease-liveness";
+/// How long a follower waits for the leader to take the mark before it drops the upstream.
+const ORPHANED_STREAM_MARK_WAIT_MS: u64 = 1000;
+/// How long we wait to learn how a client's stream ended once its answers can no longer be
+/// sent.
+const STREAM_END_PROBE_MS: u64 = 1000;
+
+/// Renewals made on this node as leader for one keepalive stream: lease -> stamp.
+type StreamRenewals = Mutex<BTreeMap<i64, u64>>;
+
+/// How a client's keepalive stream ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum StreamEnd {
+    /// The client half-closed or cancelled it, or the server ended it: leases keep their TTL.
+    Goodbye,
+    /// The client's connection was closed under the stream (a process that died: the kernel
+    /// closed its socket). Leases it renewed last are shortened to the orphan grace when the
+    /// client opted in ([`LEASE_LIVENESS_HEADER`]).
+    Vanished,
+    /// A follower's [`ORPHANED_STREAM_MARK_ID`]: its opted-in client vanished.
+    Marked,
+}
+
+impl StreamEnd {
+    /// A stream error means the client vanished when its connection was closed under the
+    /// stream (the kernel closes a dead process's socket: hyper reports a broken pipe or a
+    /// reset). A stream the client cancelled (RST_STREAM) said goodbye, and a connection that
+    /// timed out got no FIN at all: a partition, which the TTL is for.
+    fn of(status: &Status) -> StreamEnd {
+        if status.code() == tonic::Code::Cancelled {
+            return StreamEnd::Goodbye;
+        }
+        let described = format!("{status:?}").to_ascii_lowercase();
+        let closed = [
+            "broken pipe",
+            "brokenpipe",
+            "connection reset",
+            "connectionreset",
+        ]
+        .iter()
+        .any(|cause| described.contains(cause));
+        match closed {
+            true => StreamEnd::Vanished,
+            false => StreamEnd::Goodbye,
+        }
+    }
+}
 
 /// The Lease gRPC server, refusing requests above `decode_max_bytes` before decoding them.
 pub fn server(api: &Arc<Api>, decode_max_bytes: usize) -> LeaseServer<LeaseService> {
@@ -88,6 +152,7 @@ impl Shared {
     async fn renew_here(
         &self,
         ctx: &CallContext,
+        renewed: &StreamRenewals,
         id: i64,
     ) -> Result<pb::LeaseKeepAliveResponse, Status> {
         let renewal = tokio::time::timeout(ctx.remaining(), self.api.node.lease_renew(id))
@@ -111,6 +176,9 @@ impl Shared {
             }
         }
         self.confirm_leadership(ctx, renewal.term).await?;
+        if let Ok(mut renewed) = renewed.lock() {
+            renewed.insert(id, renewal.stamp);
+        }
         Ok(pb::LeaseKeepAliveResponse {
             header: Some(self.api.read_header()),
             id,
@@ -192,16 +260,48 @@ impl Shared {
         &self,
         ctx: &CallContext,
         upstream: &tokio::sync::Mutex<Option<Upstream>>,
+        renewed: &StreamRenewals,
         id: i64,
     ) -> Result<pb::LeaseKeepAliveResponse, Status> {
         self.api
             .route(ctx, Serve::Leader, |target| async move {
                 match target {
-                    Target::Here => self.renew_here(ctx, id).await,
+                    Target::Here => self.renew_here(ctx, renewed, id).await,
                     Target::Leader(leader) => self.renew_at(ctx, upstream, leader, id).await,
                 }
             })
             .await
+    }
+
+    /// The client of a keepalive stream vanished: the leases this node renewed for it as
+    /// leader are shortened (unless renewed since through another stream), and a follower
+    /// passes the news up its stream to the leader.
+    async fn client_vanished(
+        &self,
+        upstream: &tokio::sync::Mutex<Option<Upstream>>,
+        renewed: StreamRenewals,
+    ) {
+        let renewed = renewed.into_inner().unwrap_or_default();
+        for (id, stamp) in renewed {
+            let shortened = self.api.node.lease_orphaned(id, stamp).await;
+            tracing::debug!(
+                lease = id,
+                shortened,
+                "keepalive stream ended without a goodbye"
+            );
+        }
+        let Some(mut stream) = upstream.lock().await.take() else {
+            return;
+        };
+        let mark = pb::LeaseKeepAliveRequest {
+            id: ORPHANED_STREAM_MARK_ID,
+        };
+        if stream.requests.send(mark).await.is_ok() {
+            // The leader ends the stream once it took the mark; dropping it sooner could
+            // reset the stream before the mark is read.
+            let wait = Duration::from_millis(ORPHANED_STREAM_MARK_WAIT_MS);
+            let _ = tokio::time::timeout(wait, stream.responses.message()).await;
+        }
     }
 
     /// LeaseTimeToLive answered by this node as leader.
@@ -318,6 +418,7 @@ impl Lease for LeaseService {
         request: tonic::Request<Streaming<pb::LeaseKeepAliveRequest>>,
     ) -> Result<tonic::Response<Self::LeaseKeepAliveStream>, Status> {
         let forwarded = request.metadata().get(FORWARDED_HEADER).is_some();
+        let liveness = request.metadata().get(LEASE_LIVENESS_HEADER).is_some();
         // Held by the stream's task until the stream ends (lease_keepalive_streams_max).
         let slot = self
             .shared
@@ -331,8 +432,26 @@ impl Lease for LeaseService {
             let _slot = slot;
             // Used by one keepalive at a time; the lock only lets the routing loop lend it out.
             let upstream = tokio::sync::Mutex::new(None);
+            let renewed = StreamRenewals::default();
             // Keepalives on one stream are answered in order, one at a time, as etcd does.
-            while let Some(Ok(message)) = incoming.next().await {
+            let end = loop {
+                let next = tokio::select! {
+                    next = incoming.next() => next,
+                    // A member shutting down ends its streams itself: the clients are alive
+                    // and move to another member, so their leases keep the full TTL.
+                    () = shared.api.draining() => break StreamEnd::Goodbye,
+                };
+                let message = match next {
+                    Some(Ok(message)) => message,
+                    Some(Err(status)) => {
+                        tracing::debug!(?status, "keepalive stream failed");
+                        break StreamEnd::of(&status);
+                    }
+                    None => break StreamEnd::Goodbye,
+                };
+                if forwarded && message.id == ORPHANED_STREAM_MARK_ID {
+                    break StreamEnd::Marked;
+                }
                 // Each keepalive gets the request timeout; the stream itself has none.
                 let ctx = CallContext {
                     deadline: Instant::now()
@@ -341,12 +460,32 @@ impl Lease for LeaseService {
                     session: None,
                     fence: None,
                 };
-                let answer = shared.keep_alive_once(&ctx, &upstream, message.id).await;
+                let answer = shared
+                    .keep_alive_once(&ctx, &upstream, &renewed, message.id)
+                    .await;
                 let failed = answer.is_err();
-                // A failed keepalive ends the stream with its error; clients open a new one.
-                if responses.send(answer).await.is_err() || failed {
-                    break;
+                if responses.send(answer).await.is_err() {
+                    // The client's side is gone; how it went says whether it said goodbye.
+                    let probe = Duration::from_millis(STREAM_END_PROBE_MS);
+                    break match tokio::time::timeout(probe, incoming.next()).await {
+                        Ok(Some(Err(status))) => StreamEnd::of(&status),
+                        _ => StreamEnd::Goodbye,
+                    };
                 }
+                // A failed keepalive ends the stream with its error; clients open a new one.
+                if failed {
+                    break StreamEnd::Goodbye;
+                }
+            };
+            // A forwarded stream that broke lost a member, not the client: only the mark
+            // speaks for a client behind a follower.
+            let vanished = match end {
+                StreamEnd::Marked => true,
+                StreamEnd::Vanished => liveness && !forwarded,
+                StreamEnd::Goodbye => false,
+            };
+            if vanished {
+                shared.client_vanished(&upstream, renewed).await;
             }
         });
         Ok(tonic::Response::new(ReceiverStream::new(output)))

@@ -80,6 +80,8 @@ pub struct LeaseRenewal {
     /// When set, answer the client only after this checkpoint has committed: otherwise a
     /// later leader could resume the lease at an earlier deadline than the one promised.
     pub checkpoint: Option<oneshot::Receiver<Result<Applied<ApplyOutput>, Error>>>,
+    /// Names this renewal for [`NodeHandle::lease_orphaned`].
+    pub stamp: u64,
 }
 
 /// Requests only the driver thread can answer, because the lease deadlines live there.
@@ -95,6 +97,17 @@ pub(crate) enum LeaseRequest {
     Remaining {
         id: i64,
         reply: oneshot::Sender<Result<(Option<u64>, u64), Error>>,
+    },
+    /// The keepalive stream of renewal `stamp` ended without a goodbye.
+    Orphaned {
+        id: i64,
+        stamp: u64,
+        reply: oneshot::Sender<Result<bool, Error>>,
+    },
+    /// How long ago the leader last renewed each lease.
+    RenewalAges {
+        ids: Vec<i64>,
+        reply: oneshot::Sender<Result<Vec<Option<u64>>, Error>>,
     },
 }
 
@@ -181,6 +194,24 @@ impl NodeHandle {
     /// node still leads `term`. Fails with a retriable not-leader error otherwise.
     pub async fn confirm_leadership(&self, term: u64) -> Result<(), Error> {
         self.node.confirm_leadership(term).await
+    }
+
+    /// The keepalive stream that made renewal `stamp` of lease `id` ended without a goodbye:
+    /// the leader shortens the lease to `LEASE_ORPHAN_GRACE_MS` unless a keepalive came
+    /// since. Answers whether it did.
+    pub async fn lease_orphaned(&self, id: i64, stamp: u64) -> bool {
+        self.node
+            .ask(|reply| NodeRequest::Duty(LeaseRequest::Orphaned { id, stamp, reply }))
+            .await
+            .unwrap_or(false)
+    }
+
+    /// How long ago the leader last renewed each lease (`None`: not since it leads). Leader
+    /// only.
+    pub async fn lease_renewal_ages_ms(&self, ids: Vec<i64>) -> Result<Vec<Option<u64>>, Error> {
+        self.node
+            .ask(|reply| NodeRequest::Duty(LeaseRequest::RenewalAges { ids, reply }))
+            .await
     }
 
     /// The leader's remaining TTL of a lease (`None` when it does not exist), with the term
@@ -282,6 +313,7 @@ impl ShellDuties<StateMachine> for CoordinationDuties {
                     renewal.map(|renewal| LeaseRenewal {
                         ttl_ms: renewal.ttl_ms,
                         term,
+                        stamp: renewal.stamp,
                         checkpoint: renewal.checkpoint.map(|token| {
                             let (reply, committed) = oneshot::channel();
                             waiters.command(token, reply);
@@ -295,6 +327,12 @@ impl ShellDuties<StateMachine> for CoordinationDuties {
                 let term = core.raw().term();
                 let remaining = self.leader.lease_remaining_ms(core, id);
                 let _ = reply.send(remaining.map(|remaining| (remaining, term)));
+            }
+            LeaseRequest::Orphaned { id, stamp, reply } => {
+                let _ = reply.send(Ok(self.leader.lease_orphan(core, id, stamp)));
+            }
+            LeaseRequest::RenewalAges { ids, reply } => {
+                let _ = reply.send(self.leader.lease_renewal_ages_ms(core, &ids));
             }
         }
     }

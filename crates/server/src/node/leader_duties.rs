@@ -18,6 +18,11 @@ const LEASE_CHECKPOINT_BATCH_MAX: usize = 1000;
 const LEASE_EXPIRE_RETRY_MS: u64 = 1000;
 /// A timer `Tick` not applied within this long (lost to a leader change) is proposed again.
 pub const TIMER_TICK_RETRY_MS: u64 = 1000;
+/// How long a lease outlives a keepalive stream that ended without a goodbye (the kernel
+/// closed a dead client's connection): time for a client that is alive to reconnect, through
+/// any member, and renew. A client cut off by a partition closes nothing, so its lease keeps
+/// the full TTL.
+pub const LEASE_ORPHAN_GRACE_MS: u64 = 500;
 
 /// A client request for the coordination machine, with the client's exactly-once session
 /// position when it has one. The leader stamps its clock on it when it proposes.
@@ -47,6 +52,8 @@ pub struct Renewal {
     /// When set, answer the client only once this proposal (a checkpoint) is settled:
     /// otherwise a later leader could resume the lease at an earlier deadline than promised.
     pub checkpoint: Option<Token>,
+    /// Names this renewal for [`LeaderDuties::lease_orphan`].
+    pub stamp: u64,
 }
 
 /// The coordination machine's duties; see the module documentation.
@@ -134,7 +141,55 @@ impl LeaderDuties {
         Ok(Some(Renewal {
             ttl_ms: renewal.ttl_ms,
             checkpoint,
+            stamp: renewal.stamp,
         }))
+    }
+
+    /// The keepalive stream that made renewal `stamp` of lease `id` ended without a goodbye:
+    /// unless a keepalive came since, the lease ends [`LEASE_ORPHAN_GRACE_MS`] from now, and
+    /// a checkpoint carries that deadline through the log. Answers whether it was shortened.
+    /// Off the leader nothing happens: the TTL then runs as usual.
+    pub fn lease_orphan<S: NodeStore>(
+        &mut self,
+        core: &mut NodeCore<StateMachine, S>,
+        id: i64,
+        stamp: u64,
+    ) -> bool {
+        if self.lease_unavailable(core).is_some() {
+            return false;
+        }
+        let now = core.now_ms();
+        let Some(checkpoint) = self.keeper.orphan(id, stamp, now, LEASE_ORPHAN_GRACE_MS) else {
+            return false;
+        };
+        tracing::info!(
+            lease = id,
+            grace_ms = LEASE_ORPHAN_GRACE_MS,
+            "keepalive stream ended without a goodbye; lease shortened"
+        );
+        Self::propose_duty(
+            core,
+            Request::LeaseCheckpoint {
+                checkpoints: vec![checkpoint],
+            },
+        );
+        true
+    }
+
+    /// How long ago this leader last renewed each lease (`None`: not since it leads).
+    pub fn lease_renewal_ages_ms<S: NodeStore>(
+        &self,
+        core: &NodeCore<StateMachine, S>,
+        ids: &[i64],
+    ) -> Result<Vec<Option<u64>>, Error> {
+        if let Some(error) = self.lease_unavailable(core) {
+            return Err(error);
+        }
+        let now = core.now_ms();
+        Ok(ids
+            .iter()
+            .map(|id| self.keeper.last_renewal_age_ms(*id, now))
+            .collect())
     }
 
     /// The leader's remaining time to live of a lease; `None` when it does not exist.

@@ -1,21 +1,21 @@
 //! `conclave.v1.Election`: priority election groups (Campaign, Resign, Proclaim, Leader,
-//! Candidates, Observe).
+//! Candidates, Observe, Configure).
 
-use std::collections::BTreeSet;
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use conclave_proto::conclave::v1::election_server::{Election, ElectionServer};
 use conclave_proto::conclave::v1::{self as cv1, election_client::ElectionClient};
 use conclave_state::{
-    ElectionEvent, ElectionEventKind, GroupRegister, Request, Response, StateMachine,
+    ElectionEvent, ElectionEventKind, GroupPolicy, GroupRegister, Request, Response, StateMachine,
 };
 use tokio::sync::{broadcast, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Status, async_trait};
 
 use super::{
-    STREAM_RESPONSES_MAX, candidate_to_pb, election_events_of, header, invalid, leadership,
-    leadership_of,
+    STREAM_RESPONSES_MAX, candidate_to_pb, election_events_of, group_policy, header, invalid,
+    leadership, leadership_of, policy_to_pb,
 };
 use crate::api::limits::Wait;
 use crate::api::lock::{node_stopped, wait_context, wait_until};
@@ -226,13 +226,17 @@ impl Election for ElectionService {
         let ctx = CallContext::new(&request, self.api.config.request_timeout_ms);
         let group = request.into_inner().group;
         self.api.linearizable_barrier(&ctx).await?;
-        let (leadership, revision) = self
-            .api
-            .node
-            .read_state(|state| (leadership(state, &group), state.revision()));
+        let (leadership, policy, revision) = self.api.node.read_state(|state| {
+            (
+                leadership(state, &group),
+                group_policy(state, &group),
+                state.revision(),
+            )
+        });
         Ok(tonic::Response::new(cv1::LeaderResponse {
             header: Some(header(&self.api, revision)),
             leadership,
+            policy: Some(policy),
         }))
     }
 
@@ -241,29 +245,58 @@ impl Election for ElectionService {
         request: tonic::Request<cv1::CandidatesRequest>,
     ) -> Result<tonic::Response<cv1::CandidatesResponse>, Status> {
         let ctx = CallContext::new(&request, self.api.config.request_timeout_ms);
-        let group = request.into_inner().group;
-        self.api.linearizable_barrier(&ctx).await?;
-        let (candidates, revision) = self.api.node.read_state(|state| {
-            let leader = state.group_leader(&group).map(|seat| seat.leader.clone());
-            let succession = state.group_succession(&group);
-            // The leader first (it may not be first in succession: stability), then the rest.
-            let mut ordered: Vec<cv1::Candidate> = succession
-                .iter()
-                .filter(|c| Some(&c.id) == leader.as_ref())
-                .map(|c| candidate_to_pb(c))
-                .collect();
-            ordered.extend(
-                succession
-                    .iter()
-                    .filter(|c| Some(&c.id) != leader.as_ref())
-                    .map(|c| candidate_to_pb(c)),
-            );
-            (ordered, state.revision())
-        });
-        Ok(tonic::Response::new(cv1::CandidatesResponse {
-            header: Some(header(&self.api, revision)),
-            candidates,
-        }))
+        let message = request.into_inner();
+        let api = &self.api;
+        // Served by the Raft leader: the keepalive ages live only in its memory.
+        api.serve(
+            &ctx,
+            &message,
+            leader_call!(ElectionClient::candidates),
+            || candidates_here(api, &ctx, &message.group),
+        )
+        .await
+    }
+
+    async fn configure(
+        &self,
+        request: tonic::Request<cv1::ConfigureRequest>,
+    ) -> Result<tonic::Response<cv1::ConfigureResponse>, Status> {
+        let ctx = CallContext::new(&request, self.api.config.request_timeout_ms);
+        let message = request.into_inner();
+        if message.group.is_empty() {
+            return Err(invalid("the group name must not be empty"));
+        }
+        let wanted = message.policy.clone().unwrap_or_default();
+        let preempt = match cv1::PreemptPolicy::try_from(wanted.preempt_policy) {
+            Ok(cv1::PreemptPolicy::Always) => true,
+            Ok(cv1::PreemptPolicy::Higher | cv1::PreemptPolicy::Unspecified) => false,
+            Err(_) => return Err(invalid("unknown preempt policy")),
+        };
+        let policy = GroupPolicy {
+            preempt,
+            handoff_timeout_ms: (wanted.handoff_timeout_ms > 0)
+                .then_some(wanted.handoff_timeout_ms),
+            settle_ms: (wanted.settle_ms > 0).then_some(wanted.settle_ms),
+        };
+        let api = &self.api;
+        let command = Request::GroupConfigure {
+            group: message.group.clone(),
+            policy,
+        };
+        api.write(
+            &ctx,
+            command,
+            &message,
+            leader_call!(ElectionClient::configure),
+            |applied| match answer(&applied)? {
+                Response::Group(_) => Ok(cv1::ConfigureResponse {
+                    header: Some(header(api, applied.output.revision)),
+                    policy: Some(policy_to_pb(&policy)),
+                }),
+                other => Err(unexpected(other)),
+            },
+        )
+        .await
     }
 
     type ObserveStream = ReceiverStream<Result<cv1::ObserveResponse, Status>>;
@@ -295,10 +328,50 @@ impl Election for ElectionService {
     }
 }
 
+/// Candidates answered by this node as the Raft leader, with their keepalive ages.
+async fn candidates_here(
+    api: &Api,
+    ctx: &CallContext,
+    group: &str,
+) -> Result<cv1::CandidatesResponse, Status> {
+    api.linearizable_barrier(ctx).await?;
+    let (mut candidates, policy, revision) = api.node.read_state(|state| {
+        let leader = state.group_leader(group).map(|seat| seat.leader.clone());
+        let succession = state.group_succession(group);
+        // The leader first (it may not be first in succession: stability), then the rest.
+        let mut ordered: Vec<cv1::Candidate> = succession
+            .iter()
+            .filter(|c| Some(&c.id) == leader.as_ref())
+            .map(|c| candidate_to_pb(c))
+            .collect();
+        ordered.extend(
+            succession
+                .iter()
+                .filter(|c| Some(&c.id) != leader.as_ref())
+                .map(|c| candidate_to_pb(c)),
+        );
+        (ordered, group_policy(state, group), state.revision())
+    });
+    let leases: Vec<i64> = candidates.iter().map(|c| c.lease).collect();
+    let ages = tokio::time::timeout(ctx.remaining(), api.node.lease_renewal_ages_ms(leases))
+        .await
+        .map_err(|_| to_status(Error::Timeout))?
+        .map_err(to_status)?;
+    for (candidate, age) in candidates.iter_mut().zip(ages) {
+        candidate.keepalive_age_ms = age;
+    }
+    Ok(cv1::CandidatesResponse {
+        header: Some(header(api, revision)),
+        candidates,
+        policy: Some(policy),
+    })
+}
+
 /// What one observer last told its client about a group.
 struct GroupView {
     leader: Option<cv1::Leadership>,
-    candidates: BTreeSet<String>,
+    /// The registered candidates as last seen, so one that left is reported in full.
+    candidates: BTreeMap<String, cv1::Candidate>,
     revision: i64,
 }
 
@@ -308,7 +381,12 @@ impl GroupView {
             leader: leadership(state, group),
             candidates: state
                 .group(group)
-                .map(|g| g.candidates.keys().cloned().collect())
+                .map(|g| {
+                    g.candidates
+                        .iter()
+                        .map(|(id, c)| (id.clone(), candidate_to_pb(c)))
+                        .collect()
+                })
                 .unwrap_or_default(),
             revision: state.revision(),
         }
@@ -367,6 +445,10 @@ impl GroupView {
                     fence: u64::try_from(*fence).unwrap_or(0),
                     elected_revision: *fence,
                     handoff_to: None,
+                    elected_unix_ms: state
+                        .group_leader(group)
+                        .filter(|seat| seat.fence == *fence)
+                        .map_or(0, |seat| i64::try_from(seat.since_ms).unwrap_or(i64::MAX)),
                 };
                 self.ousted(state, group, Some(new.clone()), event, out);
                 out.push(make(Kind::Elected, Some(new.clone()), None));
@@ -385,28 +467,35 @@ impl GroupView {
                 }
             }
             ElectionEventKind::CandidatesChanged { candidates } => {
-                let now: BTreeSet<String> = candidates.iter().map(|c| c.id.clone()).collect();
-                for joined in now.difference(&self.candidates) {
-                    let candidate = lookup(joined).unwrap_or_else(|| cv1::Candidate {
-                        candidate_id: joined.clone(),
-                        ..Default::default()
-                    });
-                    out.push(make(
-                        Kind::CandidateJoined,
-                        self.leader.clone(),
-                        Some(candidate),
-                    ));
+                let now: BTreeMap<String, cv1::Candidate> = candidates
+                    .iter()
+                    .map(|c| {
+                        let known = lookup(&c.id).unwrap_or_else(|| cv1::Candidate {
+                            candidate_id: c.id.clone(),
+                            priority: c.priority,
+                            ..Default::default()
+                        });
+                        (c.id.clone(), known)
+                    })
+                    .collect();
+                for (id, candidate) in &now {
+                    if !self.candidates.contains_key(id) {
+                        out.push(make(
+                            Kind::CandidateJoined,
+                            self.leader.clone(),
+                            Some(candidate.clone()),
+                        ));
+                    }
                 }
-                for left in self.candidates.difference(&now) {
-                    let candidate = cv1::Candidate {
-                        candidate_id: left.clone(),
-                        ..Default::default()
-                    };
-                    out.push(make(
-                        Kind::CandidateLeft,
-                        self.leader.clone(),
-                        Some(candidate),
-                    ));
+                // A candidate that left is gone from the state: report it as last seen.
+                for (id, candidate) in &self.candidates {
+                    if !now.contains_key(id) {
+                        out.push(make(
+                            Kind::CandidateLeft,
+                            self.leader.clone(),
+                            Some(candidate.clone()),
+                        ));
+                    }
                 }
                 self.candidates = now;
             }

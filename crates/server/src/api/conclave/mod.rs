@@ -67,6 +67,7 @@ pub(super) fn candidate_to_pb(candidate: &StateCandidate) -> cv1::Candidate {
         value: candidate.value.clone(),
         lease: candidate.lease_id,
         joined_revision: candidate.registered_revision,
+        keepalive_age_ms: None,
     }
 }
 
@@ -101,7 +102,26 @@ pub(super) fn leadership_of(state: &StateMachine, group: &str, seat: &Seat) -> c
         fence: u64::try_from(seat.fence).unwrap_or(0),
         elected_revision: seat.fence,
         handoff_to,
+        elected_unix_ms: i64::try_from(seat.since_ms).unwrap_or(i64::MAX),
     }
+}
+
+/// A state-machine group policy as the API shows it.
+pub(super) fn policy_to_pb(policy: &conclave_state::GroupPolicy) -> cv1::GroupPolicy {
+    let preempt_policy = match policy.preempt {
+        true => cv1::PreemptPolicy::Always,
+        false => cv1::PreemptPolicy::Higher,
+    };
+    cv1::GroupPolicy {
+        settle_ms: policy.settle_ms.unwrap_or(0),
+        preempt_policy: preempt_policy as i32,
+        handoff_timeout_ms: policy.handoff_timeout_ms.unwrap_or(0),
+    }
+}
+
+/// A group's policy, defaults when the group does not exist.
+pub(super) fn group_policy(state: &StateMachine, group: &str) -> cv1::GroupPolicy {
+    policy_to_pb(&state.group(group).map(|g| g.policy).unwrap_or_default())
 }
 
 pub(super) fn message_to_pb(message: Message) -> cv1::TopicMessage {

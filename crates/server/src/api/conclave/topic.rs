@@ -1,4 +1,4 @@
-//! `conclave.v1.Topic`: Publish, Read, Subscribe, Inbox, Ack.
+//! `conclave.v1.Topic`: Publish, Read, Subscribe, Inbox, Ack, Configure.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -108,6 +108,38 @@ impl Topic for TopicService {
         .await
     }
 
+    async fn configure(
+        &self,
+        request: tonic::Request<cv1::TopicConfigureRequest>,
+    ) -> Result<tonic::Response<cv1::TopicConfigureResponse>, Status> {
+        let ctx = CallContext::new(&request, self.api.config.request_timeout_ms);
+        let message = request.into_inner();
+        if message.topic.is_empty() {
+            return Err(invalid("topic name is empty"));
+        }
+        let api = &self.api;
+        let command = Request::TopicConfigure {
+            topic: message.topic.clone(),
+            retention: conclave_state::Retention {
+                max_messages: (message.max_messages > 0).then_some(message.max_messages),
+                max_age_ms: (message.max_age_ms > 0).then_some(message.max_age_ms),
+            },
+        };
+        api.write(
+            &ctx,
+            command,
+            &message,
+            leader_call!(TopicClient::configure),
+            |applied| match answer(&applied)? {
+                Response::TopicConfigured => Ok(cv1::TopicConfigureResponse {
+                    header: Some(header(api, applied.output.revision)),
+                }),
+                other => Err(unexpected(other)),
+            },
+        )
+        .await
+    }
+
     async fn read(
         &self,
         request: tonic::Request<cv1::ReadRequest>,
@@ -174,8 +206,8 @@ impl Topic for TopicService {
         let ctx = CallContext::new(&request, self.api.config.request_timeout_ms);
         let client = request.remote_addr();
         let mut message = request.into_inner();
-        if message.consumer.is_empty() || message.topics.is_empty() {
-            return Err(invalid("an inbox needs a consumer and at least one topic"));
+        if message.consumer.is_empty() {
+            return Err(invalid("an inbox needs a consumer"));
         }
         // Each topic once, in the order first named; then the cap on how many.
         let mut seen = std::collections::BTreeSet::new();
@@ -183,6 +215,13 @@ impl Topic for TopicService {
         let api = &self.api;
         api.limits.inbox_topics(client, message.topics.len())?;
         api.linearizable_barrier(&ctx).await?;
+        if message.topics.is_empty() {
+            // No topic named: every topic the consumer follows (has a cursor in).
+            message.topics = api
+                .node
+                .read_state(|state| state.topics().followed_by(&message.consumer));
+            api.limits.inbox_topics(client, message.topics.len())?;
+        }
         let limit = read_limit(message.limit);
         let bytes_max = api.config.client_limits.read_response_bytes_max;
         let read = |state: &StateMachine| {
