@@ -21,6 +21,7 @@
 //! - [`election`]: priority election groups.
 //! - [`topic`]: topics with consumer cursors.
 //! - [`session`]: exactly-once client sessions.
+//! - [`auth`]: users, roles and key-range permissions (etcd's auth store).
 //! - [`command`]: commands, responses, events and their encoding.
 //! - [`machine`]: [`StateMachine`], which ties it together (and etcd's Election and Lock
 //!   recipes).
@@ -82,6 +83,7 @@
 
 #![deny(missing_docs)]
 
+pub mod auth;
 pub mod command;
 pub mod config;
 pub mod election;
@@ -94,6 +96,9 @@ pub mod snapshot;
 pub mod topic;
 pub mod txn;
 
+pub use auth::{
+    Access, AuthRequest, AuthState, KeyPermission, PermissionKind, ROOT_ROLE, ROOT_USER, Role, User,
+};
 pub use command::{
     ApplyOutput, Command, Event, GroupRegister, GroupStatus, LeaderKey, QueueResponse, Request,
     Response, SessionSeq,
