@@ -282,17 +282,27 @@ fn a_foreign_secret_neither_reads_the_cached_answer_nor_blocks_the_owner() {
 #[test]
 fn a_format_1_snapshot_still_restores() {
     // Without sessions, formats 1, 2 and 3 encode the state alike; only the version differs.
+    // Format 4 appends the auth section, 37 bytes when empty.
     let mut machine = StateMachine::new(Config::default());
     machine.apply(1, &Command::new(1, Request::Put(PutRequest::new("k", "v"))));
-    let mut bytes = machine.snapshot_to_vec();
-    assert_eq!(&bytes[8..12], &3u32.to_le_bytes());
-    for older in [1u32, 2] {
+    let image = machine.snapshot_to_vec();
+    assert_eq!(&image[8..12], &4u32.to_le_bytes());
+    let length = usize::try_from(u32::from_le_bytes(image[12..16].try_into().unwrap())).unwrap();
+    let body = &image[20..20 + length - 37];
+    let mut bytes = image[..8].to_vec();
+    bytes.extend_from_slice(&3u32.to_le_bytes());
+    bytes.extend_from_slice(&u32::try_from(body.len()).unwrap().to_le_bytes());
+    bytes.extend_from_slice(&crc32c::crc32c(body).to_le_bytes());
+    bytes.extend_from_slice(body);
+    bytes.extend_from_slice(&0u32.to_le_bytes());
+    bytes.extend_from_slice(&crc32c::crc32c(body).to_le_bytes());
+    for older in [1u32, 2, 3] {
         bytes[8..12].copy_from_slice(&older.to_le_bytes());
         let restored = StateMachine::restore(Config::default(), bytes.as_slice())
             .unwrap_or_else(|error| panic!("format {older}: {error}"));
         assert_eq!(restored.revision(), machine.revision());
     }
-    bytes[8..12].copy_from_slice(&4u32.to_le_bytes());
+    bytes[8..12].copy_from_slice(&5u32.to_le_bytes());
     assert!(matches!(
         StateMachine::restore(Config::default(), bytes.as_slice()),
         Err(conclave_state::Error::SnapshotVersion { .. })
