@@ -164,7 +164,7 @@ pub(crate) async fn wait_for_turn(
         return Ok(revision);
     }
     // Armed from here on: dropped on a refusal below, it removes the key.
-    let mut guard = QueueGuard::new(api.clone(), queued.key.clone(), queued.fence);
+    let mut guard = QueueGuard::new(api.clone(), queued.key.clone(), queued.fence, ctx);
     let (kind, client) = cap;
     let _slot = api.limits.wait(kind, client)?;
     let waited = wait_for_queue(api, ctx.deadline, name, &queued.key, queued.fence).await;
@@ -228,15 +228,20 @@ pub(crate) struct QueueGuard {
     key: Bytes,
     fence: i64,
     armed: bool,
+    /// The caller's credentials: the withdrawal is the caller's write, checked as such.
+    token: Option<Arc<str>>,
+    cert_user: Option<Arc<str>>,
 }
 
 impl QueueGuard {
-    pub(crate) fn new(api: Arc<Api>, key: Bytes, fence: i64) -> Self {
+    pub(crate) fn new(api: Arc<Api>, key: Bytes, fence: i64, caller: &CallContext) -> Self {
         QueueGuard {
             api,
             key,
             fence,
             armed: true,
+            token: caller.token.clone(),
+            cert_user: caller.cert_user.clone(),
         }
     }
 
@@ -256,12 +261,15 @@ impl Drop for QueueGuard {
         let api = self.api.clone();
         let key = self.key.clone();
         let fence = self.fence;
+        let (token, cert_user) = (self.token.take(), self.cert_user.take());
         runtime.spawn(async move {
             let ctx = CallContext {
                 deadline: Instant::now() + Duration::from_millis(api.config.request_timeout_ms),
                 forwarded: false,
                 session: None,
                 fence: None,
+                token,
+                cert_user,
             };
             if let Err(status) = fenced_delete(&api, &ctx, key, fence).await {
                 tracing::debug!(%status, "abandoned queue key not removed; its lease will");

@@ -225,6 +225,7 @@ impl Election for ElectionService {
     ) -> Result<tonic::Response<cv1::LeaderResponse>, Status> {
         let ctx = CallContext::new(&request, self.api.config.request_timeout_ms);
         let group = request.into_inner().group;
+        self.api.check_read(&ctx, group.as_bytes(), &[])?;
         self.api.linearizable_barrier(&ctx).await?;
         let (leadership, revision) = self
             .api
@@ -242,6 +243,7 @@ impl Election for ElectionService {
     ) -> Result<tonic::Response<cv1::CandidatesResponse>, Status> {
         let ctx = CallContext::new(&request, self.api.config.request_timeout_ms);
         let group = request.into_inner().group;
+        self.api.check_read(&ctx, group.as_bytes(), &[])?;
         self.api.linearizable_barrier(&ctx).await?;
         let (candidates, revision) = self.api.node.read_state(|state| {
             let leader = state.group_leader(&group).map(|seat| seat.leader.clone());
@@ -278,6 +280,7 @@ impl Election for ElectionService {
         // The group's history is not retained as events; every stream starts with CURRENT,
         // whatever `start_revision` asks (the client resumes from the state it describes).
         let group = request.into_inner().group;
+        self.api.check_read(&ctx, group.as_bytes(), &[])?;
         self.api.linearizable_barrier(&ctx).await?;
         let (responses, output) = mpsc::channel(STREAM_RESPONSES_MAX);
         let api = self.api.clone();
