@@ -273,3 +273,36 @@ fn a_version_3_image_without_auth_still_loads() {
         StateMachine::restore(Config::default(), reframe(&image, 4, v3_body).as_slice()).is_err()
     );
 }
+
+#[test]
+fn a_txn_needs_every_compare_and_both_branches() {
+    use conclave_state::{Compare, CompareResult, CompareTarget, RequestOp, TxnRequest};
+    let mut log = setup();
+    log.auth(grant("reader", PermissionKind::ReadWrite, "a/w", ""));
+    let txn = |compare: &'static str, success: &'static str, failure: &'static str| {
+        Request::Txn(TxnRequest {
+            compare: vec![Compare::new(
+                compare,
+                CompareResult::Equal,
+                CompareTarget::Version(0),
+            )],
+            success: vec![RequestOp::Put(PutRequest::new(success, "v"))],
+            failure: vec![RequestOp::Range(RangeRequest::key(failure))],
+        })
+    };
+    assert!(log.as_user("alice", txn("a/x", "a/w", "a/y")).is_ok());
+    // A compare outside the reader's range.
+    assert_eq!(
+        log.as_user("alice", txn("b/x", "a/w", "a/y")),
+        Err(Error::PermissionDenied)
+    );
+    // A write it may not make, even in the branch that would not run.
+    assert_eq!(
+        log.as_user("alice", txn("a/x", "a/x", "a/y")),
+        Err(Error::PermissionDenied)
+    );
+    assert_eq!(
+        log.as_user("alice", txn("a/x", "a/w", "b/y")),
+        Err(Error::PermissionDenied)
+    );
+}
