@@ -7,6 +7,8 @@ use std::path::PathBuf;
 const PROTO_FILES: &[&str] = &[
     "mvccpb/kv.proto",
     "etcdserverpb/rpc.proto",
+    "authpb/auth.proto",
+    "etcdserverpb/auth.proto",
     "v3lockpb/v3lock.proto",
     "v3electionpb/v3election.proto",
     "conclave/v1/conclave.proto",

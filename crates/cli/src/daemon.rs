@@ -91,6 +91,7 @@ impl ServeArgs {
             request_timeout_ms,
             peer_secret_file,
             client_limits,
+            auth,
         } = self;
         let mut args: Vec<OsString> = vec!["serve".into(), "--name".into(), name.into()];
         if let Some(id) = id {
@@ -119,6 +120,7 @@ impl ServeArgs {
             args.extend([flag.into(), value.to_string().into()]);
         }
         args.extend(client_limits.to_args());
+        args.extend(auth.to_args());
         args
     }
 }

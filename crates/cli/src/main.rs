@@ -156,6 +156,8 @@ pub struct ServeArgs {
     pub peer_secret_file: Option<PathBuf>,
     #[command(flatten)]
     pub client_limits: client_limits::ClientLimitArgs,
+    #[command(flatten)]
+    pub auth: cmd::auth::AuthServeArgs,
 }
 
 impl ServeArgs {
@@ -204,6 +206,7 @@ impl ServeArgs {
         config.request_timeout_ms = self.request_timeout_ms;
         config.peer_secret_file = self.peer_secret_file.clone();
         config.client_limits = self.client_limits.to_limits();
+        self.auth.apply(&mut config.auth)?;
         config
             .validate()
             .map_err(|e| CliError::Usage(e.to_string()))?;

@@ -42,6 +42,13 @@ pub enum Error {
     /// The request, key, value or TTL is over a limit.
     #[error("too large: {0}")]
     TooLarge(String),
+    /// The server needs credentials the call did not carry, or refused them (no user, wrong
+    /// password, expired or forged token).
+    #[error("not authenticated: {0}")]
+    Unauthenticated(String),
+    /// The caller's roles do not allow the call.
+    #[error("permission denied: {0}")]
+    PermissionDenied(String),
     /// No endpoint could be reached.
     #[error("cannot connect to any of {endpoints:?}: {reason}")]
     ConnectionFailed {
@@ -65,11 +72,13 @@ impl Error {
             Error::LeadershipLost(_) => "leadership_lost",
             Error::TooLarge(_) => "too_large",
             Error::ConnectionFailed { .. } => "connection_failed",
+            Error::Unauthenticated(_) => "unauthenticated",
+            Error::PermissionDenied(_) => "permission_denied",
         }
     }
 
     /// Every code [`Error::code`] can return, for documentation and exhaustive CLI tables.
-    pub const CODES: [&'static str; 11] = [
+    pub const CODES: [&'static str; 13] = [
         "no_leader",
         "unavailable",
         "timeout",
@@ -81,6 +90,8 @@ impl Error {
         "leadership_lost",
         "too_large",
         "connection_failed",
+        "unauthenticated",
+        "permission_denied",
     ];
 
     /// Whether trying again (on the same or another member) may succeed. Only idempotent
@@ -98,6 +109,15 @@ impl Error {
         let message = status.message().to_string();
         let lower = message.to_ascii_lowercase();
         match status.code() {
+            Code::PermissionDenied => Error::PermissionDenied(message),
+            Code::Unauthenticated => Error::Unauthenticated(message),
+            // etcd answers these two INVALID_ARGUMENT; they are about credentials.
+            Code::InvalidArgument
+                if lower.contains("user name is empty")
+                    || lower.contains("authentication failed") =>
+            {
+                Error::Unauthenticated(message)
+            }
             Code::Unavailable if lower.contains("no leader") => Error::NoLeader(message),
             Code::Unavailable if lower.contains("request timed out") => Error::Timeout(message),
             // tonic's own deadline (the request's `timeout`) ends the call this way.
@@ -150,12 +170,9 @@ impl Error {
             {
                 Error::LeadershipLost(message)
             }
-            Code::FailedPrecondition
-            | Code::InvalidArgument
-            | Code::OutOfRange
-            | Code::PermissionDenied
-            | Code::Unauthenticated
-            | Code::Ok => Error::InvalidArgument(message),
+            Code::FailedPrecondition | Code::InvalidArgument | Code::OutOfRange | Code::Ok => {
+                Error::InvalidArgument(message)
+            }
         }
     }
 
@@ -213,6 +230,24 @@ mod tests {
                 "timeout",
             ),
             (Status::deadline_exceeded("Deadline expired"), "timeout"),
+            (
+                Status::permission_denied("etcdserver: permission denied"),
+                "permission_denied",
+            ),
+            (
+                Status::unauthenticated("etcdserver: invalid auth token"),
+                "unauthenticated",
+            ),
+            (
+                Status::invalid_argument("etcdserver: user name is empty"),
+                "unauthenticated",
+            ),
+            (
+                Status::invalid_argument(
+                    "etcdserver: authentication failed, invalid user ID or password",
+                ),
+                "unauthenticated",
+            ),
             (Status::unknown("transport error"), "unavailable"),
             (Status::internal("h2 protocol error"), "unavailable"),
             (Status::unimplemented(""), "unavailable"),
@@ -321,6 +356,8 @@ mod tests {
                 endpoints: vec![],
                 reason: String::new(),
             },
+            Error::Unauthenticated(String::new()),
+            Error::PermissionDenied(String::new()),
         ];
         let codes: Vec<_> = errors.iter().map(Error::code).collect();
         assert_eq!(codes, Error::CODES);

@@ -1,6 +1,6 @@
 //! Conclave's gRPC API, generated at build time from `proto/` at the workspace root.
 //!
-//! - [`mvccpb`], [`etcdserverpb`], [`v3lockpb`], [`v3electionpb`]: the subset of etcd's v3 API
+//! - [`mvccpb`], [`etcdserverpb`], [`authpb`], [`v3lockpb`], [`v3electionpb`]: the subset of etcd's v3 API
 //!   that Conclave serves. Package, service, message names and field numbers are etcd's, so
 //!   the gRPC paths (`/etcdserverpb.KV/Range`, `/v3lockpb.Lock/Lock`, …) and the wire bytes
 //!   are what etcd clients expect.
@@ -13,6 +13,11 @@
 #[allow(clippy::all, clippy::pedantic, missing_docs, rustdoc::all)]
 pub mod mvccpb {
     tonic::include_proto!("mvccpb");
+}
+
+#[allow(clippy::all, clippy::pedantic, missing_docs, rustdoc::all)]
+pub mod authpb {
+    tonic::include_proto!("authpb");
 }
 
 #[allow(clippy::all, clippy::pedantic, missing_docs, rustdoc::all)]

@@ -77,6 +77,37 @@ pub struct ServerConfig {
     pub peer_secret_file: Option<PathBuf>,
     /// What clients may hold on this node (connections, streams, watches, ...).
     pub client_limits: ClientLimits,
+    /// Password hashing and auth tokens (`docs/security.md`, Authentication).
+    pub auth: AuthConfig,
+}
+
+/// The slowest bcrypt cost accepted (each step doubles the work; 31 is bcrypt's own limit).
+pub const BCRYPT_COST_MAX: u32 = 31;
+/// The fastest bcrypt cost accepted (bcrypt's own floor).
+pub const BCRYPT_COST_MIN: u32 = 4;
+/// The longest auth token lifetime accepted: one day.
+pub const AUTH_TOKEN_TTL_MS_MAX: u64 = 24 * 60 * 60 * 1000;
+
+/// Password hashing and auth tokens.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AuthConfig {
+    /// bcrypt cost of new password hashes (etcd's `--bcrypt-cost`, default 10).
+    pub bcrypt_cost: u32,
+    /// How long a token from Authenticate is accepted (etcd's `--auth-token-ttl`, 300 s).
+    pub token_ttl_ms: u64,
+    /// `--client-cert-auth`: a verified client certificate's common name is the user of a call
+    /// that carries no token.
+    pub client_cert_auth: bool,
+}
+
+impl Default for AuthConfig {
+    fn default() -> Self {
+        AuthConfig {
+            bcrypt_cost: 10,
+            token_ttl_ms: 300_000,
+            client_cert_auth: false,
+        }
+    }
 }
 
 /// Caps on what clients may hold or make a node copy, so that no client (or crowd of them)
@@ -242,6 +273,7 @@ impl ServerConfig {
             join: false,
             peer_secret_file: None,
             client_limits: ClientLimits::default(),
+            auth: AuthConfig::default(),
         }
     }
 
@@ -345,6 +377,18 @@ impl ServerConfig {
             self.request_timeout_ms,
             1,
             REQUEST_TIMEOUT_MS_MAX,
+        )?;
+        in_range(
+            "bcrypt_cost",
+            u64::from(self.auth.bcrypt_cost),
+            u64::from(BCRYPT_COST_MIN),
+            u64::from(BCRYPT_COST_MAX),
+        )?;
+        in_range(
+            "auth_token_ttl_ms",
+            self.auth.token_ttl_ms,
+            1,
+            AUTH_TOKEN_TTL_MS_MAX,
         )?;
         in_range(
             "shutdown_transfer_timeout_ms",

@@ -102,6 +102,10 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> Re
             .http2_keepalive_interval(Some(Duration::from_millis(keepalive_ms)))
             .max_concurrent_streams(Some(caps.grpc_streams_per_connection_max))
             .add_service(kv)
+            .add_service(
+                crate::api::auth::AuthService::server(api.clone())
+                    .max_decoding_message_size(decode_max),
+            )
             .add_service(maintenance)
             .add_service(cluster)
             .add_service(watch)

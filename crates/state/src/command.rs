@@ -7,6 +7,7 @@
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
+use crate::auth::AuthRequest;
 use crate::election::{ElectionEvent, GroupPolicy, Seat};
 use crate::error::{Error, Result};
 use crate::lease::LeaseCheckpoint;
@@ -377,6 +378,17 @@ pub enum Request {
         /// New timeout from now; 0 for the default.
         visibility_timeout_ms: u64,
     },
+    /// A change to users, roles, permissions or the auth switch (root only once enabled).
+    Auth(AuthRequest),
+    /// A client's request with the identity the serving member verified (empty: none). The
+    /// state machine checks the user's permissions for `request` when it applies it, so a
+    /// permission revoked earlier in the log refuses it on every member. Never nested.
+    AsUser {
+        /// The user name, or empty for a call without credentials.
+        user: String,
+        /// The request.
+        request: Box<Request>,
+    },
 }
 
 /// etcd Campaign / Lock outcome.
@@ -493,6 +505,11 @@ pub enum Response {
     JobExtended {
         /// The claim's new deadline (leader clock).
         deadline_ms: u64,
+    },
+    /// An auth change was applied.
+    AuthChanged {
+        /// The auth revision after it.
+        auth_revision: u64,
     },
 }
 

@@ -192,6 +192,52 @@ pub enum Error {
         /// The fence presented.
         fence: u64,
     },
+    /// AuthEnable without a `root` user.
+    #[error("etcdserver: root user does not exist")]
+    RootUserNotExist,
+    /// AuthEnable while the `root` user lacks the `root` role.
+    #[error("etcdserver: root user does not have root role")]
+    RootRoleNotExist,
+    /// UserAdd of a name already taken.
+    #[error("etcdserver: user name already exists")]
+    UserAlreadyExist,
+    /// A user name is required and was empty (also: a request without credentials while auth
+    /// is enabled, as etcd answers it).
+    #[error("etcdserver: user name is empty")]
+    UserEmpty,
+    /// The user does not exist.
+    #[error("etcdserver: user name not found")]
+    UserNotFound,
+    /// RoleAdd of a name already taken.
+    #[error("etcdserver: role name already exists")]
+    RoleAlreadyExist,
+    /// The role does not exist.
+    #[error("etcdserver: role name not found")]
+    RoleNotFound,
+    /// A role name is required and was empty.
+    #[error("etcdserver: role name is empty")]
+    RoleEmpty,
+    /// Authenticate with an unknown user or a wrong password.
+    #[error("etcdserver: authentication failed, invalid user ID or password")]
+    AuthFailed,
+    /// The caller's roles do not cover what the request touches.
+    #[error("etcdserver: permission denied")]
+    PermissionDenied,
+    /// UserRevokeRole of a role the user does not hold.
+    #[error("etcdserver: role is not granted to the user")]
+    RoleNotGranted,
+    /// RoleRevokePermission of a range the role does not hold.
+    #[error("etcdserver: permission is not granted to the role")]
+    PermissionNotGranted,
+    /// Authenticate while auth is disabled.
+    #[error("etcdserver: authentication is not enabled")]
+    AuthNotEnabled,
+    /// A token that is malformed, forged, expired or for a changed user.
+    #[error("etcdserver: invalid auth token")]
+    InvalidAuthToken,
+    /// A change that would lock the root user out while auth is enabled.
+    #[error("etcdserver: invalid auth management")]
+    InvalidAuthMgmt,
 }
 
 impl Error {
@@ -229,7 +275,22 @@ impl Error {
             Error::SnapshotIo(_) => 1604,
             Error::SessionSeqTooFar { .. } => 1504,
             Error::RangeTooLarge { .. } => 1010,
-            Error::QueueClaimStale { .. } => 1701,
+            Error::QueueClaimStale { .. } => 1801,
+            Error::RootUserNotExist => 1701,
+            Error::RootRoleNotExist => 1702,
+            Error::UserAlreadyExist => 1703,
+            Error::UserEmpty => 1704,
+            Error::UserNotFound => 1705,
+            Error::RoleAlreadyExist => 1706,
+            Error::RoleNotFound => 1707,
+            Error::RoleEmpty => 1708,
+            Error::AuthFailed => 1709,
+            Error::PermissionDenied => 1710,
+            Error::RoleNotGranted => 1711,
+            Error::PermissionNotGranted => 1712,
+            Error::AuthNotEnabled => 1713,
+            Error::InvalidAuthToken => 1714,
+            Error::InvalidAuthMgmt => 1715,
         }
     }
 }
@@ -356,6 +417,21 @@ mod tests {
                 job_id: 0,
                 fence: 0,
             },
+            Error::RootUserNotExist,
+            Error::RootRoleNotExist,
+            Error::UserAlreadyExist,
+            Error::UserEmpty,
+            Error::UserNotFound,
+            Error::RoleAlreadyExist,
+            Error::RoleNotFound,
+            Error::RoleEmpty,
+            Error::AuthFailed,
+            Error::PermissionDenied,
+            Error::RoleNotGranted,
+            Error::PermissionNotGranted,
+            Error::AuthNotEnabled,
+            Error::InvalidAuthToken,
+            Error::InvalidAuthMgmt,
         ];
         let codes: std::collections::BTreeSet<u32> = all.iter().map(Error::code).collect();
         assert_eq!(codes.len(), all.len());

@@ -22,6 +22,7 @@
 //! - [`topic`]: topics with consumer cursors.
 //! - [`session`]: exactly-once client sessions.
 //! - [`queue`]: work queues with fenced claims and dead letters.
+//! - [`auth`]: users, roles and key-range permissions (etcd's auth store).
 //! - [`command`]: commands, responses, events and their encoding.
 //! - [`machine`]: [`StateMachine`], which ties it together (and etcd's Election and Lock
 //!   recipes).
@@ -83,6 +84,7 @@
 
 #![deny(missing_docs)]
 
+pub mod auth;
 pub mod command;
 pub mod config;
 pub mod election;
@@ -96,6 +98,9 @@ pub mod snapshot;
 pub mod topic;
 pub mod txn;
 
+pub use auth::{
+    Access, AuthRequest, AuthState, KeyPermission, PermissionKind, ROOT_ROLE, ROOT_USER, Role, User,
+};
 pub use command::{
     ApplyOutput, Command, Event, GroupRegister, GroupStatus, LeaderKey, QueueResponse, Request,
     Response, SessionSeq,

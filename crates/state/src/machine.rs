@@ -19,6 +19,7 @@ use std::collections::BTreeMap;
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
+use crate::auth::{Access, AuthRequest, AuthState};
 use crate::command::{
     ApplyOutput, Command, Event, GroupRegister, GroupStatus, LeaderKey, QueueResponse, Request,
     Response, SessionSeq,
@@ -100,6 +101,7 @@ impl From<StateV1> for State {
             groups: old.groups,
             topics: old.topics,
             sessions: old.sessions.into(),
+            auth: AuthState::default(),
         }
     }
 }
@@ -126,6 +128,7 @@ impl From<StateV2> for State {
             groups: old.groups,
             topics: old.topics,
             sessions: old.sessions.into(),
+            auth: AuthState::default(),
         }
     }
 }
@@ -140,6 +143,35 @@ pub(crate) struct State {
     pub(crate) groups: BTreeMap<String, Group>,
     pub(crate) topics: Topics,
     pub(crate) sessions: Sessions,
+    /// Users, roles and permissions (snapshot format 4 on; empty before).
+    pub(crate) auth: AuthState,
+}
+
+/// [`State`] as snapshot format version 3 wrote it (no auth section).
+#[derive(Deserialize)]
+pub(crate) struct StateV3 {
+    last_applied: u64,
+    now_ms: u64,
+    kv: KvStore,
+    leases: LeaseTable,
+    groups: BTreeMap<String, Group>,
+    topics: Topics,
+    sessions: Sessions,
+}
+
+impl From<StateV3> for State {
+    fn from(old: StateV3) -> State {
+        State {
+            last_applied: old.last_applied,
+            now_ms: old.now_ms,
+            kv: old.kv,
+            leases: old.leases,
+            groups: old.groups,
+            topics: old.topics,
+            sessions: old.sessions,
+            auth: AuthState::default(),
+        }
+    }
 }
 
 /// Conclave's coordination state machine. Pure and deterministic.
@@ -510,6 +542,16 @@ impl StateMachine {
                 )?;
                 Ok(Response::JobExtended { deadline_ms })
             }
+            Request::Auth(change) => {
+                self.state.auth.apply(change)?;
+                Ok(Response::AuthChanged {
+                    auth_revision: self.state.auth.revision,
+                })
+            }
+            Request::AsUser { user, request } => {
+                self.authorize(user, request)?;
+                self.execute(index, request, events)
+            }
         }
     }
 
@@ -520,6 +562,95 @@ impl StateMachine {
             payload_bytes_max: self.config.job_payload_bytes_max,
             name_bytes_max: self.config.name_bytes_max,
         }
+    }
+
+    // ---- Auth ----------------------------------------------------------------------------
+
+    /// The replicated users, roles and permissions.
+    pub fn auth(&self) -> &AuthState {
+        &self.state.auth
+    }
+
+    /// Whether `user` (empty: no credentials) may have `request` applied, by etcd's rules and
+    /// the key mapping of Conclave's own objects (`docs/security.md`): an etcd election or
+    /// lock `name` writes `<name>/<lease hex>` and reads the `<name>/` prefix; a priority
+    /// group, a topic and a work queue is the key of its own name (write to register, resign, proclaim,
+    /// configure or publish; read to ack). Compaction, the leader's internal requests and
+    /// auth changes need the root role. Always allowed while auth is disabled.
+    pub fn authorize(&self, user: &str, request: &Request) -> Result<()> {
+        let auth = &self.state.auth;
+        if !auth.enabled {
+            return Ok(());
+        }
+        let name_key = |name: &str| Bytes::copy_from_slice(name.as_bytes());
+        let mut accesses = Vec::new();
+        match request {
+            Request::Range(range) => {
+                accesses.push(Access::read(range.key.clone(), range.range_end.clone()));
+            }
+            Request::Put(put) => put_accesses(put, &mut accesses),
+            Request::DeleteRange(delete) => delete_accesses(delete, &mut accesses),
+            Request::Txn(txn) => txn_accesses(txn, &mut accesses),
+            // etcd lets anyone grant a lease; what it guards is the keys put under it.
+            Request::LeaseGrant { .. } => return Ok(()),
+            Request::LeaseRevoke { id } => {
+                if let Some(lease) = self.state.leases.get(*id) {
+                    for key in &lease.keys {
+                        accesses.push(Access::write(key.clone(), Bytes::new()));
+                    }
+                }
+            }
+            Request::Campaign { name, lease, .. } | Request::Lock { name, lease } => {
+                let mut prefix = name.to_vec();
+                prefix.push(b'/');
+                accesses.push(Access::write(queue_key(name, *lease), Bytes::new()));
+                let prefix_end = prefix_end(&prefix);
+                accesses.push(Access::read(prefix, prefix_end));
+            }
+            Request::Proclaim { leader, .. } | Request::Resign { leader } => {
+                accesses.push(Access::write(leader.key.clone(), Bytes::new()));
+            }
+            Request::Unlock { key, .. } => accesses.push(Access::write(key.clone(), Bytes::new())),
+            Request::GroupRegister(register) => {
+                accesses.push(Access::write(name_key(&register.group), Bytes::new()));
+            }
+            Request::GroupResign { group, .. }
+            | Request::GroupProclaim { group, .. }
+            | Request::GroupConfigure { group, .. } => {
+                accesses.push(Access::write(name_key(group), Bytes::new()));
+            }
+            Request::Publish { topic, .. } | Request::TopicConfigure { topic, .. } => {
+                accesses.push(Access::write(name_key(topic), Bytes::new()));
+            }
+            Request::Ack { topic, .. } => {
+                accesses.push(Access::read(name_key(topic), Bytes::new()))
+            }
+            // A work queue is the key of its own name: every queue call changes the queue.
+            Request::QueuePush(push) => {
+                accesses.push(Access::write(name_key(&push.queue), Bytes::new()));
+            }
+            Request::QueueClaim { queue, .. }
+            | Request::QueueAck { queue, .. }
+            | Request::QueueNack { queue, .. }
+            | Request::QueueExtend { queue, .. } => {
+                accesses.push(Access::write(name_key(queue), Bytes::new()));
+            }
+            Request::OpenSession
+            | Request::OpenSessionWithSecret { .. }
+            | Request::CloseSession { .. }
+            | Request::CloseSessionWithSecret { .. } => {}
+            Request::Compact { .. }
+            | Request::LeaseCheckpoint { .. }
+            | Request::LeaseExpire { .. }
+            | Request::Tick
+            | Request::Auth(_) => return auth.check_admin(user),
+            Request::AsUser { .. } => {
+                return Err(Error::InvalidArgument(
+                    "a request carries at most one identity".into(),
+                ));
+            }
+        }
+        auth.check_access(user, &accesses)
     }
 
     // ---- KV ------------------------------------------------------------------------------
@@ -1454,6 +1585,7 @@ impl StateMachine {
     /// Checks internal invariants without panicking (a restored snapshot is input).
     pub(crate) fn verify(&self) -> std::result::Result<(), String> {
         self.state.kv.verify()?;
+        self.state.auth.verify()?;
         for lease in self.state.leases.iter() {
             for key in &lease.keys {
                 if self.state.kv.get(key).is_none_or(|kv| kv.lease != lease.id) {
@@ -1565,6 +1697,8 @@ fn request_payload_bytes(request: &Request) -> usize {
         | Request::OpenSessionWithSecret { .. }
         | Request::CloseSessionWithSecret { .. }
         | Request::Tick => 0,
+        Request::Auth(change) => auth_request_bytes(change),
+        Request::AsUser { user, request } => user.len() + request_payload_bytes(request),
     }
 }
 
@@ -1573,5 +1707,65 @@ impl Retention {
     /// Keep everything.
     pub fn unbounded() -> Self {
         Retention::default()
+    }
+}
+
+fn auth_request_bytes(change: &AuthRequest) -> usize {
+    match change {
+        AuthRequest::Enable { token_key } => token_key.len(),
+        AuthRequest::Disable => 0,
+        AuthRequest::UserAdd {
+            name,
+            password_hash,
+        }
+        | AuthRequest::UserChangePassword {
+            name,
+            password_hash,
+        } => name.len() + password_hash.len(),
+        AuthRequest::UserDelete { name }
+        | AuthRequest::RoleAdd { name }
+        | AuthRequest::RoleDelete { name } => name.len(),
+        AuthRequest::UserGrantRole { user, role } | AuthRequest::UserRevokeRole { user, role } => {
+            user.len() + role.len()
+        }
+        AuthRequest::RoleGrantPermission { name, permission } => {
+            name.len() + permission.key.len() + permission.range_end.len()
+        }
+        AuthRequest::RoleRevokePermission {
+            name,
+            key,
+            range_end,
+        } => name.len() + key.len() + range_end.len(),
+    }
+}
+
+fn put_accesses(put: &PutRequest, accesses: &mut Vec<Access>) {
+    accesses.push(Access::write(put.key.clone(), Bytes::new()));
+    if put.prev_kv {
+        accesses.push(Access::read(put.key.clone(), Bytes::new()));
+    }
+}
+
+fn delete_accesses(delete: &DeleteRangeRequest, accesses: &mut Vec<Access>) {
+    accesses.push(Access::write(delete.key.clone(), delete.range_end.clone()));
+    if delete.prev_kv {
+        accesses.push(Access::read(delete.key.clone(), delete.range_end.clone()));
+    }
+}
+
+/// etcd checks every compare (read) and every operation of both branches, whichever runs.
+fn txn_accesses(txn: &TxnRequest, accesses: &mut Vec<Access>) {
+    for compare in &txn.compare {
+        accesses.push(Access::read(compare.key.clone(), compare.range_end.clone()));
+    }
+    for op in txn.success.iter().chain(&txn.failure) {
+        match op {
+            RequestOp::Range(range) => {
+                accesses.push(Access::read(range.key.clone(), range.range_end.clone()));
+            }
+            RequestOp::Put(put) => put_accesses(put, accesses),
+            RequestOp::DeleteRange(delete) => delete_accesses(delete, accesses),
+            RequestOp::Txn(inner) => txn_accesses(inner, accesses),
+        }
     }
 }

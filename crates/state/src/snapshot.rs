@@ -7,15 +7,16 @@
 //! ```
 //!
 //! The payloads, concatenated, are the postcard encoding of the state (KV with its retained
-//! history, leases, groups, topics, sessions, last applied index and clock), then, from
-//! version 4 on, the work queues as a section of their own. Frames let a
+//! history, leases, groups, topics, sessions, last applied index and clock, and from format 4
+//! the auth state at its end), then, from version 4 on, the work queues as a section of their
+//! own. Frames let a
 //! receiver check each chunk as it arrives; the end frame catches lost or reordered frames.
 
 use std::io::{Read, Write};
 
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::machine::{State, StateMachine, StateV1, StateV2};
+use crate::machine::{State, StateMachine, StateV1, StateV2, StateV3};
 use crate::queue::WorkQueues;
 
 /// Magic bytes at the start of every snapshot.
@@ -24,7 +25,8 @@ pub const SNAPSHOT_MAGIC: &[u8; 8] = b"CNCLSTAT";
 /// state types, so any change to them (a field added, a variant moved) must bump this.
 pub const SNAPSHOT_FORMAT_VERSION: u32 = 4;
 /// The oldest format version this build reads: version 1 lacks session secrets, version 2
-/// the revision of each session's cached answer, version 3 the work queues (restored empty).
+/// the revision of each session's cached answer, version 3 the auth state (users, roles) and the
+/// work queues (both restored empty).
 pub const SNAPSHOT_FORMAT_VERSION_MIN: u32 = 1;
 /// Payload bytes per frame when writing.
 const FRAME_BYTES: usize = 64 * 1024;
@@ -177,6 +179,10 @@ impl StateMachine {
         } else if version == 2 {
             let (old, rest) =
                 postcard::take_from_bytes::<StateV2>(&body).map_err(does_not_decode)?;
+            (State::from(old), rest)
+        } else if version == 3 {
+            let (old, rest) =
+                postcard::take_from_bytes::<StateV3>(&body).map_err(does_not_decode)?;
             (State::from(old), rest)
         } else {
             postcard::take_from_bytes::<State>(&body).map_err(does_not_decode)?

@@ -279,14 +279,33 @@ fn a_foreign_secret_neither_reads_the_cached_answer_nor_blocks_the_owner() {
     assert!(!foreign.duplicate && foreign.result.is_err());
 }
 
+/// Bytes of the work queues' section of a snapshot without queues.
+const EMPTY_QUEUES_BYTES: usize = 0;
+
 #[test]
-fn a_snapshot_from_a_later_format_is_refused() {
-    // Older formats (1 to 3: the state without the queue section) are restored by the unit
-    // test in `snapshot.rs`, which can write them.
+fn a_format_1_snapshot_still_restores() {
+    // Without sessions, formats 1, 2 and 3 encode the state alike; only the version differs.
+    // Format 4 appends the auth state (37 bytes when empty) and then the work queues' section
+    // (EMPTY_QUEUES_BYTES when empty).
     let mut machine = StateMachine::new(Config::default());
     machine.apply(1, &Command::new(1, Request::Put(PutRequest::new("k", "v"))));
-    let mut bytes = machine.snapshot_to_vec();
-    assert_eq!(&bytes[8..12], &4u32.to_le_bytes());
+    let image = machine.snapshot_to_vec();
+    assert_eq!(&image[8..12], &4u32.to_le_bytes());
+    let length = usize::try_from(u32::from_le_bytes(image[12..16].try_into().unwrap())).unwrap();
+    let body = &image[20..20 + length - 37 - EMPTY_QUEUES_BYTES];
+    let mut bytes = image[..8].to_vec();
+    bytes.extend_from_slice(&3u32.to_le_bytes());
+    bytes.extend_from_slice(&u32::try_from(body.len()).unwrap().to_le_bytes());
+    bytes.extend_from_slice(&crc32c::crc32c(body).to_le_bytes());
+    bytes.extend_from_slice(body);
+    bytes.extend_from_slice(&0u32.to_le_bytes());
+    bytes.extend_from_slice(&crc32c::crc32c(body).to_le_bytes());
+    for older in [1u32, 2, 3] {
+        bytes[8..12].copy_from_slice(&older.to_le_bytes());
+        let restored = StateMachine::restore(Config::default(), bytes.as_slice())
+            .unwrap_or_else(|error| panic!("format {older}: {error}"));
+        assert_eq!(restored.revision(), machine.revision());
+    }
     bytes[8..12].copy_from_slice(&5u32.to_le_bytes());
     assert!(matches!(
         StateMachine::restore(Config::default(), bytes.as_slice()),

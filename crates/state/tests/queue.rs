@@ -85,7 +85,7 @@ fn a_timed_out_claim_is_refused_and_the_job_goes_to_the_next_worker() {
         matches!(late, Err(Error::QueueClaimStale { .. })),
         "{late:?}"
     );
-    assert_eq!(late.unwrap_err().code(), 1701);
+    assert_eq!(late.unwrap_err().code(), 1801);
     assert_eq!(ack(&mut driver, "jobs", &second), Ok(Response::JobAcked));
     // A second ack of the same claim is refused too: the job is done.
     assert!(ack(&mut driver, "jobs", &second).is_err());

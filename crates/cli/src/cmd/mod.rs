@@ -4,6 +4,7 @@
 //! Every command ends in one of two ways: success (exit 0, or the exit status of a child
 //! command it supervised) or a [`Failure`] carrying a stable code and its exit code.
 
+pub(crate) mod auth;
 mod bench;
 mod child;
 pub(crate) mod cluster;
@@ -48,6 +49,8 @@ Exit codes (with --json, `code` in the error document):
   10  no_leader          the cluster has no Raft leader
   11  unavailable        a member failed mid-request, or the call is not served
   12  connection_failed  no endpoint could be reached
+  13  unauthenticated    no credentials, a wrong password, or an expired token
+  14  permission_denied  the user's roles do not allow the call
   130 interrupted        Ctrl-C / SIGTERM while waiting for a seat or lock, or while CMD
                          ran (after stopping it and resigning or unlocking; a held seat
                          or lock without CMD is released by Ctrl-C with exit 0)";
@@ -167,6 +170,8 @@ pub fn exit_code(code: &str) -> i32 {
         "no_leader" => 10,
         "unavailable" => 11,
         "connection_failed" => 12,
+        "unauthenticated" => 13,
+        "permission_denied" => 14,
         "interrupted" => 130,
         _ => 1,
     }

@@ -229,6 +229,11 @@ impl Cluster {
         format!("http://{}", self.node(id).client)
     }
 
+    /// Member `id`'s client address, `host:port`.
+    pub fn node_client(&self, id: u64) -> String {
+        self.node(id).client.clone()
+    }
+
     pub fn endpoints(&self) -> String {
         self.nodes
             .iter()

@@ -226,6 +226,8 @@ impl Cluster for ClusterService {
         request: tonic::Request<pb::MemberAddRequest>,
     ) -> Result<tonic::Response<pb::MemberAddResponse>, Status> {
         let ctx = CallContext::new(&request, self.api.config.request_timeout_ms);
+        // Membership is root's business once auth is on (etcd's rule).
+        self.api.check_admin(&ctx)?;
         let message = request.into_inner();
         self.api
             .serve(
@@ -242,6 +244,8 @@ impl Cluster for ClusterService {
         request: tonic::Request<pb::MemberRemoveRequest>,
     ) -> Result<tonic::Response<pb::MemberRemoveResponse>, Status> {
         let ctx = CallContext::new(&request, self.api.config.request_timeout_ms);
+        // Membership is root's business once auth is on (etcd's rule).
+        self.api.check_admin(&ctx)?;
         let message = request.into_inner();
         self.api
             .serve(
@@ -268,6 +272,8 @@ impl Cluster for ClusterService {
         request: tonic::Request<pb::MemberPromoteRequest>,
     ) -> Result<tonic::Response<pb::MemberPromoteResponse>, Status> {
         let ctx = CallContext::new(&request, self.api.config.request_timeout_ms);
+        // Membership is root's business once auth is on (etcd's rule).
+        self.api.check_admin(&ctx)?;
         let message = request.into_inner();
         self.api
             .serve(

@@ -145,6 +145,8 @@ impl Election for ElectionService {
     ) -> Result<tonic::Response<epb::LeaderResponse>, Status> {
         let ctx = CallContext::new(&request, self.api.config.request_timeout_ms);
         let message = request.into_inner();
+        let (prefix, end) = super::auth::name_prefix(&message.name);
+        self.api.check_read(&ctx, &prefix, &end)?;
         self.api.linearizable_barrier(&ctx).await?;
         let (leader, revision) = self
             .api
@@ -167,6 +169,8 @@ impl Election for ElectionService {
         // Held by the stream's task until the stream ends (election_observers_max).
         let slot = (self.api.limits).wait(Wait::ElectionObserver, request.remote_addr())?;
         let name = request.into_inner().name;
+        let (prefix, end) = super::auth::name_prefix(&name);
+        self.api.check_read(&ctx, &prefix, &end)?;
         // The first answer reflects every write acknowledged before the call, as etcd's Get.
         self.api.linearizable_barrier(&ctx).await?;
         let (responses, output) = mpsc::channel(OBSERVE_STREAM_RESPONSES_MAX);

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use conclave_proto::etcdserverpb::{self as pb, kv_client::KvClient, kv_server::Kv};
-use conclave_state::{Request, Response};
+use conclave_state::{Access, Request, Response};
 use prost::Message;
 use tonic::{Status, async_trait};
 
@@ -45,10 +45,15 @@ impl Kv for KvService {
         let range = convert::range_from_pb(message)?;
         // Checked while the answer is built under the state lock, not after.
         let bytes_max = self.api.config.client_limits.range_response_bytes_max;
-        let (result, revision) = self
-            .api
-            .node
-            .read_state(|state| (state.range_within(&range, bytes_max), state.revision()));
+        let user = self.api.caller(&ctx)?;
+        let access = [Access::read(range.key.clone(), range.range_end.clone())];
+        let (result, revision) = self.api.node.read_state(|state| {
+            let answer = state
+                .auth()
+                .check_access(&user, &access)
+                .and_then(|()| state.range_within(&range, bytes_max));
+            (answer, state.revision())
+        });
         let response = result.map_err(|e| match e {
             conclave_state::Error::RangeTooLarge { .. } => self.api.limits.range_refused(client),
             other => state_status(&other),

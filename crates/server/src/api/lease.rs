@@ -419,6 +419,8 @@ impl Lease for LeaseService {
     ) -> Result<tonic::Response<Self::LeaseKeepAliveStream>, Status> {
         let forwarded = request.metadata().get(FORWARDED_HEADER).is_some();
         let liveness = request.metadata().get(LEASE_LIVENESS_HEADER).is_some();
+        let caller = CallContext::new(&request, 0);
+        let (token, cert_user) = (caller.token, caller.cert_user);
         // Held by the stream's task until the stream ends (lease_keepalive_streams_max).
         let slot = self
             .shared
@@ -459,6 +461,8 @@ impl Lease for LeaseService {
                     forwarded,
                     session: None,
                     fence: None,
+                    token: token.clone(),
+                    cert_user: cert_user.clone(),
                 };
                 let answer = shared
                     .keep_alive_once(&ctx, &upstream, &renewed, message.id)

@@ -169,6 +169,7 @@ pub(crate) async fn wait_for_turn(
         Bytes::copy_from_slice(name),
         queued.key.clone(),
         queued.fence,
+        ctx,
     );
     let (kind, client) = cap;
     let _slot = api.limits.wait(kind, client)?;
@@ -261,16 +262,27 @@ pub(crate) struct QueueGuard {
     key: Bytes,
     fence: i64,
     armed: bool,
+    /// The caller's credentials: the withdrawal is the caller's write, checked as such.
+    token: Option<Arc<str>>,
+    cert_user: Option<Arc<str>>,
 }
 
 impl QueueGuard {
-    pub(crate) fn new(api: Arc<Api>, name: Bytes, key: Bytes, fence: i64) -> Self {
+    pub(crate) fn new(
+        api: Arc<Api>,
+        name: Bytes,
+        key: Bytes,
+        fence: i64,
+        caller: &CallContext,
+    ) -> Self {
         QueueGuard {
             api,
             name,
             key,
             fence,
             armed: true,
+            token: caller.token.clone(),
+            cert_user: caller.cert_user.clone(),
         }
     }
 
@@ -291,12 +303,15 @@ impl Drop for QueueGuard {
         let name = self.name.clone();
         let key = self.key.clone();
         let fence = self.fence;
+        let (token, cert_user) = (self.token.take(), self.cert_user.take());
         runtime.spawn(async move {
             let ctx = CallContext {
                 deadline: Instant::now() + Duration::from_millis(api.config.request_timeout_ms),
                 forwarded: false,
                 session: None,
                 fence: None,
+                token,
+                cert_user,
             };
             match withdraw_waiter(&api, &ctx, &name, key, fence).await {
                 Ok(true) => {}

@@ -64,8 +64,11 @@ impl Maintenance for MaintenanceService {
 
     async fn snapshot(
         &self,
-        _request: tonic::Request<pb::SnapshotRequest>,
+        request: tonic::Request<pb::SnapshotRequest>,
     ) -> Result<tonic::Response<Self::SnapshotStream>, Status> {
+        // The image holds password hashes and the token key: root only once auth is on.
+        let ctx = CallContext::new(&request, self.api.config.request_timeout_ms);
+        self.api.check_admin(&ctx)?;
         let image = self.api.node.read_state(|state| state.snapshot_to_vec());
         let header = self.api.read_header();
         let total = image.len();
@@ -89,6 +92,7 @@ impl Maintenance for MaintenanceService {
         request: tonic::Request<pb::MoveLeaderRequest>,
     ) -> Result<tonic::Response<pb::MoveLeaderResponse>, Status> {
         let ctx = CallContext::new(&request, self.api.config.request_timeout_ms);
+        self.api.check_admin(&ctx)?;
         let target = request.into_inner().target_id;
         let status = self.api.node.status();
         if status.role != Some(Role::Leader) {

@@ -11,6 +11,7 @@
 //!
 //! Leader wait, forwarding, retries and the forwarded metadata live in [`route`] only.
 
+pub mod auth;
 pub mod cluster;
 pub mod conclave;
 pub mod convert;
@@ -55,7 +56,7 @@ pub const SESSION_SECRET_HEADER: &str = "conclave-session-secret";
 const DEADLINE_MARGIN_MS: u64 = 50;
 
 /// What every handler knows about its call.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct CallContext {
     pub deadline: Instant,
     /// The request came from a follower; do not forward it again.
@@ -65,6 +66,12 @@ pub struct CallContext {
     /// The lock fence the call carries (`conclave-fence`, set by the handler that checked
     /// it), passed on to the leader with the call.
     pub fence: Option<i64>,
+    /// The etcd auth token the client sent (`token` metadata), passed on when forwarded; the
+    /// member that proposes or serves the call verifies it (see [`auth`]).
+    pub token: Option<Arc<str>>,
+    /// The common name of the client's verified certificate, when `--client-cert-auth` is on
+    /// and the connection carried one; the user when no token is sent.
+    pub cert_user: Option<Arc<str>>,
 }
 
 impl CallContext {
@@ -84,6 +91,12 @@ impl CallContext {
             forwarded: metadata.get(FORWARDED_HEADER).is_some(),
             session: session_from_metadata(metadata),
             fence: None,
+            token: metadata
+                .get(auth::TOKEN_METADATA)
+                .and_then(|value| value.to_str().ok())
+                .filter(|token| token.len() <= auth::TOKEN_BYTES_MAX)
+                .map(Arc::from),
+            cert_user: None,
         }
     }
 
@@ -257,6 +270,18 @@ pub fn state_status(error: &conclave_state::Error) -> Status {
         E::CandidateNotFound { .. } | E::SessionNotFound { .. } => Status::not_found(message),
         // etcd clients read RESOURCE_EXHAUSTED as "response too large".
         E::RangeTooLarge { .. } => Status::resource_exhausted(message),
+        E::PermissionDenied => Status::permission_denied(message),
+        // etcd clients fetch a new token on UNAUTHENTICATED "invalid auth token".
+        E::InvalidAuthToken => Status::unauthenticated(message),
+        E::RootUserNotExist
+        | E::RootRoleNotExist
+        | E::UserAlreadyExist
+        | E::UserNotFound
+        | E::RoleAlreadyExist
+        | E::RoleNotFound
+        | E::RoleNotGranted
+        | E::PermissionNotGranted
+        | E::AuthNotEnabled => Status::failed_precondition(message),
         E::Decode(_)
         | E::SnapshotCorrupt(_)
         | E::SnapshotVersion { .. }

@@ -254,6 +254,11 @@ pub fn mark_forwarded<T>(request: &mut tonic::Request<T>, ctx: &CallContext) {
     if let Some(fence) = ctx.fence {
         metadata.insert(FENCE_METADATA, fence.into());
     }
+    if let Some(token) = &ctx.token
+        && let Ok(value) = token.parse()
+    {
+        metadata.insert(super::auth::TOKEN_METADATA, value);
+    }
 }
 
 impl Api {
@@ -394,11 +399,14 @@ impl Api {
     {
         let (command, convert) = (&command, &convert);
         self.serve_routed(ctx, message, call, move || async move {
+            // The member that proposes verifies the caller; the state machine checks the
+            // caller's permissions when it applies the command (docs/security.md).
+            let command = self.as_caller(ctx, command.clone())?;
             // A retry reuses the session position, so the leader that applied the first
             // attempt answers the second from its cache.
             let applied = self
                 .node
-                .propose_in_session(command.clone(), ctx.session)
+                .propose_in_session(command, ctx.session)
                 .await
                 .map_err(to_status)?;
             convert(applied)

@@ -23,8 +23,8 @@ use tokio_stream::StreamExt;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Status, Streaming, async_trait};
 
-use super::Api;
 use super::convert::event_to_pb;
+use super::{Api, CallContext};
 use crate::node::AppliedEvents;
 
 /// Responses queued for one stream before its watch tasks wait for the client.
@@ -86,6 +86,9 @@ impl Watch for WatchService {
                 ))
             }));
         }
+        // The stream's credentials; each create is checked with them against the auth state
+        // of that moment.
+        let caller = CallContext::new(&request, 0);
         let mut incoming = request.into_inner();
         let (responses, output) = mpsc::channel(WATCH_STREAM_RESPONSES_MAX);
         let api = self.api.clone();
@@ -123,6 +126,30 @@ impl Watch for WatchService {
                                 canceled: true,
                                 cancel_reason: "etcdserver: too many watches or duplicate watch id"
                                     .into(),
+                                ..Default::default()
+                            };
+                            if responses.send(Ok(refused)).await.is_err() {
+                                break;
+                            }
+                            continue;
+                        }
+                        let permitted = api.caller(&caller).and_then(|user| {
+                            let access = [conclave_state::Access::read(
+                                create.key.clone(),
+                                create.range_end.clone(),
+                            )];
+                            api.node
+                                .read_state(|state| state.auth().check_access(&user, &access))
+                                .map_err(|error| super::state_status(&error))
+                        });
+                        if let Err(status) = permitted {
+                            // etcd refuses an unpermitted create as created and canceled.
+                            let refused = pb::WatchResponse {
+                                header: Some(api.read_header()),
+                                watch_id: id,
+                                created: true,
+                                canceled: true,
+                                cancel_reason: status.message().to_owned(),
                                 ..Default::default()
                             };
                             if responses.send(Ok(refused)).await.is_err() {

@@ -225,6 +225,7 @@ impl Election for ElectionService {
     ) -> Result<tonic::Response<cv1::LeaderResponse>, Status> {
         let ctx = CallContext::new(&request, self.api.config.request_timeout_ms);
         let group = request.into_inner().group;
+        self.api.check_read(&ctx, group.as_bytes(), &[])?;
         self.api.linearizable_barrier(&ctx).await?;
         let (leadership, policy, revision) = self.api.node.read_state(|state| {
             (
@@ -246,6 +247,7 @@ impl Election for ElectionService {
     ) -> Result<tonic::Response<cv1::CandidatesResponse>, Status> {
         let ctx = CallContext::new(&request, self.api.config.request_timeout_ms);
         let message = request.into_inner();
+        self.api.check_read(&ctx, message.group.as_bytes(), &[])?;
         let api = &self.api;
         // Served by the Raft leader: the keepalive ages live only in its memory.
         api.serve(
@@ -311,6 +313,7 @@ impl Election for ElectionService {
         // The group's history is not retained as events; every stream starts with CURRENT,
         // whatever `start_revision` asks (the client resumes from the state it describes).
         let group = request.into_inner().group;
+        self.api.check_read(&ctx, group.as_bytes(), &[])?;
         self.api.linearizable_barrier(&ctx).await?;
         let (responses, output) = mpsc::channel(STREAM_RESPONSES_MAX);
         let api = self.api.clone();

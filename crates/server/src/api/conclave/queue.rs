@@ -296,6 +296,7 @@ impl Queue for QueueService {
         let ctx = CallContext::new(&request, self.api.config.request_timeout_ms);
         let message = request.into_inner();
         need_queue(&message.queue)?;
+        self.api.check_read(&ctx, message.queue.as_bytes(), &[])?;
         self.api.linearizable_barrier(&ctx).await?;
         let limit = match usize::try_from(message.limit) {
             Ok(0) | Err(_) => LIST_LIMIT_DEFAULT,
@@ -330,6 +331,12 @@ impl Queue for QueueService {
     ) -> Result<tonic::Response<cv1::QueueStatsResponse>, Status> {
         let ctx = CallContext::new(&request, self.api.config.request_timeout_ms);
         let message = request.into_inner();
+        // Every queue at once is a read of the whole key space under auth (docs/security.md).
+        if message.queue.is_empty() {
+            self.api.check_read(&ctx, b"\0", b"\0")?;
+        } else {
+            self.api.check_read(&ctx, message.queue.as_bytes(), &[])?;
+        }
         self.api.linearizable_barrier(&ctx).await?;
         let (queues, revision) = self.api.node.read_state(|state| {
             let queues: Vec<cv1::QueueStats> = if message.queue.is_empty() {

@@ -146,6 +146,7 @@ impl Topic for TopicService {
     ) -> Result<tonic::Response<cv1::ReadResponse>, Status> {
         let ctx = CallContext::new(&request, self.api.config.request_timeout_ms);
         let message = request.into_inner();
+        self.api.check_read(&ctx, message.topic.as_bytes(), &[])?;
         self.api.linearizable_barrier(&ctx).await?;
         let limit = read_limit(message.limit);
         let bytes_max = self.api.config.client_limits.read_response_bytes_max;
@@ -178,6 +179,7 @@ impl Topic for TopicService {
         // Held by the stream's task until the stream ends (topic_subscriptions_max).
         let slot = (self.api.limits).wait(Wait::TopicSubscription, request.remote_addr())?;
         let message = request.into_inner();
+        self.api.check_read(&ctx, message.topic.as_bytes(), &[])?;
         if message.topic.is_empty() {
             return Err(invalid("topic name is empty"));
         }
@@ -212,6 +214,9 @@ impl Topic for TopicService {
         // Each topic once, in the order first named; then the cap on how many.
         let mut seen = std::collections::BTreeSet::new();
         message.topics.retain(|topic| seen.insert(topic.clone()));
+        for topic in &message.topics {
+            self.api.check_read(&ctx, topic.as_bytes(), &[])?;
+        }
         let api = &self.api;
         api.limits.inbox_topics(client, message.topics.len())?;
         api.linearizable_barrier(&ctx).await?;
