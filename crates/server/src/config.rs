@@ -77,6 +77,8 @@ pub struct ServerConfig {
     pub peer_secret_file: Option<PathBuf>,
     /// What clients may hold on this node (connections, streams, watches, ...).
     pub client_limits: ClientLimits,
+    /// Automatic history compaction (`--auto-compaction-mode`, `--auto-compaction-retention`).
+    pub auto_compaction: crate::compactor::AutoCompaction,
 }
 
 /// Caps on what clients may hold or make a node copy, so that no client (or crowd of them)
@@ -238,6 +240,7 @@ impl ServerConfig {
             join: false,
             peer_secret_file: None,
             client_limits: ClientLimits::default(),
+            auto_compaction: crate::compactor::AutoCompaction::Off,
         }
     }
 
