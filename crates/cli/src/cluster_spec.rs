@@ -56,8 +56,26 @@ fn client_from_peer(peer: &str) -> Option<String> {
     Some(format!("{host}:{}", port.checked_sub(1)?))
 }
 
-/// Builds the member list. Numeric keys are ids (named `node<id>`); other keys are names,
-/// numbered 1, 2, ... in list order, which every member computes alike from the same flag.
+/// The warning an even-sized cluster gets: it tolerates no more failures than the odd size
+/// below it, and a partition into halves leaves neither side a quorum.
+pub fn even_cluster_warning(voters: usize) -> Option<String> {
+    (voters > 0 && voters % 2 == 0).then(|| {
+        format!(
+            "a cluster of {voters} members tolerates {} failure(s), no more than one of {} \
+             members, and a split into two halves of {} stops both; prefer an odd size",
+            voters / 2 - 1,
+            voters - 1,
+            voters / 2
+        )
+    })
+}
+
+/// `serve --name`'s default: a member left unnamed.
+pub const DEFAULT_MEMBER_NAME: &str = "default";
+
+/// Builds the member list. Numeric keys are ids (named `node<id>`, except this member when
+/// `--id` and `--name` both name it); other keys are names, numbered 1, 2, ... in list order,
+/// which every member computes alike from the same flag.
 pub fn parse_members(
     spec: &str,
     clients: Option<&str>,
@@ -76,6 +94,11 @@ pub fn parse_members(
     let mut members = Vec::new();
     for (position, (key, peer_addr)) in entries.into_iter().enumerate() {
         let (id, name) = match key.parse::<u64>() {
+            // This member's own --name, when given, beats the generated one: `member add n4`
+            // prints `--name n4 --id 4` with numeric keys, and the member must be `n4`.
+            Ok(id) if self_id == Some(id) && self_name != DEFAULT_MEMBER_NAME => {
+                (id, self_name.to_string())
+            }
             Ok(id) => (id, format!("node{id}")),
             Err(_) => (position as u64 + 1, key.clone()),
         };
@@ -122,6 +145,24 @@ mod tests {
         assert_eq!(named[1].client_addr, "h:7");
         assert_eq!(named[0].client_addr, "h:2379");
         assert!(parse_members("a", None, None, "a", "h:1").is_err());
+        // `member add n4` prints `--name n4 --id 4` and numeric keys.
+        let joined = parse_members("1=h:2380,4=h:2386", None, Some(4), "n4", "h:7").expect("ok");
+        assert_eq!(joined[1].name, "n4");
+        assert_eq!(joined[0].name, "node1");
+        let unnamed =
+            parse_members("1=h:2380,4=h:2386", None, Some(4), DEFAULT_MEMBER_NAME, "h:7")
+                .expect("ok");
+        assert_eq!(unnamed[1].name, "node4");
+    }
+
+    #[test]
+    fn only_even_clusters_are_warned_about() {
+        for odd in [1, 3, 5, 7] {
+            assert_eq!(even_cluster_warning(odd), None, "{odd}");
+        }
+        let four = even_cluster_warning(4).expect("a warning");
+        assert!(four.contains("tolerates 1 failure"), "{four}");
+        assert!(even_cluster_warning(2).expect("a warning").contains("tolerates 0"));
         assert!(parse_members("a=nohost", None, None, "a", "h:1").is_err());
     }
 }

@@ -47,6 +47,9 @@ pub struct ConfigFile {
     pub campaign_waits_max: Option<usize>,
     pub queue_claim_waits_max: Option<usize>,
     pub range_response_bytes_max: Option<usize>,
+    pub auto_compaction_mode: Option<crate::CompactionMode>,
+    /// A string, as the flag takes it (`"1h"`, `"24"`, `"1000"`).
+    pub auto_compaction_retention: Option<String>,
 }
 
 impl ConfigFile {
@@ -142,6 +145,8 @@ impl ServeCommandArgs {
             campaign_waits_max,
             queue_claim_waits_max,
             range_response_bytes_max,
+            auto_compaction_mode,
+            auto_compaction_retention,
         } = file;
         macro_rules! fill {
             ($key:ident => $target:expr) => {
@@ -168,6 +173,8 @@ impl ServeCommandArgs {
         fill!(request_timeout_ms => serve.request_timeout_ms);
         fill!(peer_secret_file => serve.peer_secret_file);
         fill!(initial_cluster_state => self.initial_cluster_state);
+        fill!(auto_compaction_mode => serve.auto_compaction_mode);
+        fill!(auto_compaction_retention => serve.auto_compaction_retention);
         let limits = &mut self.serve.client_limits;
         fill!(client_connections_max => limits.client_connections_max);
         fill!(client_idle_timeout_ms => limits.client_idle_timeout_ms);

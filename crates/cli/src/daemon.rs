@@ -92,6 +92,8 @@ impl ServeArgs {
             peer_secret_file,
             client_limits,
             auth,
+            auto_compaction_mode,
+            auto_compaction_retention,
         } = self;
         let mut args: Vec<OsString> = vec!["serve".into(), "--name".into(), name.into()];
         if let Some(id) = id {
@@ -121,6 +123,12 @@ impl ServeArgs {
         }
         args.extend(client_limits.to_args());
         args.extend(auth.to_args());
+        args.extend([
+            "--auto-compaction-mode".into(),
+            auto_compaction_mode.as_str().into(),
+            "--auto-compaction-retention".into(),
+            auto_compaction_retention.into(),
+        ]);
         args
     }
 }
@@ -164,8 +172,10 @@ async fn start(out: &Output, mut full: ServeCommandArgs, matches: &ArgMatches) -
     full.apply_config_file(matches)
         .map_err(|e| Failure::invalid(e.to_string()))?;
     let args = &full.serve;
-    args.to_config()
-        .map_err(|e| Failure::invalid(e.to_string()))?;
+    let member_id = args
+        .to_config()
+        .map_err(|e| Failure::invalid(e.to_string()))?
+        .id;
     let dir = args.data_dir.clone();
     if let Some(pid) = read_pid(&dir).filter(|pid| alive(*pid)) {
         return Err(Failure::new(
@@ -224,22 +234,39 @@ async fn start(out: &Output, mut full: ServeCommandArgs, matches: &ArgMatches) -
         .map_err(|e| Failure::io(format!("cannot write {}: {e}", pid_path.display())))?;
     let url = format!("http://{}", args.listen_client);
     let started = Instant::now();
+    // Ready only when our child is alive, holds the client port itself, and the member that
+    // answers there is the one it runs: another server already on the port answers too.
+    let mut last_answer: Option<u64> = None;
     loop {
         if let Ok(Some(status)) = child.try_wait() {
             let _ = std::fs::remove_file(&pid_path);
+            let reason = crate::dev::last_log_line(&log_path)
+                .map(|line| format!(": {line}"))
+                .unwrap_or_default();
             return Err(Failure::io(format!(
-                "conclave serve exited at once ({status}); see {}",
+                "conclave serve exited at once ({status}){reason}; see {}",
                 log_path.display()
             )));
         }
-        if answers(&url).await {
+        let answered = answering_member(&url).await;
+        if answered.is_some() {
+            last_answer = answered;
+        }
+        if answered == Some(member_id) && listens_on(pid, &args.listen_client) && alive(pid as i32)
+        {
             break;
         }
         if started.elapsed() > START_TIMEOUT {
+            let seen = match last_answer {
+                Some(other) if other != member_id => format!(
+                    "; member {other:x} answers there, not this one ({member_id:x})"
+                ),
+                _ => String::new(),
+            };
             return Err(Failure::new(
                 "timeout",
                 format!(
-                    "conclave serve (pid {pid}) did not answer on {} within {START_TIMEOUT:?}; see {}",
+                    "conclave serve (pid {pid}) did not answer on {} within {START_TIMEOUT:?}{seen}; see {}",
                     args.listen_client,
                     log_path.display()
                 ),
@@ -267,17 +294,62 @@ async fn start(out: &Output, mut full: ServeCommandArgs, matches: &ArgMatches) -
     Ok(0)
 }
 
-async fn answers(url: &str) -> bool {
-    let Ok(endpoint) = tonic::transport::Endpoint::from_shared(url.to_string()) else {
-        return false;
-    };
-    let Ok(channel) = endpoint.connect_timeout(POLL * 4).connect().await else {
-        return false;
-    };
-    MaintenanceClient::new(channel)
+/// The member id of whatever Conclave (or etcd) server answers a status call on `url`.
+async fn answering_member(url: &str) -> Option<u64> {
+    let endpoint = tonic::transport::Endpoint::from_shared(url.to_string()).ok()?;
+    let channel = endpoint.connect_timeout(POLL * 4).connect().await.ok()?;
+    let answer = MaintenanceClient::new(channel)
         .status(StatusRequest {})
         .await
-        .is_ok()
+        .ok()?;
+    answer.into_inner().header.map(|h| h.member_id)
+}
+
+/// Whether process `pid` itself holds a listening TCP socket on the port of `address`
+/// (Linux: its socket inodes against the kernel's table of listeners). Elsewhere the member
+/// id check alone has to do, and this answers true.
+pub(crate) fn listens_on(pid: u32, address: &str) -> bool {
+    if !cfg!(target_os = "linux") {
+        return true;
+    }
+    let Some(port) = address
+        .rsplit_once(':')
+        .and_then(|(_, port)| port.parse::<u16>().ok())
+    else {
+        return false;
+    };
+    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return false;
+    };
+    let inodes: std::collections::HashSet<String> = fds
+        .filter_map(|fd| std::fs::read_link(fd.ok()?.path()).ok())
+        .filter_map(|target| {
+            let target = target.to_string_lossy().into_owned();
+            Some(
+                target
+                    .strip_prefix("socket:[")?
+                    .strip_suffix(']')?
+                    .to_string(),
+            )
+        })
+        .collect();
+    ["tcp", "tcp6"].iter().any(|table| {
+        let Ok(text) = std::fs::read_to_string(format!("/proc/{pid}/net/{table}")) else {
+            return false;
+        };
+        text.lines().skip(1).any(|line| {
+            // sl local_address rem_address st tx:rx tr:when retrnsmt uid timeout inode
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let listening = fields.get(3) == Some(&"0A");
+            let on_port = fields
+                .get(1)
+                .and_then(|local| local.rsplit_once(':'))
+                .and_then(|(_, hex)| u16::from_str_radix(hex, 16).ok())
+                == Some(port);
+            let ours = fields.get(9).is_some_and(|inode| inodes.contains(*inode));
+            listening && on_port && ours
+        })
+    })
 }
 
 async fn stop(out: &Output, args: DirArgs) -> CmdResult {

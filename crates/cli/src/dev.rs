@@ -37,6 +37,11 @@ const STATUS_INTERVAL_MS: u64 = 1_000;
 const PROBE_TIMEOUT_MS: u64 = 700;
 /// Longest error text in a screen cell, so each node keeps one line.
 const SCREEN_ERROR_CHARS_MAX: usize = 40;
+/// How long every node gets, from its start, to answer as itself on its client port; a node
+/// that exits or stays silent meanwhile fails `dev` (a busy port, a bad data directory).
+const DEV_START_TIMEOUT_MS: u64 = 30_000;
+/// How often a starting node is checked.
+const DEV_START_POLL_MS: u64 = 100;
 /// How much of an exited node's log is read to show its last line.
 const LOG_TAIL_BYTES: u64 = 4_096;
 
@@ -314,7 +319,7 @@ fn exit_reason(status: &ExitStatus, log: &Path) -> String {
 }
 
 /// The last non-empty line of a log, for a node that exited (why it did, usually).
-fn last_log_line(path: &Path) -> Option<String> {
+pub(crate) fn last_log_line(path: &Path) -> Option<String> {
     let mut file = std::fs::File::open(path).ok()?;
     let len = file.metadata().ok()?.len();
     file.seek(SeekFrom::Start(len.saturating_sub(LOG_TAIL_BYTES)))
@@ -573,14 +578,91 @@ async fn probe_all(running: &[Running]) -> Vec<Result<StatusResponse, String>> {
         })
         .collect();
     let mut answers = Vec::with_capacity(probes.len());
-    for probe in probes {
-        answers.push(
-            probe
-                .await
-                .unwrap_or_else(|e| Err(format!("status probe failed: {e}"))),
-        );
+    for (probe, r) in probes.into_iter().zip(running) {
+        let answer = probe
+            .await
+            .unwrap_or_else(|e| Err(format!("status probe failed: {e}")));
+        answers.push(own_answer(r, answer));
     }
     answers
+}
+
+/// A node's status answer, if it is its own: a node that exited has none, whatever now
+/// answers on its port, and neither does another server that holds the port.
+fn own_answer(
+    r: &Running,
+    answer: Result<StatusResponse, String>,
+) -> Result<StatusResponse, String> {
+    if r.exit.is_some() {
+        return Err("exited".to_string());
+    }
+    let answer = answer?;
+    let member = answer.header.as_ref().map_or(0, |h| h.member_id);
+    if member != u64::from(r.node.id) {
+        return Err(format!(
+            "member {member:x} answers on {}, not {}",
+            r.node.client, r.node.name
+        ));
+    }
+    Ok(answer)
+}
+
+/// Waits until every node runs, holds its own client port and answers there as itself.
+/// A node that exits first, or a silence past [`DEV_START_TIMEOUT_MS`], is an error naming
+/// each node that failed and why (its log's last line).
+async fn wait_started(running: &mut [Running]) -> Result<(), CliError> {
+    let deadline = Instant::now() + Duration::from_millis(DEV_START_TIMEOUT_MS);
+    let mut signal = std::pin::pin!(termination_signal());
+    loop {
+        for r in running.iter_mut().filter(|r| r.exit.is_none()) {
+            if let Ok(Some(status)) = r.child.try_wait() {
+                r.exit = Some(status);
+            }
+        }
+        let exited: Vec<String> = running
+            .iter()
+            .filter_map(|r| {
+                let status = r.exit.as_ref()?;
+                Some(format!(
+                    "{} exited while starting ({})",
+                    r.node.name,
+                    exit_reason(status, &r.node.log)
+                ))
+            })
+            .collect();
+        if !exited.is_empty() {
+            return Err(CliError::Io(exited.join("; ")));
+        }
+        let answers = probe_all(running).await;
+        let pending: Vec<String> = running
+            .iter()
+            .zip(&answers)
+            .filter_map(|(r, answer)| {
+                let listening = crate::daemon::listens_on(r.pid, &r.node.client);
+                match answer {
+                    Ok(_) if listening => None,
+                    Ok(_) => Some(format!(
+                        "{} answers but does not hold {} itself",
+                        r.node.name, r.node.client
+                    )),
+                    Err(error) => Some(format!("{}: {error}", r.node.name)),
+                }
+            })
+            .collect();
+        if pending.is_empty() {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            return Err(CliError::Io(format!(
+                "the nodes did not all start within {DEV_START_TIMEOUT_MS} ms: {}",
+                pending.join("; ")
+            )));
+        }
+        tokio::select! {
+            _ = &mut signal => return Err(CliError::Io("interrupted while the nodes started".into())),
+            _ = tokio::time::sleep(Duration::from_millis(DEV_START_POLL_MS)) => {}
+        }
+    }
 }
 
 /// Stops every running node: SIGTERM to all, then SIGKILL to any still running after the
@@ -617,6 +699,9 @@ async fn stop_all(running: &mut [Running]) {
 
 pub async fn run(args: DevArgs) -> Result<(), CliError> {
     let nodes = layout(&args)?;
+    if let Some(warning) = crate::cluster_spec::even_cluster_warning(nodes.len()) {
+        eprintln!("conclave: warning: {warning}");
+    }
     let initial_cluster = nodes
         .iter()
         .map(|n| format!("{}={}", n.id, n.peer))
@@ -659,6 +744,11 @@ pub async fn run(args: DevArgs) -> Result<(), CliError> {
          Ctrl-C stops the cluster.\n"
     ));
     say(&banner);
+    if let Err(error) = wait_started(&mut running).await {
+        stop_all(&mut running).await;
+        return Err(error);
+    }
+    say("every node answers on its client port\n");
 
     let mut watch = Watch {
         interactive: stdout_is_foreground_terminal(),
@@ -690,7 +780,11 @@ pub async fn run(args: DevArgs) -> Result<(), CliError> {
             answers = probe_all(&running) => answers,
         };
         watch.show(&running, &answers);
+        if running.iter().all(|r| r.exit.is_some()) {
+            break;
+        }
     }
+    let all_exited = running.iter().all(|r| r.exit.is_some());
 
     let up = running.iter().filter(|r| r.exit.is_none()).count();
     say(&format!("stopping {up} running node(s)\n"));
@@ -708,5 +802,19 @@ pub async fn run(args: DevArgs) -> Result<(), CliError> {
         format_elapsed(started.elapsed()),
         summary.join(" ")
     ));
+    if all_exited {
+        // Nothing is left to serve: say so in the exit code, not only on the screen.
+        let reasons: Vec<String> = running
+            .iter()
+            .filter_map(|r| {
+                let status = r.exit.as_ref()?;
+                Some(format!("{} ({})", r.node.name, exit_reason(status, &r.node.log)))
+            })
+            .collect();
+        return Err(CliError::Io(format!(
+            "every node has exited: {}",
+            reasons.join("; ")
+        )));
+    }
     Ok(())
 }

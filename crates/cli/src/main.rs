@@ -107,7 +107,7 @@ pub struct ServeCommandArgs {
 #[derive(Args, Debug, Clone)]
 pub struct ServeArgs {
     /// This member's name in --initial-cluster.
-    #[arg(long, env = "CONCLAVE_NAME", default_value = "default")]
+    #[arg(long, env = "CONCLAVE_NAME", default_value = cluster_spec::DEFAULT_MEMBER_NAME)]
     pub name: String,
     /// This member's numeric id (instead of --name).
     #[arg(long, env = "CONCLAVE_ID")]
@@ -158,6 +158,80 @@ pub struct ServeArgs {
     pub client_limits: client_limits::ClientLimitArgs,
     #[command(flatten)]
     pub auth: cmd::auth::AuthServeArgs,
+    /// How --auto-compaction-retention is read: `periodic` keeps a span of time of history,
+    /// `revision` a number of revisions.
+    #[arg(long, env = "CONCLAVE_AUTO_COMPACTION_MODE", value_enum, default_value_t = CompactionMode::Periodic)]
+    pub auto_compaction_mode: CompactionMode,
+    /// History the leader keeps when it compacts on its own: periodic, a duration (`30m`,
+    /// `1h`, `10s`) or a bare number of hours (etcd's reading); revision, a count. `0` (the
+    /// default) leaves compaction to `conclave compact`.
+    #[arg(long, env = "CONCLAVE_AUTO_COMPACTION_RETENTION", default_value = "0", value_name = "RETENTION")]
+    pub auto_compaction_retention: String,
+}
+
+/// `--auto-compaction-mode`.
+#[derive(ValueEnum, serde::Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum CompactionMode {
+    Periodic,
+    Revision,
+}
+
+impl CompactionMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CompactionMode::Periodic => "periodic",
+            CompactionMode::Revision => "revision",
+        }
+    }
+}
+
+impl ServeArgs {
+    /// `--auto-compaction-mode` and `--auto-compaction-retention` as the server's setting.
+    fn auto_compaction(&self) -> Result<conclave_server::compactor::AutoCompaction, CliError> {
+        use conclave_server::compactor::{AutoCompaction, PERIODIC_RETENTION_MS_MAX};
+        let text = self.auto_compaction_retention.trim();
+        if text == "0" {
+            return Ok(AutoCompaction::Off);
+        }
+        let bad = |why: &str| {
+            CliError::Usage(format!(
+                "--auto-compaction-retention {text:?} {why} for --auto-compaction-mode {}",
+                self.auto_compaction_mode.as_str()
+            ))
+        };
+        match self.auto_compaction_mode {
+            CompactionMode::Revision => {
+                let retained: i64 = text
+                    .parse()
+                    .map_err(|_| bad("is not a number of revisions"))?;
+                if retained < 0 {
+                    return Err(bad("must not be negative"));
+                }
+                Ok(AutoCompaction::Revision { retained })
+            }
+            CompactionMode::Periodic => {
+                // etcd reads a bare number as hours.
+                let hours = text.parse::<f64>().ok();
+                let duration = match hours {
+                    Some(hours) if hours.is_finite() && hours > 0.0 => {
+                        std::time::Duration::try_from_secs_f64(hours * 3600.0)
+                            .map_err(|_| bad("is out of range"))?
+                    }
+                    Some(_) => return Err(bad("must be positive")),
+                    None => cmd::parse_duration(text, "--auto-compaction-retention")
+                        .map_err(|f| CliError::Usage(f.message))?,
+                };
+                let retention_ms = u64::try_from(duration.as_millis()).unwrap_or(u64::MAX);
+                if retention_ms == 0 || retention_ms > PERIODIC_RETENTION_MS_MAX {
+                    return Err(bad(&format!(
+                        "must be between 1 ms and {PERIODIC_RETENTION_MS_MAX} ms"
+                    )));
+                }
+                Ok(AutoCompaction::Periodic { retention_ms })
+            }
+        }
+    }
 }
 
 impl ServeArgs {
@@ -207,6 +281,7 @@ impl ServeArgs {
         config.peer_secret_file = self.peer_secret_file.clone();
         config.client_limits = self.client_limits.to_limits();
         self.auth.apply(&mut config.auth)?;
+        config.auto_compaction = self.auto_compaction()?;
         config
             .validate()
             .map_err(|e| CliError::Usage(e.to_string()))?;
@@ -292,6 +367,11 @@ async fn serve(mut args: ServeCommandArgs, matches: &ArgMatches) -> Result<(), C
     args.apply_config_file(matches)?;
     let mut config = args.serve.to_config()?;
     config.join = args.initial_cluster_state == ClusterState::Existing;
+    if !config.join
+        && let Some(warning) = cluster_spec::even_cluster_warning(config.members.len())
+    {
+        tracing::warn!("{warning}");
+    }
     conclave_server::server::run(config, termination_signal()).await?;
     Ok(())
 }
@@ -325,19 +405,9 @@ fn parse_cli() -> (Cli, ArgMatches) {
                     | ErrorKind::DisplayVersion
                     | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
             );
-            if !informational && std::env::args().any(|a| a == "--json") {
-                let rendered = error
-                    .kind()
-                    .as_str()
-                    .map(str::to_string)
-                    .unwrap_or_default();
-                let first = error.to_string();
-                let sentence = first
-                    .lines()
-                    .next()
-                    .unwrap_or(&rendered)
-                    .trim_start_matches("error: ")
-                    .to_string();
+            let args: Vec<String> = std::env::args().collect();
+            if !informational && asks_for_json(&args) {
+                let sentence = clap_error_sentence(&error.render().to_string());
                 cmd::output::emit(
                     &cmd::output::error_document("invalid_argument", &sentence).to_string(),
                 );
@@ -345,6 +415,40 @@ fn parse_cli() -> (Cli, ArgMatches) {
             }
             error.exit()
         }
+    }
+}
+
+/// Whether a command line clap refused asked for JSON output (`--json`, `-w json`,
+/// `--write-out=json`, ...), so the refusal is a JSON document too.
+fn asks_for_json(args: &[String]) -> bool {
+    args.iter().enumerate().any(|(i, arg)| {
+        let next_is_json = || args.get(i + 1).is_some_and(|n| n == "json");
+        match arg.as_str() {
+            "--json" | "-wjson" | "-w=json" | "--write-out=json" => true,
+            "-w" | "--write-out" => next_is_json(),
+            _ => false,
+        }
+    })
+}
+
+/// Clap's whole message on one line: the reason with what it lists (the missing arguments,
+/// the valid values), without the usage and help hints that follow it.
+fn clap_error_sentence(rendered: &str) -> String {
+    let mut words = Vec::new();
+    for line in rendered.lines() {
+        let line = line.trim();
+        if line.starts_with("Usage:") || line.starts_with("For more information") {
+            break;
+        }
+        if !line.is_empty() {
+            words.push(line.trim_start_matches("error: "));
+        }
+    }
+    let sentence = words.join(" ");
+    if sentence.is_empty() {
+        "the command line is not valid".to_string()
+    } else {
+        sentence
     }
 }
 
@@ -380,7 +484,7 @@ fn main() {
             Command::Serve(args) => serve(args, matches).await,
             Command::Dev(args) => dev::run(args).await,
             Command::Daemon(command) => {
-                let code = daemon::run(cli.global.json, command, matches).await;
+                let code = daemon::run(cli.global.wants_json(), command, matches).await;
                 std::process::exit(code);
             }
             Command::Client(command) => {

@@ -345,13 +345,13 @@ impl Inner {
     {
         let deadline = Instant::now() + timeout;
         let mut attempt = 0u32;
+        // The last transient failure: when the deadline ends the retries, it says why
+        // (a cluster without a leader is `no_leader`, not a slow answer).
+        let mut last_error: Option<Error> = None;
         loop {
             let remaining = deadline.saturating_duration_since(Instant::now());
             if remaining.is_zero() {
-                return Err(Error::Timeout(format!(
-                    "no answer within {} ms",
-                    timeout.as_millis()
-                )));
+                return Err(out_of_time(last_error, timeout));
             }
             let error = match tokio::time::timeout(remaining, self.active()).await {
                 Err(_) => {
@@ -364,9 +364,13 @@ impl Inner {
                 Ok(Err(error)) => error,
                 Ok(Ok(active)) => {
                     let remaining = deadline.saturating_duration_since(Instant::now());
-                    match tokio::time::timeout(remaining, call(&active, remaining)).await {
+                    let call = call(&active, server_deadline(remaining));
+                    match tokio::time::timeout(remaining, call).await {
                         Ok(Ok(answer)) => return Ok(answer),
                         Err(_) => {
+                            if let Some(Error::NoLeader(_)) = last_error {
+                                return Err(out_of_time(last_error, timeout));
+                            }
                             return Err(Error::Timeout(format!(
                                 "no answer from {} within {} ms",
                                 active.endpoint,
@@ -393,9 +397,10 @@ impl Inner {
             }
             let pause = self.options.backoff.delay(attempt);
             if Instant::now() + pause >= deadline {
-                return Err(error);
+                return Err(out_of_time(Some(error), timeout));
             }
             tracing::debug!(%error, attempt, "conclave client retrying");
+            last_error = Some(error.clone());
             tokio::time::sleep(pause).await;
             attempt = attempt.saturating_add(1);
         }
@@ -570,12 +575,42 @@ impl Inner {
 
 /// A transport error with its causes ("transport error: tcp connect error: Connection
 /// refused"), since tonic's top-level message alone says little.
+/// The share of a call's remaining time kept back from the deadline the server is given,
+/// so that a server which waited in vain (for a leader, a commit) says why before the
+/// client's own clock ends the call: capped, and at most a fifth of what is left.
+const SERVER_DEADLINE_MARGIN_MAX: Duration = Duration::from_millis(200);
+
+fn server_deadline(remaining: Duration) -> Duration {
+    remaining.saturating_sub(SERVER_DEADLINE_MARGIN_MAX.min(remaining / 5))
+}
+
+/// The error of a call whose retries ran out of time: `no_leader` when the last attempt
+/// was refused for want of a leader, else a timeout that names the last failure.
+fn out_of_time(last_error: Option<Error>, timeout: Duration) -> Error {
+    match last_error {
+        Some(Error::NoLeader(reason)) => Error::NoLeader(format!(
+            "{reason} (still none after retrying for {} ms)",
+            timeout.as_millis()
+        )),
+        Some(error) => Error::Timeout(format!(
+            "no answer within {} ms; last failure: {error}",
+            timeout.as_millis()
+        )),
+        None => Error::Timeout(format!("no answer within {} ms", timeout.as_millis())),
+    }
+}
+
+/// Some layers print their cause in their own message too (hyper's "tcp connect error"
+/// wraps an io error whose text repeats it); a cause already said is not said twice.
 fn source_chain(error: &dyn std::error::Error) -> String {
     let mut text = error.to_string();
     let mut source = error.source();
     while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
+        let said = cause.to_string();
+        if !said.is_empty() && !text.contains(&said) {
+            text.push_str(": ");
+            text.push_str(&said);
+        }
         source = cause.source();
     }
     text

@@ -31,7 +31,8 @@ pub enum Error {
         compact_revision: i64,
     },
     /// The lease is gone (expired, revoked, or never existed).
-    #[error("lease {lease_id:x} expired or does not exist: {message}")]
+    // 16 hex digits, as `conclave lease grant` and etcdctl print lease ids.
+    #[error("lease {:016x} expired or does not exist: {message}", *.lease_id as u64)]
     LeaseExpired { lease_id: i64, message: String },
     /// The lease id or candidate id is already taken.
     #[error("already exists: {0}")]

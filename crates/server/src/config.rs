@@ -77,6 +77,8 @@ pub struct ServerConfig {
     pub peer_secret_file: Option<PathBuf>,
     /// What clients may hold on this node (connections, streams, watches, ...).
     pub client_limits: ClientLimits,
+    /// Automatic history compaction (`--auto-compaction-mode`, `--auto-compaction-retention`).
+    pub auto_compaction: crate::compactor::AutoCompaction,
     /// Password hashing and auth tokens (`docs/security.md`, Authentication).
     pub auth: AuthConfig,
 }
@@ -274,6 +276,7 @@ impl ServerConfig {
             peer_secret_file: None,
             client_limits: ClientLimits::default(),
             auth: AuthConfig::default(),
+            auto_compaction: crate::compactor::AutoCompaction::Off,
         }
     }
 

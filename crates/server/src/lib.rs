@@ -18,6 +18,7 @@
 
 pub mod api;
 pub mod authority;
+pub mod compactor;
 pub mod config;
 pub mod embed;
 pub mod error;

@@ -125,6 +125,7 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> Re
                 },
             ),
     );
+    tokio::spawn(crate::compactor::run(api.clone()));
     tokio::spawn(crate::api::cluster::record_member_attributes(
         api.clone(),
         announced,

@@ -540,15 +540,21 @@ async fn campaign(ctx: &Ctx, args: CampaignArgs) -> CmdResult {
             }
             let _ = leadership.resign().await;
             revoke(client.clone()).await;
+            if had_command {
+                // CMD was cut short: the last document says so, as the exit code (130) does.
+                return Err(Failure::new(
+                    "interrupted",
+                    format!(
+                        "interrupted while the command ran; stopped it and resigned {} (fence {})",
+                        args.group, info.fence
+                    ),
+                ));
+            }
             ctx.out.ok(
                 json!({"event": "resigned", "group": args.group, "fence": info.fence}),
                 || format!("resigned {}", args.group),
             );
-            Ok(if had_command {
-                super::exit_code("interrupted")
-            } else {
-                0
-            })
+            Ok(0)
         }
     }
 }

@@ -17,6 +17,9 @@ pub struct PutArgs {
     /// Attach the key to this lease (hex id); the key goes when the lease does.
     #[arg(long, value_name = "ID")]
     pub lease: Option<String>,
+    /// Also print the key-value this put replaced (none for a new key).
+    #[arg(long)]
+    pub prev_kv: bool,
 }
 
 #[derive(Args, Debug)]
@@ -31,6 +34,12 @@ pub struct GetArgs {
     /// Return at most N keys (0: no limit).
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub limit: i64,
+    /// Only the keys, without values (the server sends none).
+    #[arg(long, conflicts_with = "print_value_only")]
+    pub keys_only: bool,
+    /// Only the values, one a line (human output; --json keeps whole key-values).
+    #[arg(long)]
+    pub print_value_only: bool,
 }
 
 #[derive(Args, Debug)]
@@ -39,6 +48,16 @@ pub struct DelArgs {
     /// Every key starting with KEY.
     #[arg(long)]
     pub prefix: bool,
+    /// Also print the key-values deleted.
+    #[arg(long)]
+    pub prev_kv: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct CompactArgs {
+    /// Drop the history below this revision (reads and watches from before it then fail
+    /// with `compacted`).
+    pub revision: i64,
 }
 
 #[derive(Args, Debug)]
@@ -76,6 +95,16 @@ pub async fn read_stdin(max: u64) -> CmdResult<Vec<u8>> {
         ));
     }
     Ok(input)
+}
+
+/// A key-value as JSON: text key and value, revisions, lease (hex, absent without one).
+/// A keys-only answer has no `value` field.
+pub fn kv_json_keys_only(kv: &KeyValue) -> Value {
+    let mut value = kv_json(kv);
+    if let Some(fields) = value.as_object_mut() {
+        fields.remove("value");
+    }
+    value
 }
 
 /// A key-value as JSON: text key and value, revisions, lease (hex, absent without one).
@@ -144,14 +173,22 @@ pub async fn put(ctx: &Ctx, args: PutArgs) -> CmdResult {
             value,
             PutOptions {
                 lease: lease.unwrap_or(0),
-                prev_kv: false,
+                prev_kv: args.prev_kv,
             },
         )
         .await?;
-    ctx.out.ok(
-        json!({"key": args.key, "revision": answer.revision}),
-        || "OK".into(),
-    );
+    let mut data = json!({"key": args.key, "revision": answer.revision});
+    if args.prev_kv {
+        data["prev_kv"] = answer.prev_kv.as_ref().map_or(Value::Null, kv_json);
+    }
+    ctx.out.ok(data, || {
+        // etcdctl's format: OK, then the replaced key and value.
+        let mut human = "OK".to_string();
+        if let Some(prev) = &answer.prev_kv {
+            human.push_str(&format!("\n{}\n{}", text(&prev.key), text(&prev.value)));
+        }
+        human
+    });
     Ok(0)
 }
 
@@ -169,11 +206,24 @@ pub async fn get(ctx: &Ctx, args: GetArgs) -> CmdResult {
                 prefix: args.prefix,
                 revision: args.rev,
                 limit: args.limit,
+                keys_only: args.keys_only,
                 ..GetOptions::default()
             },
         )
         .await?;
-    ctx.out.ok(get_json(&answer), || get_human(&answer));
+    let mut data = get_json(&answer);
+    if args.keys_only {
+        data["kvs"] = answer.kvs.iter().map(kv_json_keys_only).collect();
+    }
+    ctx.out.ok(data, || {
+        if args.keys_only {
+            answer.kvs.iter().map(|kv| text(&kv.key) + "\n").collect()
+        } else if args.print_value_only {
+            answer.kvs.iter().map(|kv| text(&kv.value) + "\n").collect()
+        } else {
+            get_human(&answer)
+        }
+    });
     Ok(0)
 }
 
@@ -185,13 +235,38 @@ pub async fn del(ctx: &Ctx, args: DelArgs) -> CmdResult {
             args.key.as_bytes(),
             DeleteOptions {
                 prefix: args.prefix,
+                prev_kv: args.prev_kv,
                 ..DeleteOptions::default()
             },
         )
         .await?;
+    let mut data = json!({"deleted": answer.deleted, "revision": answer.revision});
+    if args.prev_kv {
+        data["prev_kvs"] = answer.prev_kvs.iter().map(kv_json).collect();
+    }
+    ctx.out.ok(data, || {
+        // etcdctl's format: the count, then each deleted key and value.
+        let mut human = answer.deleted.to_string();
+        for kv in &answer.prev_kvs {
+            human.push_str(&format!("\n{}\n{}", text(&kv.key), text(&kv.value)));
+        }
+        human
+    });
+    Ok(0)
+}
+
+pub async fn compact(ctx: &Ctx, args: CompactArgs) -> CmdResult {
+    if args.revision < 1 {
+        return Err(Failure::invalid(format!(
+            "the revision to compact to must be 1 or more, not {}",
+            args.revision
+        )));
+    }
+    let client = ctx.connect().await?;
+    let revision = client.compact(args.revision).await?;
     ctx.out.ok(
-        json!({"deleted": answer.deleted, "revision": answer.revision}),
-        || answer.deleted.to_string(),
+        json!({"compacted": args.revision, "revision": revision}),
+        || format!("compacted revision {}", args.revision),
     );
     Ok(0)
 }

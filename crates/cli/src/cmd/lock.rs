@@ -83,6 +83,8 @@ pub async fn run(ctx: &Ctx, args: LockArgs) -> CmdResult {
         status = exited => End::Exited(status),
         _ = super::interrupted() => End::Interrupted,
     };
+    // With CMD running, an interruption cuts it short: a failure, not a release.
+    let cut_short = matches!(end, End::Interrupted) && running.is_some();
     let code = match end {
         End::Lost(reason) => {
             if let Some(child) = running.as_mut() {
@@ -107,6 +109,16 @@ pub async fn run(ctx: &Ctx, args: LockArgs) -> CmdResult {
     // The lease was granted for this lock alone; revoke it now rather than leave it to expire
     // (the library's background revoke would be cut short by exit).
     let _ = client.lease_revoke(lease).await;
+    if cut_short {
+        // CMD was cut short: the last document says so, as the exit code (130) does.
+        return Err(Failure::new(
+            "interrupted",
+            format!(
+                "interrupted while the command ran; stopped it and released the lock {} (fence {fence})",
+                args.name
+            ),
+        ));
+    }
     ctx.out.ok(
         json!({"event": "released", "name": args.name, "fence": fence, "exit_code": code}),
         String::new,

@@ -55,19 +55,56 @@ Exit codes (with --json, `code` in the error document):
                          ran (after stopping it and resigning or unlocking; a held seat
                          or lock without CMD is released by Ctrl-C with exit 0)";
 
+/// etcdctl's variable for the endpoints, read when neither --endpoints nor
+/// CONCLAVE_ENDPOINTS is set.
+pub const ETCDCTL_ENDPOINTS_ENV: &str = "ETCDCTL_ENDPOINTS";
+
 /// Flags every client command takes (global: they may appear before or after the command).
 #[derive(Args, Debug, Clone)]
 pub struct GlobalArgs {
-    /// Comma-separated client endpoints, `host:port` or URLs.
-    #[arg(long, global = true, env = "CONCLAVE_ENDPOINTS", default_value = DEFAULT_ENDPOINTS)]
-    pub endpoints: String,
+    /// Comma-separated client endpoints, `host:port` or URLs [default: ETCDCTL_ENDPOINTS if
+    /// set, else 127.0.0.1:2379].
+    #[arg(long, global = true, env = "CONCLAVE_ENDPOINTS")]
+    pub endpoints: Option<String>,
     /// Print exactly one JSON document on stdout (one per line for streaming commands).
     #[arg(long, global = true)]
     pub json: bool,
+    /// Output format, as etcdctl's flag: `json` is --json; `table` and `simple` are the
+    /// human output.
+    #[arg(short = 'w', long, global = true, value_enum, value_name = "FORMAT")]
+    pub write_out: Option<WriteOut>,
     /// Deadline of each request, retries included (e.g. 500ms, 5s, 1m; default 5s). For
     /// `lock` and `elect campaign` also how long to wait for the lock or the seat.
     #[arg(long, global = true, value_name = "DURATION")]
     pub timeout: Option<String>,
+}
+
+/// `-w/--write-out` values.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WriteOut {
+    Simple,
+    Table,
+    Json,
+}
+
+impl GlobalArgs {
+    /// Whether the output is JSON documents (`--json` or `-w json`).
+    pub fn wants_json(&self) -> bool {
+        self.json || self.write_out == Some(WriteOut::Json)
+    }
+
+    /// The endpoint list: --endpoints (or CONCLAVE_ENDPOINTS), else ETCDCTL_ENDPOINTS, else
+    /// the default.
+    pub fn endpoints_spec(&self) -> String {
+        self.endpoints
+            .clone()
+            .or_else(|| {
+                std::env::var(ETCDCTL_ENDPOINTS_ENV)
+                    .ok()
+                    .filter(|e| !e.trim().is_empty())
+            })
+            .unwrap_or_else(|| DEFAULT_ENDPOINTS.to_string())
+    }
 }
 
 /// The client commands.
@@ -84,6 +121,9 @@ pub enum ClientCommand {
     Txn(txn::TxnArgs),
     /// Stream changes of a key or prefix.
     Watch(kv::WatchArgs),
+    /// Drop the key-value history below REVISION (etcdctl's `compaction`).
+    #[command(alias = "compaction")]
+    Compact(kv::CompactArgs),
     /// Leases: grant, revoke, keepalive, ttl, list.
     #[command(subcommand)]
     Lease(lease::LeaseCommand),
@@ -251,7 +291,7 @@ pub struct Ctx {
 
 impl Ctx {
     pub fn new(global: GlobalArgs) -> CmdResult<Ctx> {
-        let out = Output::new(global.json);
+        let out = Output::new(global.wants_json());
         let wait = global
             .timeout
             .as_deref()
@@ -271,7 +311,7 @@ impl Ctx {
 
     pub fn endpoints(&self) -> Vec<String> {
         self.global
-            .endpoints
+            .endpoints_spec()
             .split(',')
             .map(str::trim)
             .filter(|e| !e.is_empty())
@@ -314,7 +354,7 @@ pub async fn run(global: GlobalArgs, command: ClientCommand) -> i32 {
     let ctx = match Ctx::new(global.clone()) {
         Ok(ctx) => ctx,
         Err(failure) => {
-            Output::new(global.json).failure(&failure);
+            Output::new(global.wants_json()).failure(&failure);
             return failure.exit_code();
         }
     };
@@ -324,6 +364,7 @@ pub async fn run(global: GlobalArgs, command: ClientCommand) -> i32 {
         ClientCommand::Del(args) => kv::del(&ctx, args).await,
         ClientCommand::Txn(args) => txn::run(&ctx, args).await,
         ClientCommand::Watch(args) => kv::watch(&ctx, args).await,
+        ClientCommand::Compact(args) => kv::compact(&ctx, args).await,
         ClientCommand::Lease(command) => lease::run(&ctx, command).await,
         ClientCommand::Elect(command) => elect::run(&ctx, command).await,
         ClientCommand::Lock(args) => lock::run(&ctx, args).await,

@@ -41,6 +41,9 @@ use crate::node::Applied;
 
 /// Metadata key of a status's [`ErrorCode`], between members and for clients that want it.
 pub const ERROR_CODE_HEADER: &str = "conclave-error-code";
+/// Metadata key on a leader's answer to a forwarded call: the leader's applied Raft index
+/// when it answered (see [`Api::caught_up_with`]).
+pub const APPLIED_INDEX_HEADER: &str = "conclave-applied-index";
 /// While no leader is known, or before a retry, wait at most this long (the status watch
 /// usually wakes the request much sooner).
 pub const LEADER_POLL_MS: u64 = 20;
@@ -379,9 +382,47 @@ impl Api {
         F: Future<Output = Result<R, Status>>,
     {
         Ok(match self.serve_routed(ctx, message, call, here).await? {
-            Served::Here(response) => tonic::Response::new(response),
-            Served::Leader(response) => response,
+            Served::Here(response) => self.answer_here(ctx, response),
+            Served::Leader(response) => self.caught_up_with(ctx, response).await,
         })
+    }
+
+    /// An answer served here; to a forwarded call it carries this node's applied index, so
+    /// the member that forwarded it can catch up before answering its client.
+    fn answer_here<R>(&self, ctx: &CallContext, response: R) -> tonic::Response<R> {
+        let mut response = tonic::Response::new(response);
+        if ctx.forwarded {
+            let applied = self.node.status.borrow().applied_index;
+            response
+                .metadata_mut()
+                .insert(APPLIED_INDEX_HEADER, applied.into());
+        }
+        response
+    }
+
+    /// The leader's answer to a forwarded call, returned once this member has applied as far
+    /// as the leader had when it answered. A client that wrote through this member then sees
+    /// its write here at once: in a read, and in a watch here, whose event reaches watchers
+    /// before the writer's acknowledgement (as in etcd, whose members answer a write only
+    /// once they applied it themselves). Without the index (an older leader) or once the
+    /// call's deadline passes, the answer goes as it is: the write did happen.
+    async fn caught_up_with<R>(
+        &self,
+        ctx: &CallContext,
+        response: tonic::Response<R>,
+    ) -> tonic::Response<R> {
+        let Some(target) = response
+            .metadata()
+            .get(APPLIED_INDEX_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok())
+        else {
+            return response;
+        };
+        let mut status = self.node.status.clone();
+        let caught_up = status.wait_for(|s| s.applied_index >= target || s.stopped.is_some());
+        let _ = tokio::time::timeout(ctx.remaining(), caught_up).await;
+        response
     }
 
     /// A write: on the leader, replicates `command` in the call's session and converts what
@@ -431,8 +472,8 @@ impl Api {
                 .write_routed(ctx, command, message, call, convert)
                 .await?
             {
-                Served::Here(response) => tonic::Response::new(response),
-                Served::Leader(response) => response,
+                Served::Here(response) => self.answer_here(ctx, response),
+                Served::Leader(response) => self.caught_up_with(ctx, response).await,
             },
         )
     }
