@@ -77,7 +77,17 @@ pub struct ServerConfig {
     pub peer_secret_file: Option<PathBuf>,
     /// What clients may hold on this node (connections, streams, watches, ...).
     pub client_limits: ClientLimits,
+    /// Where the metrics listener serves `/metrics`, `/health`, `/readyz` and the `/ui`
+    /// dashboard (`--listen-metrics`); `None`: not at all. The CLI's default is the client
+    /// host with the client port plus `http::METRICS_PORT_OFFSET`.
+    pub listen_metrics: Option<String>,
+    /// A WAL fsync slower than this is logged at WARN and counted
+    /// (`conclave_wal_fsyncs_slow_total`); etcd warns at one second too.
+    pub wal_fsync_warn_ms: u64,
 }
+
+/// The default `wal_fsync_warn_ms`.
+pub const DEFAULT_WAL_FSYNC_WARN_MS: u64 = 1_000;
 
 /// Caps on what clients may hold or make a node copy, so that no client (or crowd of them)
 /// can exhaust a node. Each is a serve flag of the same name (`--watches-max`); hitting one
@@ -238,6 +248,8 @@ impl ServerConfig {
             join: false,
             peer_secret_file: None,
             client_limits: ClientLimits::default(),
+            listen_metrics: None,
+            wal_fsync_warn_ms: DEFAULT_WAL_FSYNC_WARN_MS,
         }
     }
 
@@ -363,6 +375,11 @@ impl ServerConfig {
             REQUEST_BYTES_LIMIT_MAX as u64,
         )?;
         self.client_limits.validate()?;
+        if self.wal_fsync_warn_ms == 0 {
+            return Err(Error::InvalidConfig {
+                reason: "wal_fsync_warn_ms must be at least 1".into(),
+            });
+        }
         Ok(())
     }
 }
