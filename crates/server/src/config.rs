@@ -81,6 +81,9 @@ pub struct ServerConfig {
     /// dashboard (`--listen-metrics`); `None`: not at all. The CLI's default is the client
     /// host with the client port plus `http::METRICS_PORT_OFFSET`.
     pub listen_metrics: Option<String>,
+    /// The metrics address is the default, not asked for: if it cannot be bound (the port
+    /// is taken), the node logs a WARN and runs without it instead of refusing to start.
+    pub listen_metrics_optional: bool,
     /// A WAL fsync slower than this is logged at WARN and counted
     /// (`conclave_wal_fsyncs_slow_total`); etcd warns at one second too.
     pub wal_fsync_warn_ms: u64,
@@ -249,6 +252,7 @@ impl ServerConfig {
             peer_secret_file: None,
             client_limits: ClientLimits::default(),
             listen_metrics: None,
+            listen_metrics_optional: false,
             wal_fsync_warn_ms: DEFAULT_WAL_FSYNC_WARN_MS,
         }
     }

@@ -55,12 +55,24 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> Re
         })?;
     let peer_listener = bind_peer_listener(&config.listen_peer).await?;
     let metrics_listener = match &config.listen_metrics {
-        Some(address) => Some(TcpListener::bind(address).await.map_err(|source| {
-            Error::MetricsListen {
-                address: address.clone(),
-                source,
+        Some(address) => match TcpListener::bind(address).await {
+            Ok(listener) => Some(listener),
+            Err(error) if config.listen_metrics_optional => {
+                tracing::warn!(
+                    address = %address,
+                    %error,
+                    "metrics listener not started: its default address is taken; give \
+                     --listen-metrics ADDR (or none)"
+                );
+                None
             }
-        })?),
+            Err(source) => {
+                return Err(Error::MetricsListen {
+                    address: address.clone(),
+                    source,
+                });
+            }
+        },
         None => None,
     };
 

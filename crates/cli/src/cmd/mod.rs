@@ -14,6 +14,7 @@ mod lock;
 pub mod output;
 mod repair;
 mod topic;
+pub mod top;
 mod txn;
 
 use std::time::Duration;
