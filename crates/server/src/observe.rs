@@ -400,13 +400,22 @@ impl Overview {
         })
     }
 
-    /// Rebuilds the overview whenever the node's status or applied state changes (at most
-    /// every [`OVERVIEW_SPACING_MS`], at least every [`OVERVIEW_REFRESH_MS`]) and publishes
-    /// it on `out`, until every receiver is gone.
+    /// While someone watches, rebuilds the overview whenever the node's status or applied
+    /// state changes (at most every [`OVERVIEW_SPACING_MS`], at least every
+    /// [`OVERVIEW_REFRESH_MS`]) and publishes it on `out`, until the node stops.
     pub async fn publish(self: Arc<Self>, out: watch::Sender<Arc<String>>) {
         let mut status = self.api.node.status.clone();
         let mut events = self.api.node.events.subscribe();
         loop {
+            // The listener keeps one receiver itself; without a viewer nothing is built, so
+            // an unwatched member pays nothing for the dashboard.
+            if out.receiver_count() <= 1 {
+                if status.has_changed().is_err() {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(OVERVIEW_SPACING_MS)).await;
+                continue;
+            }
             let document = self.build().await;
             if out.send(Arc::new(document.to_string())).is_err() {
                 return;
