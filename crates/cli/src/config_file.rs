@@ -34,6 +34,8 @@ pub struct ConfigFile {
     pub election_timeout_ms: Option<u64>,
     pub request_timeout_ms: Option<u64>,
     pub peer_secret_file: Option<PathBuf>,
+    pub listen_metrics: Option<String>,
+    pub wal_fsync_warn_ms: Option<u64>,
     pub client_connections_max: Option<usize>,
     pub client_idle_timeout_ms: Option<u64>,
     pub grpc_streams_per_connection_max: Option<u32>,
@@ -132,6 +134,8 @@ impl ServeCommandArgs {
             election_timeout_ms,
             request_timeout_ms,
             peer_secret_file,
+            listen_metrics,
+            wal_fsync_warn_ms,
             client_connections_max,
             client_idle_timeout_ms,
             grpc_streams_per_connection_max,
@@ -163,6 +167,8 @@ impl ServeCommandArgs {
         fill!(data_dir => serve.data_dir);
         fill!(listen_client => serve.listen_client);
         fill!(listen_peer => serve.listen_peer);
+        fill!(listen_metrics => serve.listen_metrics);
+        fill!(wal_fsync_warn_ms => serve.wal_fsync_warn_ms);
         fill!(initial_cluster => serve.initial_cluster);
         fill!(initial_cluster_clients => serve.initial_cluster_clients);
         fill!(snapshot_entries => serve.snapshot_entries);

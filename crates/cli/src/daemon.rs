@@ -94,6 +94,8 @@ impl ServeArgs {
             auth,
             auto_compaction_mode,
             auto_compaction_retention,
+            listen_metrics,
+            wal_fsync_warn_ms,
         } = self;
         let mut args: Vec<OsString> = vec!["serve".into(), "--name".into(), name.into()];
         if let Some(id) = id {
@@ -108,6 +110,9 @@ impl ServeArgs {
         if let Some(spec) = initial_cluster_clients {
             args.extend(["--initial-cluster-clients".into(), spec.into()]);
         }
+        if let Some(address) = listen_metrics {
+            args.extend(["--listen-metrics".into(), address.into()]);
+        }
         if let Some(path) = peer_secret_file {
             args.extend(["--peer-secret-file".into(), path.clone().into_os_string()]);
         }
@@ -118,6 +123,7 @@ impl ServeArgs {
             ("--heartbeat-ms", heartbeat_ms),
             ("--election-timeout-ms", election_timeout_ms),
             ("--request-timeout-ms", request_timeout_ms),
+            ("--wal-fsync-warn-ms", wal_fsync_warn_ms),
         ] {
             args.extend([flag.into(), value.to_string().into()]);
         }

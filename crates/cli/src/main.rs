@@ -32,6 +32,8 @@ use cluster_spec::{CliError, parse_members};
 struct Cli {
     #[command(flatten)]
     global: cmd::GlobalArgs,
+    #[command(flatten)]
+    log: LogArgs,
     #[command(subcommand)]
     command: Command,
 }
@@ -46,8 +48,29 @@ enum Command {
     /// Run `serve` in the background (pid and log file in its data directory).
     #[command(subcommand)]
     Daemon(daemon::DaemonCommand),
+    /// The cluster at a glance in the terminal (members, election groups, locks, topics,
+    /// puts/s), from a member's metrics listener; `--json` prints one snapshot.
+    Top(cmd::top::TopArgs),
     #[command(flatten)]
     Client(cmd::ClientCommand),
+}
+
+/// How the process logs (to stderr).
+#[derive(Args, Debug, Clone)]
+struct LogArgs {
+    /// Log level or filter (`info`, `debug`, `warn,conclave_server=debug`). Without it,
+    /// CONCLAVE_LOG is read, then `info` for serve and dev, `error` for client commands.
+    #[arg(long, global = true, value_name = "LEVEL")]
+    log_level: Option<String>,
+    /// `text` (one line per event) or `json` (one object per line, fields as values).
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text, env = "CONCLAVE_LOG_FORMAT")]
+    log_format: LogFormat,
+}
+
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+enum LogFormat {
+    Text,
+    Json,
 }
 
 /// The `after_help` of `serve` and `daemon start`.
@@ -167,6 +190,14 @@ pub struct ServeArgs {
     /// default) leaves compaction to `conclave compact`.
     #[arg(long, env = "CONCLAVE_AUTO_COMPACTION_RETENTION", default_value = "0", value_name = "RETENTION")]
     pub auto_compaction_retention: String,
+    /// Address of the HTTP listener for /metrics (Prometheus), /health, /readyz and the /ui
+    /// dashboard; `none` turns it off. Default: the client host, client port + 10000 (it is
+    /// skipped with a WARN if that port is taken).
+    #[arg(long, env = "CONCLAVE_LISTEN_METRICS", value_name = "ADDR|none")]
+    pub listen_metrics: Option<String>,
+    /// A WAL fsync slower than this is logged at WARN and counted.
+    #[arg(long, env = "CONCLAVE_WAL_FSYNC_WARN_MS", default_value_t = conclave_server::config::DEFAULT_WAL_FSYNC_WARN_MS)]
+    pub wal_fsync_warn_ms: u64,
 }
 
 /// `--auto-compaction-mode`.
@@ -282,6 +313,16 @@ impl ServeArgs {
         config.client_limits = self.client_limits.to_limits();
         self.auth.apply(&mut config.auth)?;
         config.auto_compaction = self.auto_compaction()?;
+        config.wal_fsync_warn_ms = self.wal_fsync_warn_ms;
+        match self.listen_metrics.as_deref() {
+            Some("none") => config.listen_metrics = None,
+            Some(address) => config.listen_metrics = Some(address.to_owned()),
+            None => {
+                config.listen_metrics =
+                    conclave_server::http::default_metrics_address(&self.listen_client);
+                config.listen_metrics_optional = true;
+            }
+        }
         config
             .validate()
             .map_err(|e| CliError::Usage(e.to_string()))?;
@@ -461,14 +502,24 @@ fn main() {
     } else {
         "info"
     };
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("CONCLAVE_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_log)),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .init();
+    let filter = match &cli.log.log_level {
+        Some(level) => match tracing_subscriber::EnvFilter::try_new(level) {
+            Ok(filter) => filter,
+            Err(error) => {
+                eprintln!("conclave: error: --log-level {level:?} is not a level or filter: {error}");
+                std::process::exit(cmd::exit_code("invalid_argument"));
+            }
+        },
+        None => tracing_subscriber::EnvFilter::try_from_env("CONCLAVE_LOG")
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_log)),
+    };
+    let logs = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match cli.log.log_format {
+        LogFormat::Text => logs.with_ansi(std::io::stderr().is_terminal()).init(),
+        LogFormat::Json => logs.json().with_current_span(false).init(),
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -483,6 +534,10 @@ fn main() {
         match cli.command {
             Command::Serve(args) => serve(args, matches).await,
             Command::Dev(args) => dev::run(args).await,
+            Command::Top(args) => {
+                let code = cmd::top::run(cli.global.json, &cli.global.endpoints, args).await;
+                std::process::exit(code);
+            }
             Command::Daemon(command) => {
                 let code = daemon::run(cli.global.wants_json(), command, matches).await;
                 std::process::exit(code);

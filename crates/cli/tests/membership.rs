@@ -170,6 +170,7 @@ fn start_joining_node(cluster: &mut Cluster, id: u64, peer: String) {
         id,
         client,
         peer,
+        metrics: format!("127.0.0.1:{}", common::free_port()),
         data_dir,
         child: Some(child),
     });

@@ -69,6 +69,14 @@ pub struct Raft<S> {
     /// Replication state per member other than self (leader only; rebuilt on election).
     pub progress: BTreeMap<NodeId, Progress>,
     votes: BTreeMap<NodeId, bool>,
+    /// Why the known leader last changed, and who granted the winning votes (when this
+    /// node won) or whom this node voted for; see [`Raft::leader_change`].
+    change_reason: LeaderChangeReason,
+    change_votes: Vec<NodeId>,
+    /// The current campaign was ordered by a transfer.
+    campaign_transfer: bool,
+    /// The vote this node granted in its current term came from a transfer's campaign.
+    vote_transfer: bool,
     pub msgs: Vec<Message>,
     pub read_states: Vec<ReadState>,
     election_elapsed: u64,
@@ -108,6 +116,10 @@ impl<S: Storage> Raft<S> {
             conf,
             progress: BTreeMap::new(),
             votes: BTreeMap::new(),
+            change_reason: LeaderChangeReason::Start,
+            change_votes: Vec::new(),
+            campaign_transfer: false,
+            vote_transfer: false,
             msgs: Vec::new(),
             read_states: Vec::new(),
             election_elapsed: 0,
@@ -217,6 +229,17 @@ impl<S: Storage> Raft<S> {
             Role::Follower,
             "invalid transition follower -> leader"
         );
+        self.change_votes = self
+            .votes
+            .iter()
+            .filter(|(_, granted)| **granted)
+            .map(|(&id, _)| id)
+            .collect();
+        self.change_reason = if self.campaign_transfer {
+            LeaderChangeReason::Transfer
+        } else {
+            LeaderChangeReason::ElectionTimeout
+        };
         self.reset(self.term);
         self.role = Role::Leader;
         self.leader = Some(self.id);
@@ -253,6 +276,9 @@ impl<S: Storage> Raft<S> {
         // will vote for others once the leader is gone.
         if self.promotable() && self.election_elapsed >= self.randomized_election_ticks {
             self.election_elapsed = 0;
+            if self.leader.is_some() {
+                self.note_change(LeaderChangeReason::LeaderSilent);
+            }
             // An exhausted term is reported where the application asks to campaign; a timer
             // has nobody to report to, and the node goes on following.
             let _ = self.campaign(CampaignKind::Timeout);
@@ -266,6 +292,7 @@ impl<S: Storage> Raft<S> {
             self.election_elapsed = 0;
             if self.config.check_quorum && !self.quorum_recently_active() {
                 self.become_follower(self.term, None);
+                self.note_change(LeaderChangeReason::CheckQuorum);
                 return;
             }
             // A transfer that did not finish within an election timeout is abandoned.
@@ -307,6 +334,9 @@ impl<S: Storage> Raft<S> {
         }
         let pre = self.config.pre_vote && kind == CampaignKind::Timeout;
         let transfer = kind == CampaignKind::Transfer;
+        if kind != CampaignKind::PreVoteWon {
+            self.campaign_transfer = transfer;
+        }
         if pre {
             self.become_pre_candidate();
         } else {
@@ -378,6 +408,9 @@ impl<S: Storage> Raft<S> {
             });
         }
         if m.term > self.term {
+            if self.leader.is_some() && !matches!(m.body, MessageBody::Vote { pre: true, .. }) {
+                self.note_change(LeaderChangeReason::HigherTerm);
+            }
             let in_lease = self.config.check_quorum
                 && self.leader.is_some()
                 && self.election_elapsed < self.config.election_ticks;
@@ -438,10 +471,14 @@ impl<S: Storage> Raft<S> {
             pre,
             last_index,
             last_term,
-            ..
+            transfer,
         } = m.body
         {
+            let voted = self.vote;
             self.handle_vote(&m, pre, last_index, last_term);
+            if self.vote != voted {
+                self.vote_transfer = transfer;
+            }
             return Ok(());
         }
         match self.role {
@@ -1432,6 +1469,31 @@ impl<S: Storage> Raft<S> {
             self.send(id, MessageBody::TimeoutNow);
         }
         self.become_follower(self.term, None);
+        self.note_change(LeaderChangeReason::Removed);
+    }
+
+    fn note_change(&mut self, reason: LeaderChangeReason) {
+        self.change_reason = reason;
+        self.change_votes.clear();
+    }
+
+    /// Why the leader this node knows of last changed, and who voted: the voters that
+    /// elected this node when it leads, the node it voted for when it follows the winner it
+    /// voted for.
+    pub fn leader_change(&self) -> (LeaderChangeReason, Vec<NodeId>) {
+        match self.leader {
+            Some(leader) if leader == self.id => (self.change_reason, self.change_votes.clone()),
+            Some(leader) if self.vote == Some(leader) => {
+                let reason = if self.vote_transfer {
+                    LeaderChangeReason::Transfer
+                } else {
+                    LeaderChangeReason::ElectionTimeout
+                };
+                (reason, vec![self.id])
+            }
+            Some(_) => (LeaderChangeReason::LeaderHeard, Vec::new()),
+            None => (self.change_reason, Vec::new()),
+        }
     }
 
     // ---- reads -----------------------------------------------------------------------------

@@ -228,6 +228,13 @@ impl<S: Storage> RawNode<S> {
         self.raft.leader
     }
 
+    /// Why the known leader last changed, and who voted (see `LeaderChangeReason`): the
+    /// voters that elected this node when it leads, this node itself when it follows the
+    /// candidate it voted for, nobody otherwise.
+    pub fn leader_change(&self) -> (LeaderChangeReason, Vec<NodeId>) {
+        self.raft.leader_change()
+    }
+
     pub fn hard_state(&self) -> HardState {
         self.raft.hard_state()
     }

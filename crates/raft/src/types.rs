@@ -358,3 +358,42 @@ mod tests {
         assert_eq!(ConfChange::decode(&[7]), None);
     }
 }
+
+/// Why the leader this node knows of last changed, as far as this node can tell; for the
+/// shell's log line and metrics (the core stays silent).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LeaderChangeReason {
+    /// No change seen since the node started.
+    #[default]
+    Start,
+    /// A candidate whose election timer ran out won (this node, or one it voted for).
+    ElectionTimeout,
+    /// The old leader handed over (TimeoutNow): a transfer.
+    Transfer,
+    /// The leader stepped down: it had not heard from a quorum within an election timeout.
+    CheckQuorum,
+    /// The leader stepped down: it was removed from the configuration.
+    Removed,
+    /// A message of a higher term arrived: a newer election is under way or over.
+    HigherTerm,
+    /// This node's election timer ran out without a word from the leader.
+    LeaderSilent,
+    /// A leader of this term announced itself (this node did not vote for it).
+    LeaderHeard,
+}
+
+impl LeaderChangeReason {
+    /// A short name for logs and labels.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LeaderChangeReason::Start => "start",
+            LeaderChangeReason::ElectionTimeout => "election timeout",
+            LeaderChangeReason::Transfer => "transfer",
+            LeaderChangeReason::CheckQuorum => "check-quorum step-down",
+            LeaderChangeReason::Removed => "removed",
+            LeaderChangeReason::HigherTerm => "higher term",
+            LeaderChangeReason::LeaderSilent => "leader silent (election timeout)",
+            LeaderChangeReason::LeaderHeard => "new leader heard",
+        }
+    }
+}

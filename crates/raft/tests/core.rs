@@ -526,3 +526,48 @@ fn a_follower_that_lost_acknowledged_entries_gets_them_again_from_the_same_leade
         net.node(1).store().term(kept + 1)
     );
 }
+
+/// The core says why its leader changed, for the shell's log line (it logs nothing itself):
+/// the winner of an election names the voters, a transfer and a check-quorum step-down are
+/// told apart.
+#[test]
+fn leader_change_reasons_tell_elections_transfers_and_step_downs_apart() {
+    use conclave_raft::LeaderChangeReason;
+    let mut net = Net::new(3);
+    net.elect(1);
+    let (reason, votes) = net.node(1).leader_change();
+    assert_eq!(reason, LeaderChangeReason::ElectionTimeout);
+    assert!(votes.contains(&1) && votes.len() >= 2, "a quorum voted: {votes:?}");
+    for id in 2..=3 {
+        let (reason, _) = net.node(id).leader_change();
+        assert!(
+            matches!(
+                reason,
+                LeaderChangeReason::ElectionTimeout | LeaderChangeReason::LeaderHeard
+            ),
+            "follower {id}: {reason:?}"
+        );
+    }
+
+    net.node(1).transfer_leader(2).expect("2 is a voter");
+    net.settle();
+    assert_eq!(net.leaders(), vec![2]);
+    let (reason, votes) = net.node(2).leader_change();
+    assert_eq!(reason, LeaderChangeReason::Transfer);
+    assert!(votes.contains(&2), "{votes:?}");
+
+    net.isolate(2);
+    for _ in 0..25 {
+        net.node(2).tick();
+        net.collect();
+    }
+    assert_eq!(net.node(2).role(), Role::Follower);
+    assert_eq!(
+        net.node(2).leader_change().0,
+        LeaderChangeReason::CheckQuorum
+    );
+    assert_eq!(
+        LeaderChangeReason::CheckQuorum.as_str(),
+        "check-quorum step-down"
+    );
+}

@@ -81,6 +81,16 @@ pub struct ServerConfig {
     pub auto_compaction: crate::compactor::AutoCompaction,
     /// Password hashing and auth tokens (`docs/security.md`, Authentication).
     pub auth: AuthConfig,
+    /// Where the metrics listener serves `/metrics`, `/health`, `/readyz` and the `/ui`
+    /// dashboard (`--listen-metrics`); `None`: not at all. The CLI's default is the client
+    /// host with the client port plus `http::METRICS_PORT_OFFSET`.
+    pub listen_metrics: Option<String>,
+    /// The metrics address is the default, not asked for: if it cannot be bound (the port
+    /// is taken), the node logs a WARN and runs without it instead of refusing to start.
+    pub listen_metrics_optional: bool,
+    /// A WAL fsync slower than this is logged at WARN and counted
+    /// (`conclave_wal_fsyncs_slow_total`); etcd warns at one second too.
+    pub wal_fsync_warn_ms: u64,
 }
 
 /// The slowest bcrypt cost accepted (each step doubles the work; 31 is bcrypt's own limit).
@@ -111,6 +121,9 @@ impl Default for AuthConfig {
         }
     }
 }
+
+/// The default `wal_fsync_warn_ms`.
+pub const DEFAULT_WAL_FSYNC_WARN_MS: u64 = 1_000;
 
 /// Caps on what clients may hold or make a node copy, so that no client (or crowd of them)
 /// can exhaust a node. Each is a serve flag of the same name (`--watches-max`); hitting one
@@ -277,6 +290,9 @@ impl ServerConfig {
             client_limits: ClientLimits::default(),
             auth: AuthConfig::default(),
             auto_compaction: crate::compactor::AutoCompaction::Off,
+            listen_metrics: None,
+            listen_metrics_optional: false,
+            wal_fsync_warn_ms: DEFAULT_WAL_FSYNC_WARN_MS,
         }
     }
 
@@ -414,6 +430,11 @@ impl ServerConfig {
             REQUEST_BYTES_LIMIT_MAX as u64,
         )?;
         self.client_limits.validate()?;
+        if self.wal_fsync_warn_ms == 0 {
+            return Err(Error::InvalidConfig {
+                reason: "wal_fsync_warn_ms must be at least 1".into(),
+            });
+        }
         Ok(())
     }
 }

@@ -125,6 +125,10 @@ pub enum Error {
     #[error("cannot listen for clients on {address}: {source}")]
     ClientListen { address: String, source: io::Error },
 
+    /// The metrics address cannot be listened on.
+    #[error("cannot listen for metrics on {address} (--listen-metrics; `none` turns it off): {source}")]
+    MetricsListen { address: String, source: io::Error },
+
     /// The write-ahead log or a snapshot failed (I/O, corruption, directory locked).
     #[error("storage: {0}")]
     Storage(#[from] conclave_storage::Error),
@@ -180,6 +184,7 @@ impl Error {
             Error::InvalidConfig { .. }
             | Error::PeerListen { .. }
             | Error::ClientListen { .. }
+            | Error::MetricsListen { .. }
             | Error::Storage(_)
             | Error::CorruptLog { .. }
             | Error::OtherCluster { .. }

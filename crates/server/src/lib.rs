@@ -12,6 +12,8 @@
 //! - [`server`]: [`server::run`], which wires listeners, transport, driver and services.
 //! - [`transport`]: the peer transport (framed TCP).
 //! - [`authority`]: repairs a URL-valued HTTP/2 `:authority` on client connections.
+//! - [`metrics`], [`http`], [`observe`]: Prometheus metrics, `/health` and `/readyz`, the
+//!   `/ui` dashboard and the overview `conclave top` shows (docs/operations.md).
 //! - [`error`]: the crate's [`Error`].
 //!
 //! See `docs/server.md` for running a cluster.
@@ -22,8 +24,11 @@ pub mod compactor;
 pub mod config;
 pub mod embed;
 pub mod error;
+pub mod http;
 pub mod machine;
+pub mod metrics;
 pub mod node;
+pub mod observe;
 pub mod server;
 pub mod transport;
 

@@ -54,6 +54,27 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> Re
             source,
         })?;
     let peer_listener = bind_peer_listener(&config.listen_peer).await?;
+    let metrics_listener = match &config.listen_metrics {
+        Some(address) => match TcpListener::bind(address).await {
+            Ok(listener) => Some(listener),
+            Err(error) if config.listen_metrics_optional => {
+                tracing::warn!(
+                    address = %address,
+                    %error,
+                    "metrics listener not started: its default address is taken; give \
+                     --listen-metrics ADDR (or none)"
+                );
+                None
+            }
+            Err(source) => {
+                return Err(Error::MetricsListen {
+                    address: address.clone(),
+                    source,
+                });
+            }
+        },
+        None => None,
+    };
 
     let transport_config = transport_config(&config)?;
     let mut transport = PeerTransport::new(transport_config.clone())?;
@@ -68,7 +89,7 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> Re
         peer_listener,
         transport_config,
         inbound_sender,
-        listener_state,
+        listener_state.clone(),
         async move {
             let _ = peers_stopped.await;
         },
@@ -94,6 +115,25 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> Re
     let watch = WatchServer::new(WatchService { api: api.clone() })
         .max_decoding_message_size(decode_max)
         .max_encoding_message_size(GRPC_RESPONSE_BYTES_MAX);
+    let (health_reporter, health_service) = tonic_health::server::health_reporter();
+    tokio::spawn(report_health(api.clone(), health_reporter));
+    let (stop_metrics, metrics_stopped) = oneshot::channel::<()>();
+    if let Some(listener) = metrics_listener {
+        let overview = crate::observe::Overview::new(api.clone());
+        let (latest_sender, overview_latest) = tokio::sync::watch::channel(Arc::new(String::new()));
+        tokio::spawn(overview.clone().publish(latest_sender));
+        let state = Arc::new(crate::http::HttpState {
+            api: api.clone(),
+            peers: listener_state.clone(),
+            overview,
+            overview_latest,
+        });
+        tracing::info!(metrics = %config.listen_metrics.as_deref().unwrap_or_default(), "metrics listener: /metrics /health /readyz /ui");
+        tokio::spawn(crate::http::serve(listener, state, async move {
+            let _ = metrics_stopped.await;
+        }));
+    }
+    tokio::spawn(crate::observe::count_election_changes(api.clone()));
     let (stop_grpc, grpc_stopped) = oneshot::channel::<()>();
     let caps = &config.client_limits;
     let keepalive_ms = CLIENT_KEEPALIVE_INTERVAL_MS.min((caps.client_idle_timeout_ms / 3).max(1));
@@ -101,6 +141,10 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> Re
         tonic::transport::Server::builder()
             .http2_keepalive_interval(Some(Duration::from_millis(keepalive_ms)))
             .max_concurrent_streams(Some(caps.grpc_streams_per_connection_max))
+            .layer(crate::http::GrpcMetricsLayer {
+                metrics: api.node.metrics_arc(),
+            })
+            .add_service(health_service)
             .add_service(kv)
             .add_service(
                 crate::api::auth::AuthService::server(api.clone())
@@ -165,11 +209,41 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> Re
             result
         }
     };
+    let _ = stop_metrics.send(());
     let _ = stop_peers.send(());
     let _ = peers.await;
     match driver_result {
         Ok(result) => result,
         Err(join_error) => Err(Error::RaftStart(format!("driver task: {join_error}"))),
+    }
+}
+
+/// Keeps `grpc.health.v1.Health` on the client port in step with the node: SERVING (for
+/// the whole server, service "") while it knows a leader and its driver runs, NOT_SERVING
+/// otherwise.
+async fn report_health(api: Arc<Api>, reporter: tonic_health::server::HealthReporter) {
+    let mut status = api.node.status.clone();
+    let mut serving = None;
+    loop {
+        let now = {
+            let current = status.borrow_and_update();
+            current.leader.is_some() && current.stopped.is_none()
+        };
+        if serving != Some(now) {
+            serving = Some(now);
+            let state = if now {
+                tonic_health::ServingStatus::Serving
+            } else {
+                tonic_health::ServingStatus::NotServing
+            };
+            reporter.set_service_status("", state).await;
+        }
+        if status.changed().await.is_err() {
+            reporter
+                .set_service_status("", tonic_health::ServingStatus::NotServing)
+                .await;
+            return;
+        }
     }
 }
 

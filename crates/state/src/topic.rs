@@ -173,6 +173,15 @@ impl Topics {
         self.cursors.len()
     }
 
+    /// Every consumer cursor as (consumer, topic, last acknowledged seq), in name order.
+    pub fn cursors(&self) -> impl Iterator<Item = (&str, &str, u64)> {
+        self.cursors.iter().flat_map(|(consumer, topics)| {
+            topics
+                .iter()
+                .map(move |(topic, seq)| (consumer.as_str(), topic.as_str(), *seq))
+        })
+    }
+
     /// Moves the consumer's cursor forward (never back). Returns the cursor.
     pub(crate) fn ack(&mut self, consumer: &str, topic: &str, seq: u64) -> Result<u64> {
         let last_seq = self.topics.get(topic).map_or(0, |entry| entry.last_seq);

@@ -16,6 +16,7 @@ pub mod output;
 mod queue;
 mod repair;
 mod topic;
+pub mod top;
 mod txn;
 
 use std::time::Duration;

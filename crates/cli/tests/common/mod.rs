@@ -62,6 +62,8 @@ pub struct Node {
     pub id: u64,
     pub client: String,
     pub peer: String,
+    /// The metrics listener (`--listen-metrics`): /metrics, /health, /readyz, /ui.
+    pub metrics: String,
     pub data_dir: PathBuf,
     pub child: Option<Child>,
 }
@@ -115,6 +117,7 @@ impl Cluster {
                 id,
                 client: format!("127.0.0.1:{}", free_port()),
                 peer: format!("127.0.0.1:{}", free_port()),
+                metrics: format!("127.0.0.1:{}", free_port()),
                 data_dir: root.join(format!("node{id}")),
                 child: None,
             })
@@ -186,6 +189,7 @@ impl Cluster {
             .arg(&node.data_dir)
             .args(["--listen-client", &node.client])
             .args(["--listen-peer", &node.peer])
+            .args(["--listen-metrics", &node.metrics])
             .args(["--initial-cluster", &self.initial_cluster])
             .args(["--initial-cluster-clients", &clients])
             .args(["--snapshot-entries", "50"])
@@ -232,6 +236,11 @@ impl Cluster {
     /// Member `id`'s client address, `host:port`.
     pub fn node_client(&self, id: u64) -> String {
         self.node(id).client.clone()
+    }
+
+    /// The base URL of node `id`'s metrics listener.
+    pub fn metrics_url(&self, id: u64) -> String {
+        format!("http://{}", self.node(id).metrics)
     }
 
     pub fn endpoints(&self) -> String {

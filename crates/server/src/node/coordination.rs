@@ -126,6 +126,16 @@ impl NodeHandle {
         self.node.status()
     }
 
+    /// What the driver and the API count as it happens (docs/operations.md).
+    pub fn metrics(&self) -> &crate::metrics::NodeMetrics {
+        &self.node.metrics
+    }
+
+    /// A shared handle on the same metrics, for layers that outlive one call.
+    pub fn metrics_arc(&self) -> std::sync::Arc<crate::metrics::NodeMetrics> {
+        self.node.metrics.clone()
+    }
+
     /// Runs `read` against the applied state. A poisoned lock (a panic while applying) is
     /// still read: the panic already stopped the driver, and status reads should still work.
     pub fn read_state<T>(&self, read: impl FnOnce(&StateMachine) -> T) -> T {

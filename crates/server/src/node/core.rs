@@ -28,6 +28,18 @@ use crate::machine::ReplicatedMachine;
 /// in between are only counted, and the next line says how many were not logged.
 const REFUSED_MESSAGE_WARN_INTERVAL_MS: u64 = 1_000;
 
+/// A role's name for logs and metrics.
+pub fn role_name(role: Role) -> &'static str {
+    match role {
+        Role::Leader => "leader",
+        Role::Follower => "follower",
+        Role::Candidate => "candidate",
+        Role::PreCandidate => "pre-candidate",
+        #[allow(unreachable_patterns)]
+        _ => "other",
+    }
+}
+
 /// Names one waiter: a proposal or a read the shell keeps a reply channel for.
 pub type Token = u64;
 
@@ -58,6 +70,8 @@ pub struct NodeStatus {
     /// Peer messages the Raft core refused (forged, out of bounds, from a non-member) and
     /// the node dropped, since it started.
     pub refused_peer_messages: u64,
+    /// Proposals waiting for their entry to be applied here (etcd's `proposals_pending`).
+    pub proposals_pending: u64,
 }
 
 /// A peer's replication progress as its leader sees it.
@@ -685,7 +699,12 @@ impl<M: ReplicatedMachine, S: NodeStore> NodeCore<M, S> {
     ) -> Result<TurnEnd, Error> {
         let ready: Ready = self.raw.ready();
         if let Some(soft) = ready.soft_state {
-            tracing::info!(role = ?soft.role, leader = ?soft.leader, term = soft.term, "raft role");
+            tracing::info!(
+                role = role_name(soft.role),
+                leader = soft.leader.map_or_else(|| "none".to_owned(), |l| format!("{l:x}")),
+                term = soft.term,
+                "raft role"
+            );
             // Read rounds do not survive a leader change; let their callers retry at once.
             for (_, readers) in self.reads_sent.drain() {
                 for token in readers {
@@ -1079,6 +1098,7 @@ impl<M: ReplicatedMachine, S: NodeStore> NodeCore<M, S> {
             members: self.members.values().cloned().collect(),
             stopped: None,
             refused_peer_messages: self.refused.total,
+            proposals_pending: self.proposals.len() as u64,
         }
     }
 

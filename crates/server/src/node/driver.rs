@@ -20,11 +20,13 @@ use tokio::sync::{mpsc, oneshot, watch};
 
 pub use super::core::{Applied, NodeStatus, PeerMatch};
 use super::core::{
-    CoreSettings, Duties, NodeCore, Output, ReadyIo, SnapshotPlan, Token, TurnEnd, restore_machine,
+    CoreSettings, Duties, NodeCore, Output, ReadyIo, ReadyPoint, SnapshotPlan, Token, TurnEnd,
+    restore_machine,
 };
 use crate::config::{Member, ServerConfig};
 use crate::error::Error;
 use crate::machine::ReplicatedMachine;
+use crate::metrics::NodeMetrics;
 use crate::transport::{InboundMessage, PeerTransport};
 
 /// Requests and messages the driver takes from its queues before it handles a Ready, so one
@@ -130,9 +132,14 @@ impl<O> Waiters<O> {
         self.proposals.insert(token, Reply::Done(reply));
     }
 
-    fn deliver(&mut self, output: Output<O>) {
+    fn deliver(&mut self, output: Output<O>, metrics: &NodeMetrics) {
         match output {
             Output::Settled { token, result } => match self.proposals.remove(&token) {
+                Some(Reply::Command(reply)) if !matches!(result, Ok(Some(_))) => {
+                    metrics.proposals_failed.inc();
+                    let result = result.and_then(|applied| applied.ok_or(Error::LeaderChanged));
+                    let _ = reply.send(result);
+                }
                 Some(Reply::Command(reply)) => {
                     let result = result.and_then(|applied| applied.ok_or(Error::LeaderChanged));
                     let _ = reply.send(result);
@@ -166,6 +173,8 @@ impl<O> Waiters<O> {
 /// The handle API layers hold: queue into the driver, watch its status, read the machine.
 pub(crate) struct Handle<M: ReplicatedMachine, R> {
     pub requests: mpsc::Sender<NodeRequest<M, R>>,
+    /// What the driver counts as it happens (leader changes, fsyncs, failed proposals).
+    pub metrics: Arc<NodeMetrics>,
     pub status: watch::Receiver<NodeStatus>,
     /// The applied state. The driver holds the write lock only while applying a batch.
     pub machine: Arc<RwLock<M>>,
@@ -175,6 +184,7 @@ impl<M: ReplicatedMachine, R> Clone for Handle<M, R> {
     fn clone(&self) -> Self {
         Handle {
             requests: self.requests.clone(),
+            metrics: self.metrics.clone(),
             status: self.status.clone(),
             machine: self.machine.clone(),
         }
@@ -359,16 +369,61 @@ struct Shell<O> {
     /// The caller's runtime, which has the IO driver the peer links need (the driver's own
     /// runtime has timers only).
     peer_runtime: tokio::runtime::Handle,
+    metrics: Arc<NodeMetrics>,
+    /// The leader last published, to count and log leader changes.
+    last_leader: Option<NodeId>,
+    /// When the last late-heartbeat WARN went out (they are rate-limited).
+    late_warned: Option<Instant>,
 }
 
-/// Sends what the core hands over through the peer transport.
-struct TransportIo<'a>(&'a mut PeerTransport);
+/// At most one WARN about late heartbeats this often; the counter counts every one.
+const LATE_HEARTBEAT_WARN_INTERVAL_MS: u64 = 10_000;
+
+/// Sends what the core hands over through the peer transport, and times the Ready's fsync
+/// and apply steps for the metrics.
+struct TransportIo<'a> {
+    transport: &'a mut PeerTransport,
+    metrics: &'a NodeMetrics,
+    fsync_warn_ms: u64,
+    step_started: Option<Instant>,
+}
 
 impl ReadyIo for TransportIo<'_> {
     fn send(&mut self, message: Message) {
-        if let Err(error) = self.0.send(message) {
+        if let Err(error) = self.transport.send(message) {
             tracing::debug!(%error, "peer message not sent");
         }
+    }
+
+    fn reached(&mut self, point: ReadyPoint, ready: &conclave_raft::Ready) -> bool {
+        match point {
+            ReadyPoint::BeforeSync | ReadyPoint::Sent => self.step_started = Some(Instant::now()),
+            ReadyPoint::Persisted if ready.must_sync => {
+                if let Some(started) = self.step_started.take() {
+                    let took = started.elapsed();
+                    self.metrics.wal_fsync_seconds.observe(took.as_secs_f64());
+                    let took_ms = took.as_millis() as u64;
+                    if took_ms >= self.fsync_warn_ms {
+                        self.metrics.wal_fsyncs_slow.inc();
+                        tracing::warn!(
+                            took_ms,
+                            expected_ms = self.fsync_warn_ms,
+                            entries = ready.entries.len(),
+                            "slow WAL fsync: the disk is slow; leaders may miss heartbeats"
+                        );
+                    }
+                }
+            }
+            ReadyPoint::Applied if !ready.committed_entries.is_empty() => {
+                if let Some(started) = self.step_started.take() {
+                    self.metrics
+                        .backend_commit_seconds
+                        .observe(started.elapsed().as_secs_f64());
+                }
+            }
+            _ => {}
+        }
+        true
     }
 }
 
@@ -426,7 +481,11 @@ pub(crate) fn spawn<M: ReplicatedMachine, D: ShellDuties<M>>(
         snapshot_index,
         now_ms(),
     );
+    let metrics = Arc::new(NodeMetrics::default());
     let shell = Shell {
+        metrics: metrics.clone(),
+        last_leader: None,
+        late_warned: None,
         config,
         transport,
         status: status_sender,
@@ -463,6 +522,7 @@ pub(crate) fn spawn<M: ReplicatedMachine, D: ShellDuties<M>>(
         .map_err(|e| Error::RaftStart(format!("driver thread: {e}")))?;
     let handle = Handle {
         requests: request_sender,
+        metrics,
         status: status_receiver,
         machine,
     };
@@ -517,6 +577,7 @@ impl<M: ReplicatedMachine, D: ShellDuties<M>> Driver<M, D> {
         self.core.set_time(now_ms());
         self.core.start(&mut self.duties);
         let mut stopping_since: Option<Instant> = None;
+        let mut last_tick = Instant::now();
         loop {
             tokio::select! {
                 _ = &mut shutdown, if stopping_since.is_none() => {
@@ -526,6 +587,7 @@ impl<M: ReplicatedMachine, D: ShellDuties<M>> Driver<M, D> {
                     }
                 }
                 _ = ticker.tick() => {
+                    self.check_heartbeat_lateness(&mut last_tick);
                     self.core.set_time(now_ms());
                     self.core.tick();
                     let abandoned = self.shell.waiters.abandoned_reads();
@@ -564,7 +626,12 @@ impl<M: ReplicatedMachine, D: ShellDuties<M>> Driver<M, D> {
                 }
             }
             self.core.set_time(now_ms());
-            let mut io = TransportIo(&mut self.shell.transport);
+            let mut io = TransportIo {
+                transport: &mut self.shell.transport,
+                metrics: &self.shell.metrics,
+                fsync_warn_ms: self.shell.config.wal_fsync_warn_ms,
+                step_started: None,
+            };
             let end = self.core.turn(&mut self.duties, &mut io)?;
             debug_assert_eq!(end, TurnEnd::Done, "the transport never stops the core");
             self.deliver_outputs();
@@ -596,7 +663,35 @@ impl<M: ReplicatedMachine, D: ShellDuties<M>> Driver<M, D> {
             self.sync_peers();
         }
         for output in self.core.take_outputs() {
-            self.shell.waiters.deliver(output);
+            self.shell.waiters.deliver(output, &self.shell.metrics);
+        }
+    }
+
+    /// A leader sends heartbeats from its ticks: a tick that comes more than a heartbeat
+    /// interval late (a stalled thread, a slow fsync, a paused process) sent them late, and
+    /// followers may have started an election meanwhile. Counted, and logged at WARN.
+    fn check_heartbeat_lateness(&mut self, last_tick: &mut Instant) {
+        let now = Instant::now();
+        let gap_ms = now.duration_since(*last_tick).as_millis() as u64;
+        *last_tick = now;
+        let config = &self.shell.config;
+        let heartbeat_ms = config.tick_ms * config.heartbeat_ticks;
+        if self.core.role() != conclave_raft::Role::Leader || gap_ms <= config.tick_ms + heartbeat_ms {
+            return;
+        }
+        self.shell.metrics.heartbeats_late.inc();
+        let due = self.shell.late_warned.is_none_or(|at| {
+            now.duration_since(at) >= Duration::from_millis(LATE_HEARTBEAT_WARN_INTERVAL_MS)
+        });
+        if due {
+            self.shell.late_warned = Some(now);
+            tracing::warn!(
+                gap_ms,
+                expected_ms = config.tick_ms,
+                heartbeat_ms,
+                "leader's heartbeats went out late: the Raft thread was stalled (slow disk or \
+                 CPU starvation); followers may start an election"
+            );
         }
     }
 
@@ -657,7 +752,7 @@ impl<M: ReplicatedMachine, D: ShellDuties<M>> Driver<M, D> {
         }
         // Answers the core gave at once (answers to a request never wait for a Ready here).
         for output in self.core.take_outputs() {
-            self.shell.waiters.deliver(output);
+            self.shell.waiters.deliver(output, &self.shell.metrics);
         }
     }
 
@@ -743,6 +838,10 @@ impl<M: ReplicatedMachine, D: ShellDuties<M>> Driver<M, D> {
             Ok(store.record_created_snapshot_with_data(file, data)?)
         })?;
         if recorded {
+            self.shell
+                .metrics
+                .snapshot_save_seconds
+                .observe(job.started.elapsed().as_secs_f64());
             tracing::info!(
                 index = job.index,
                 bytes,
@@ -756,6 +855,22 @@ impl<M: ReplicatedMachine, D: ShellDuties<M>> Driver<M, D> {
 
     fn publish_status(&mut self) {
         let status = self.core.status();
+        if status.leader != self.shell.last_leader {
+            if status.leader.is_some() {
+                self.shell.metrics.leader_changes_seen.inc();
+            }
+            let (reason, votes) = self.core.raw().leader_change();
+            let votes: Vec<String> = votes.iter().map(|id| format!("{id:x}")).collect();
+            tracing::info!(
+                previous = self.shell.last_leader.map_or_else(|| "none".to_owned(), |l| format!("{l:x}")),
+                leader = status.leader.map_or_else(|| "none".to_owned(), |l| format!("{l:x}")),
+                term = status.term,
+                reason = reason.as_str(),
+                votes = votes.join(","),
+                "leader changed"
+            );
+            self.shell.last_leader = status.leader;
+        }
         self.shell.status.send_if_modified(|current| {
             if *current == status {
                 false

@@ -53,6 +53,11 @@ pub(crate) use entries::MEMBER_FIELD_BYTES_MAX;
 /// What a committed coordination command produced: the state machine's answer and the term.
 pub type Applied = driver::Applied<conclave_state::ApplyOutput>;
 
+/// The node's wall clock in milliseconds since the Unix epoch (the one the driver reads).
+pub fn wall_clock_ms() -> u64 {
+    driver::now_ms()
+}
+
 /// The size of everything under `dir`, for Maintenance.Status's `dbSize`.
 pub fn dir_size_bytes(dir: &Path) -> u64 {
     let Ok(entries) = std::fs::read_dir(dir) else {
