@@ -34,6 +34,13 @@ pub struct ConfigFile {
     pub election_timeout_ms: Option<u64>,
     pub request_timeout_ms: Option<u64>,
     pub peer_secret_file: Option<PathBuf>,
+    pub cert_file: Option<PathBuf>,
+    pub key_file: Option<PathBuf>,
+    pub trusted_ca_file: Option<PathBuf>,
+    pub client_cert_auth: Option<bool>,
+    pub peer_cert_file: Option<PathBuf>,
+    pub peer_key_file: Option<PathBuf>,
+    pub peer_trusted_ca_file: Option<PathBuf>,
     pub client_connections_max: Option<usize>,
     pub client_idle_timeout_ms: Option<u64>,
     pub grpc_streams_per_connection_max: Option<u32>,
@@ -128,6 +135,13 @@ impl ServeCommandArgs {
             election_timeout_ms,
             request_timeout_ms,
             peer_secret_file,
+            cert_file,
+            key_file,
+            trusted_ca_file,
+            client_cert_auth,
+            peer_cert_file,
+            peer_key_file,
+            peer_trusted_ca_file,
             client_connections_max,
             client_idle_timeout_ms,
             grpc_streams_per_connection_max,
@@ -166,6 +180,14 @@ impl ServeCommandArgs {
         fill!(request_timeout_ms => serve.request_timeout_ms);
         fill!(peer_secret_file => serve.peer_secret_file);
         fill!(initial_cluster_state => self.initial_cluster_state);
+        let tls = &mut self.serve.tls;
+        fill!(cert_file => tls.cert_file);
+        fill!(key_file => tls.key_file);
+        fill!(trusted_ca_file => tls.trusted_ca_file);
+        fill!(client_cert_auth => tls.client_cert_auth);
+        fill!(peer_cert_file => tls.peer_cert_file);
+        fill!(peer_key_file => tls.peer_key_file);
+        fill!(peer_trusted_ca_file => tls.peer_trusted_ca_file);
         let limits = &mut self.serve.client_limits;
         fill!(client_connections_max => limits.client_connections_max);
         fill!(client_idle_timeout_ms => limits.client_idle_timeout_ms);

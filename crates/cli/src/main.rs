@@ -7,12 +7,14 @@
 //!
 //! Errors end the process with one sentence on stderr and a non-zero exit code.
 
+mod certs;
 mod client_limits;
 mod cluster_spec;
 mod cmd;
 mod config_file;
 mod daemon;
 mod dev;
+mod tls_args;
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -46,6 +48,9 @@ enum Command {
     /// Run `serve` in the background (pid and log file in its data directory).
     #[command(subcommand)]
     Daemon(daemon::DaemonCommand),
+    /// Certificates for TLS: `certs init DIR` (a CA), `certs issue --ca DIR --name N --kind K`.
+    #[command(subcommand)]
+    Certs(certs::CertsCommand),
     #[command(flatten)]
     Client(cmd::ClientCommand),
 }
@@ -155,6 +160,8 @@ pub struct ServeArgs {
     #[arg(long, env = "CONCLAVE_PEER_SECRET_FILE", value_name = "FILE")]
     pub peer_secret_file: Option<PathBuf>,
     #[command(flatten)]
+    pub tls: tls_args::ServeTlsArgs,
+    #[command(flatten)]
     pub client_limits: client_limits::ClientLimitArgs,
 }
 
@@ -203,6 +210,7 @@ impl ServeArgs {
         config.snapshot_bytes_max = self.snapshot_bytes_max;
         config.request_timeout_ms = self.request_timeout_ms;
         config.peer_secret_file = self.peer_secret_file.clone();
+        (config.client_tls, config.peer_tls) = self.tls.to_files()?;
         config.client_limits = self.client_limits.to_limits();
         config
             .validate()
@@ -376,6 +384,7 @@ fn main() {
         match cli.command {
             Command::Serve(args) => serve(args, matches).await,
             Command::Dev(args) => dev::run(args).await,
+            Command::Certs(command) => certs::run(command),
             Command::Daemon(command) => {
                 let code = daemon::run(cli.global.json, command, matches).await;
                 std::process::exit(code);

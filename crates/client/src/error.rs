@@ -42,6 +42,10 @@ pub enum Error {
     /// The request, key, value or TTL is over a limit.
     #[error("too large: {0}")]
     TooLarge(String),
+    /// TLS failed: the server's certificate is not trusted or has expired, the server refused
+    /// this client's certificate, or one side speaks TLS and the other does not.
+    #[error("TLS failed: {0}")]
+    Tls(String),
     /// No endpoint could be reached.
     #[error("cannot connect to any of {endpoints:?}: {reason}")]
     ConnectionFailed {
@@ -65,11 +69,12 @@ impl Error {
             Error::LeadershipLost(_) => "leadership_lost",
             Error::TooLarge(_) => "too_large",
             Error::ConnectionFailed { .. } => "connection_failed",
+            Error::Tls(_) => "tls",
         }
     }
 
     /// Every code [`Error::code`] can return, for documentation and exhaustive CLI tables.
-    pub const CODES: [&'static str; 11] = [
+    pub const CODES: [&'static str; 12] = [
         "no_leader",
         "unavailable",
         "timeout",
@@ -81,6 +86,7 @@ impl Error {
         "leadership_lost",
         "too_large",
         "connection_failed",
+        "tls",
     ];
 
     /// Whether trying again (on the same or another member) may succeed. Only idempotent

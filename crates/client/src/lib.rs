@@ -31,6 +31,7 @@ mod kv;
 mod lease;
 mod lock;
 mod session;
+mod tls;
 mod topic;
 mod watch;
 
@@ -52,6 +53,7 @@ pub use kv::{
 pub use lease::{LeaseGrant, LeaseId, LeaseKeepAlive, LeaseSafety, LeaseState, LeaseTimeToLive};
 pub use lock::{LockGuard, LockOptions, Mutex};
 pub use session::SESSIONS_IDLE_MAX;
+pub use tls::{TlsOptions, endpoint};
 pub use topic::{InboxOptions, ReadResponse, TopicMessage, TopicSubscription, Topics};
 pub use watch::{EventType, WatchEvent, WatchOptions, Watcher};
 

@@ -24,6 +24,7 @@ pub mod error;
 pub mod machine;
 pub mod node;
 pub mod server;
+pub mod tls;
 pub mod transport;
 
 pub use config::{Member, ServerConfig};

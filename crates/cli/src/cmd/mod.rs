@@ -47,6 +47,8 @@ Exit codes (with --json, `code` in the error document):
   10  no_leader          the cluster has no Raft leader
   11  unavailable        a member failed mid-request, or the call is not served
   12  connection_failed  no endpoint could be reached
+  13  tls                TLS failed: untrusted or expired certificate, a client
+                         certificate refused, or TLS on one side only
   130 interrupted        Ctrl-C / SIGTERM while waiting for a seat or lock, or while CMD
                          ran (after stopping it and resigning or unlocking; a held seat
                          or lock without CMD is released by Ctrl-C with exit 0)";
@@ -64,6 +66,16 @@ pub struct GlobalArgs {
     /// `lock` and `elect campaign` also how long to wait for the lock or the seat.
     #[arg(long, global = true, value_name = "DURATION")]
     pub timeout: Option<String>,
+    /// CA certificate (PEM) that signed the servers' certificates; with it a bare host:port
+    /// endpoint uses TLS (`https://` endpoints always do, `http://` never).
+    #[arg(long, global = true, env = "CONCLAVE_CACERT", value_name = "FILE")]
+    pub cacert: Option<std::path::PathBuf>,
+    /// Client certificate (PEM) for servers started with --client-cert-auth; needs --key.
+    #[arg(long, global = true, env = "CONCLAVE_CERT", value_name = "FILE")]
+    pub cert: Option<std::path::PathBuf>,
+    /// Private key (PEM) of --cert.
+    #[arg(long, global = true, env = "CONCLAVE_KEY", value_name = "FILE")]
+    pub key: Option<std::path::PathBuf>,
 }
 
 /// The client commands.
@@ -158,6 +170,7 @@ pub fn exit_code(code: &str) -> i32 {
         "no_leader" => 10,
         "unavailable" => 11,
         "connection_failed" => 12,
+        "tls" => 13,
         "interrupted" => 130,
         _ => 1,
     }
@@ -233,6 +246,8 @@ pub struct Ctx {
     pub timeout: Duration,
     /// `--timeout` when given explicitly: the wait bound of `lock` and `elect campaign`.
     pub wait: Option<Duration>,
+    /// `--cacert --cert --key`, read once.
+    pub tls: Option<conclave_client::TlsOptions>,
 }
 
 impl Ctx {
@@ -247,11 +262,21 @@ impl Ctx {
             Some(wait) => wait,
             None => parse_duration(DEFAULT_TIMEOUT, "--timeout")?,
         };
+        let tls = if global.cacert.is_some() || global.cert.is_some() || global.key.is_some() {
+            Some(conclave_client::TlsOptions::from_files(
+                global.cacert.as_deref(),
+                global.cert.as_deref(),
+                global.key.as_deref(),
+            )?)
+        } else {
+            None
+        };
         Ok(Ctx {
             global,
             out,
             timeout,
             wait,
+            tls,
         })
     }
 
@@ -272,6 +297,7 @@ impl Ctx {
             return Err(Failure::invalid("--endpoints lists no endpoint"));
         }
         let options = ClientOptions {
+            tls: self.tls.clone(),
             request_timeout: self.timeout,
             connect_timeout: self.timeout.min(CONNECT_TIMEOUT_MAX),
             ..ClientOptions::default()
