@@ -245,8 +245,16 @@ impl Inner {
                 }
                 Err(reason) => {
                     let tls = endpoint.starts_with("https://");
-                    if let Some(sentence) = crate::tls::explain_failure(&reason, tls) {
+                    let client_certificate = (self.options.tls.as_ref())
+                        .is_some_and(|t| t.client_certificate_pem.is_some());
+                    if let Some(sentence) =
+                        crate::tls::explain_failure(&reason, tls, client_certificate)
+                    {
                         tls_failures.push(format!("{endpoint}: {sentence}"));
+                    } else if !tls
+                        && crate::tls::speaks_tls(endpoint, self.options.connect_timeout).await
+                    {
+                        tls_failures.push(format!("{endpoint}: {}", crate::tls::SPEAKS_TLS));
                     }
                     reasons.push(format!("{endpoint}: {reason}"));
                 }

@@ -92,8 +92,9 @@ pub fn endpoint(url: &str, tls: Option<&TlsOptions>) -> Result<tonic::transport:
 }
 
 /// One sentence for a connection failure that TLS explains, or `None`. `reason` is the chain of
-/// causes of the failure and `tls` whether the client spoke TLS.
-pub(crate) fn explain_failure(reason: &str, tls: bool) -> Option<String> {
+/// causes of the failure, `tls` whether the client spoke TLS and `client_certificate` whether
+/// it offered one.
+pub(crate) fn explain_failure(reason: &str, tls: bool, client_certificate: bool) -> Option<String> {
     let has = |needle: &str| reason.contains(needle);
     if has("Expired") {
         return Some(if has("invalid peer certificate") {
@@ -122,17 +123,52 @@ pub(crate) fn explain_failure(reason: &str, tls: bool) -> Option<String> {
             "the server refused this client's certificate (--cert): it is not signed by the server's CA".into(),
         );
     }
+    // Under TLS 1.3 a server's refusal of a missing client certificate may reach the client
+    // only as the connection closing right after the handshake, without the alert.
+    if tls && !client_certificate && has("connection closed") {
+        return Some(
+            "the server closed the connection after the TLS handshake: it requires a client certificate signed by its CA (--cert and --key)".into(),
+        );
+    }
     if tls && (has("InvalidContentType") || has("corrupt message") || has("InvalidMessage")) {
         return Some(
             "the server does not speak TLS; use an http:// endpoint without --cacert".into(),
         );
     }
     if !tls && (has("frame with invalid size") || has("FRAME_SIZE_ERROR")) {
-        return Some(
-            "the server speaks TLS; use an https:// endpoint with --cacert (and --cert and --key if it checks clients)".into(),
-        );
+        return Some(SPEAKS_TLS.into());
     }
     None
+}
+
+/// What a plaintext client is told when the server speaks TLS.
+pub(crate) const SPEAKS_TLS: &str =
+    "the server speaks TLS; use an https:// endpoint with --cacert (and --cert and --key if it checks clients)";
+
+/// Whether the server at the plaintext `endpoint` speaks TLS: it answers the HTTP/2 preface
+/// with a TLS alert record (content type 21, version 3.x). Asked only after a plaintext
+/// connection failed in a way that does not say why (the server closed it at once), so the
+/// client can name the cause instead of "broken pipe".
+pub(crate) async fn speaks_tls(endpoint: &str, timeout: std::time::Duration) -> bool {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Some(address) = endpoint.strip_prefix("http://") else {
+        return false;
+    };
+    let attempt = async {
+        let mut stream = tokio::net::TcpStream::connect(address).await.ok()?;
+        stream
+            .write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+            .await
+            .ok()?;
+        let mut first = [0u8; 2];
+        stream.read_exact(&mut first).await.ok()?;
+        Some(first == [21, 3])
+    };
+    tokio::time::timeout(timeout, attempt)
+        .await
+        .ok()
+        .flatten()
+        .unwrap_or(false)
 }
 
 #[cfg(test)]
@@ -142,13 +178,17 @@ mod tests {
     #[test]
     fn tls_failures_get_one_sentence_and_others_none() {
         let expired = "transport error: invalid peer certificate: Expired";
-        assert!(explain_failure(expired, true).unwrap().contains("expired"));
+        assert!(explain_failure(expired, true, false).unwrap().contains("expired"));
         let foreign = "invalid peer certificate: UnknownIssuer";
-        assert!(explain_failure(foreign, true).unwrap().contains("--cacert"));
-        assert!(explain_failure("connection refused", true).is_none());
-        assert!(explain_failure("connection refused", false).is_none());
+        assert!(explain_failure(foreign, true, false).unwrap().contains("--cacert"));
+        assert!(explain_failure("connection refused", true, false).is_none());
+        assert!(explain_failure("connection refused", false, false).is_none());
+        let closed = "operation was canceled: connection closed";
+        assert!(explain_failure(closed, true, false).unwrap().contains("--cert"));
+        assert!(explain_failure(closed, true, true).is_none());
+        assert!(explain_failure(closed, false, false).is_none());
         let plaintext = "h2 protocol error: frame with invalid size";
-        assert!(explain_failure(plaintext, false).unwrap().contains("https://"));
+        assert!(explain_failure(plaintext, false, false).unwrap().contains("https://"));
     }
 
     #[test]

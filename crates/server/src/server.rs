@@ -59,6 +59,8 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> Re
         Some(files) => Some(crate::tls::load_client_port_tls(files.clone())?),
         None => None,
     };
+    // Members forward to the leader's client port: check now that they can.
+    crate::tls::member_client_tls(&config)?;
 
     let transport_config = transport_config(&config)?;
     if let Some(tls) = &transport_config.tls {

@@ -257,3 +257,61 @@ pub fn common_name(certificate: &CertificateDer<'_>) -> Option<String> {
         .to_string();
     Some(name)
 }
+
+/// How this node dials another member's client port (a follower forwarding a request to the
+/// leader, the cluster status probe): `None` when client TLS is off. The member's server
+/// certificate is checked against `--trusted-ca-file` (else `--peer-trusted-ca-file`), and the
+/// node presents its peer certificate (else its server certificate) as a client certificate,
+/// so a leader with `--client-cert-auth` accepts it when one CA signs both. Read from the files
+/// at each call, so a reload applies to new channels.
+pub fn member_client_tls(
+    config: &crate::ServerConfig,
+) -> Result<Option<tonic::transport::ClientTlsConfig>, Error> {
+    let Some(client) = &config.client_tls else {
+        return Ok(None);
+    };
+    let peer = config.peer_tls.as_ref();
+    let ca = client
+        .trusted_ca_file
+        .as_ref()
+        .or(peer.map(|p| &p.trusted_ca_file))
+        .ok_or_else(|| {
+            invalid(
+                "client TLS needs --trusted-ca-file (or peer TLS's --peer-trusted-ca-file): members check each other's client-port certificate with it when they forward requests to the leader".into(),
+            )
+        })?;
+    let read = |path: &Path, what: &str| read_pem_file(path, what);
+    let (cert, key) = match peer {
+        Some(peer) => (
+            read(&peer.cert_file, "--peer-cert-file")?,
+            read(&peer.key_file, "--peer-key-file")?,
+        ),
+        None => (
+            read(&client.cert_file, "--cert-file")?,
+            read(&client.key_file, "--key-file")?,
+        ),
+    };
+    let ca = read(ca, "--trusted-ca-file")?;
+    Ok(Some(
+        tonic::transport::ClientTlsConfig::new()
+            .ca_certificate(tonic::transport::Certificate::from_pem(ca))
+            .identity(tonic::transport::Identity::from_pem(cert, key)),
+    ))
+}
+
+/// A tonic endpoint for another member's client address, over TLS when client TLS is on.
+pub fn member_endpoint(
+    config: &crate::ServerConfig,
+    client_addr: &str,
+) -> Result<tonic::transport::Endpoint, String> {
+    let tls = member_client_tls(config).map_err(|e| e.to_string())?;
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    let endpoint = tonic::transport::Endpoint::from_shared(format!("{scheme}://{client_addr}"))
+        .map_err(|e| format!("bad client address {client_addr}: {e}"))?;
+    match tls {
+        Some(tls) => endpoint
+            .tls_config(tls)
+            .map_err(|e| format!("TLS to {client_addr}: {e}")),
+        None => Ok(endpoint),
+    }
+}
