@@ -36,6 +36,13 @@ pub struct ConfigFile {
     pub peer_secret_file: Option<PathBuf>,
     pub listen_metrics: Option<String>,
     pub wal_fsync_warn_ms: Option<u64>,
+    pub cert_file: Option<PathBuf>,
+    pub key_file: Option<PathBuf>,
+    pub trusted_ca_file: Option<PathBuf>,
+    pub client_cert_auth: Option<bool>,
+    pub peer_cert_file: Option<PathBuf>,
+    pub peer_key_file: Option<PathBuf>,
+    pub peer_trusted_ca_file: Option<PathBuf>,
     pub client_connections_max: Option<usize>,
     pub client_idle_timeout_ms: Option<u64>,
     pub grpc_streams_per_connection_max: Option<u32>,
@@ -136,6 +143,13 @@ impl ServeCommandArgs {
             peer_secret_file,
             listen_metrics,
             wal_fsync_warn_ms,
+            cert_file,
+            key_file,
+            trusted_ca_file,
+            client_cert_auth,
+            peer_cert_file,
+            peer_key_file,
+            peer_trusted_ca_file,
             client_connections_max,
             client_idle_timeout_ms,
             grpc_streams_per_connection_max,
@@ -181,6 +195,14 @@ impl ServeCommandArgs {
         fill!(initial_cluster_state => self.initial_cluster_state);
         fill!(auto_compaction_mode => serve.auto_compaction_mode);
         fill!(auto_compaction_retention => serve.auto_compaction_retention);
+        let tls = &mut self.serve.tls;
+        fill!(cert_file => tls.cert_file);
+        fill!(key_file => tls.key_file);
+        fill!(trusted_ca_file => tls.trusted_ca_file);
+        fill!(client_cert_auth => tls.client_cert_auth);
+        fill!(peer_cert_file => tls.peer_cert_file);
+        fill!(peer_key_file => tls.peer_key_file);
+        fill!(peer_trusted_ca_file => tls.peer_trusted_ca_file);
         let limits = &mut self.serve.client_limits;
         fill!(client_connections_max => limits.client_connections_max);
         fill!(client_idle_timeout_ms => limits.client_idle_timeout_ms);

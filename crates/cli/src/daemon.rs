@@ -90,6 +90,7 @@ impl ServeArgs {
             election_timeout_ms,
             request_timeout_ms,
             peer_secret_file,
+            tls,
             client_limits,
             auth,
             auto_compaction_mode,
@@ -116,6 +117,7 @@ impl ServeArgs {
         if let Some(path) = peer_secret_file {
             args.extend(["--peer-secret-file".into(), path.clone().into_os_string()]);
         }
+        args.extend(tls.to_argv());
         for (flag, value) in [
             ("--snapshot-entries", snapshot_entries),
             ("--snapshot-bytes-max", snapshot_bytes_max),

@@ -56,6 +56,107 @@ pub struct DevArgs {
     /// Data directory; node i keeps its data in `<dir>/node<i>` and logs to `<dir>/node<i>.log`.
     #[arg(long, default_value = "./conclave-dev")]
     pub data_dir: PathBuf,
+    /// TLS on both ports: a throwaway CA with server, peer and client certificates in
+    /// `<dir>/tls` (made once, reused on later runs); clients must present the client
+    /// certificate (`--client-cert-auth`), and members use mutual TLS between them.
+    #[arg(long)]
+    pub tls: bool,
+}
+
+/// The certificates of a `dev --tls` cluster.
+struct DevTls {
+    ca: PathBuf,
+    server_cert: PathBuf,
+    server_key: PathBuf,
+    client_cert: PathBuf,
+    client_key: PathBuf,
+    /// `<dir>/tls`, where node i's peer certificate is `node<i>-peer.pem`.
+    dir: PathBuf,
+}
+
+/// The common name of the client certificate `dev --tls` makes.
+const DEV_CLIENT_NAME: &str = "dev-client";
+
+impl DevTls {
+    /// Makes the CA and certificates the first time, and finds them on later runs.
+    fn ensure(data_dir: &Path, nodes: &[DevNode]) -> Result<DevTls, CliError> {
+        let dir = data_dir.join("tls");
+        let (ca, _) = crate::certs::ca_paths(&dir);
+        let tls = DevTls {
+            server_cert: dir.join("server-server.pem"),
+            server_key: dir.join("server-server-key.pem"),
+            client_cert: dir.join(format!("{DEV_CLIENT_NAME}-client.pem")),
+            client_key: dir.join(format!("{DEV_CLIENT_NAME}-client-key.pem")),
+            ca,
+            dir,
+        };
+        if !tls.ca.exists() {
+            crate::certs::init_ca(&tls.dir, "Conclave dev CA", crate::certs::CA_VALID_DAYS_DEFAULT)?;
+        }
+        let localhost = [std::net::IpAddr::from([127, 0, 0, 1])];
+        let localhost_dns = ["localhost".to_string()];
+        let days = crate::certs::CERT_VALID_DAYS_DEFAULT;
+        use crate::certs::CertKind;
+        if !tls.server_cert.exists() {
+            crate::certs::issue(&tls.dir, "server", CertKind::Server, &localhost, &localhost_dns, &tls.dir, None, days)?;
+        }
+        if !tls.client_cert.exists() {
+            crate::certs::issue(&tls.dir, DEV_CLIENT_NAME, CertKind::Client, &[], &[], &tls.dir, None, days)?;
+        }
+        for node in nodes {
+            if !tls.peer_cert(node).exists() {
+                crate::certs::issue(&tls.dir, &node.name, CertKind::Peer, &localhost, &[], &tls.dir, None, days)?;
+            }
+        }
+        Ok(tls)
+    }
+
+    fn peer_cert(&self, node: &DevNode) -> PathBuf {
+        self.dir.join(format!("{}-peer.pem", node.name))
+    }
+
+    fn peer_key(&self, node: &DevNode) -> PathBuf {
+        self.dir.join(format!("{}-peer-key.pem", node.name))
+    }
+
+    /// The `serve` flags of `node`.
+    fn serve_args(&self, node: &DevNode) -> Vec<String> {
+        let path = |p: &Path| p.display().to_string();
+        vec![
+            "--cert-file".into(),
+            path(&self.server_cert),
+            "--key-file".into(),
+            path(&self.server_key),
+            "--trusted-ca-file".into(),
+            path(&self.ca),
+            "--client-cert-auth".into(),
+            "--peer-cert-file".into(),
+            path(&self.peer_cert(node)),
+            "--peer-key-file".into(),
+            path(&self.peer_key(node)),
+            "--peer-trusted-ca-file".into(),
+            path(&self.ca),
+        ]
+    }
+
+    /// The client flags, as `conclave` and etcdctl both spell them.
+    fn client_flags(&self) -> String {
+        format!(
+            "--cacert {} --cert {} --key {}",
+            shell_word(&self.ca.display().to_string()),
+            shell_word(&self.client_cert.display().to_string()),
+            shell_word(&self.client_key.display().to_string())
+        )
+    }
+
+    fn client_options(&self) -> Result<conclave_client::TlsOptions, CliError> {
+        conclave_client::TlsOptions::from_files(
+            Some(&self.ca),
+            Some(&self.client_cert),
+            Some(&self.client_key),
+        )
+        .map_err(|e| CliError::Io(e.to_string()))
+    }
 }
 
 struct DevNode {
@@ -67,6 +168,8 @@ struct DevNode {
     log: PathBuf,
     /// Shared by every node of the layout; see [`ensure_peer_secret`].
     peer_secret_file: PathBuf,
+    /// The TLS flags of `serve` (`dev --tls`), empty without TLS.
+    tls_args: Vec<String>,
 }
 
 /// A started node: its process, and how it ended once it did.
@@ -104,6 +207,7 @@ fn layout(args: &DevArgs) -> Result<Vec<DevNode>, CliError> {
                 data_dir: args.data_dir.join(format!("node{id}")),
                 log: args.data_dir.join(format!("node{id}.log")),
                 peer_secret_file: args.data_dir.join(PEER_SECRET_FILE),
+                tls_args: Vec::new(),
             })
         })
         .collect()
@@ -194,7 +298,7 @@ fn claim_data_dir(dir: &Path, nodes: &[DevNode], initial_cluster: &str) -> Resul
 
 /// The `serve` arguments of a node (without the program).
 fn serve_args(node: &DevNode, initial_cluster: &str) -> Vec<String> {
-    vec![
+    let mut args: Vec<String> = vec![
         "serve".into(),
         "--id".into(),
         node.id.to_string(),
@@ -208,7 +312,9 @@ fn serve_args(node: &DevNode, initial_cluster: &str) -> Vec<String> {
         initial_cluster.to_string(),
         "--peer-secret-file".into(),
         node.peer_secret_file.display().to_string(),
-    ]
+    ];
+    args.extend(node.tls_args.iter().cloned());
+    args
 }
 
 /// `text` as one shell word.
@@ -361,6 +467,8 @@ struct Watch {
     exe: PathBuf,
     initial_cluster: String,
     endpoints: String,
+    /// The client's TLS flags (` --cacert ...`), empty without TLS.
+    client_flags: String,
     data_dir: PathBuf,
     /// The leader as last reported (0: none) and since when.
     leader: u64,
@@ -549,9 +657,9 @@ impl Watch {
             text.push('\n');
         }
         text.push_str(&format!(
-            "Try: ETCDCTL_API=3 etcdctl --endpoints={} put greeting hello\n\
+            "Try: ETCDCTL_API=3 etcdctl --endpoints={}{} put greeting hello\n\
              \x20    kill -9 <PID of the leader>   (from another terminal, to watch the failover)\n",
-            self.endpoints
+            self.endpoints, self.client_flags
         ));
         text
     }
@@ -568,13 +676,17 @@ fn stdout_is_foreground_terminal() -> bool {
 }
 
 /// Asks every node for its status at once; in node order.
-async fn probe_all(running: &[Running]) -> Vec<Result<StatusResponse, String>> {
+async fn probe_all(
+    running: &[Running],
+    tls: Option<&conclave_client::TlsOptions>,
+) -> Vec<Result<StatusResponse, String>> {
     let timeout = Duration::from_millis(PROBE_TIMEOUT_MS);
     let probes: Vec<_> = running
         .iter()
         .map(|r| {
             let url = r.node.client.clone();
-            tokio::spawn(async move { probe(&url, timeout).await })
+            let tls = tls.cloned();
+            tokio::spawn(async move { probe(&url, timeout, tls.as_ref()).await })
         })
         .collect();
     let mut answers = Vec::with_capacity(probes.len());
@@ -698,7 +810,7 @@ async fn stop_all(running: &mut [Running]) {
 }
 
 pub async fn run(args: DevArgs) -> Result<(), CliError> {
-    let nodes = layout(&args)?;
+    let mut nodes = layout(&args)?;
     if let Some(warning) = crate::cluster_spec::even_cluster_warning(nodes.len()) {
         eprintln!("conclave: warning: {warning}");
     }
@@ -707,9 +819,10 @@ pub async fn run(args: DevArgs) -> Result<(), CliError> {
         .map(|n| format!("{}={}", n.id, n.peer))
         .collect::<Vec<_>>()
         .join(",");
+    let scheme = if args.tls { "https://" } else { "" };
     let endpoints = nodes
         .iter()
-        .map(|n| n.client.as_str())
+        .map(|n| format!("{scheme}{}", n.client))
         .collect::<Vec<_>>()
         .join(",");
     let exe = std::env::current_exe()
@@ -718,6 +831,16 @@ pub async fn run(args: DevArgs) -> Result<(), CliError> {
         .map_err(|e| CliError::Io(format!("cannot create {}: {e}", args.data_dir.display())))?;
     claim_data_dir(&args.data_dir, &nodes, &initial_cluster)?;
     ensure_peer_secret(&args.data_dir)?;
+    let tls = if args.tls {
+        let tls = DevTls::ensure(&args.data_dir, &nodes)?;
+        for node in &mut nodes {
+            node.tls_args = tls.serve_args(node);
+        }
+        Some(tls)
+    } else {
+        None
+    };
+    let probe_tls = tls.as_ref().map(DevTls::client_options).transpose()?;
 
     // Started here, on the thread that runs `run` (the main thread), for PR_SET_PDEATHSIG.
     let mut running = Vec::with_capacity(nodes.len());
@@ -736,11 +859,22 @@ pub async fn run(args: DevArgs) -> Result<(), CliError> {
             r.node.log.display()
         ));
     }
+    let flags = match &tls {
+        Some(tls) => {
+            banner.push_str(&format!(
+                "TLS on both ports (certificates in {}); clients need: {}\n",
+                tls.dir.display(),
+                tls.client_flags()
+            ));
+            format!(" {}", tls.client_flags())
+        }
+        None => String::new(),
+    };
     banner.push_str(&format!(
         "Connect with etcdctl (Debian package etcd-client) or conclave:\n\
-         \x20 ETCDCTL_API=3 etcdctl --endpoints={endpoints} put greeting hello\n\
-         \x20 ETCDCTL_API=3 etcdctl --endpoints={endpoints} endpoint status -w table\n\
-         \x20 conclave --endpoints {endpoints} status\n\
+         \x20 ETCDCTL_API=3 etcdctl --endpoints={endpoints}{flags} put greeting hello\n\
+         \x20 ETCDCTL_API=3 etcdctl --endpoints={endpoints}{flags} endpoint status -w table\n\
+         \x20 conclave --endpoints {endpoints}{flags} status\n\
          Ctrl-C stops the cluster.\n"
     ));
     say(&banner);
@@ -756,6 +890,7 @@ pub async fn run(args: DevArgs) -> Result<(), CliError> {
         exe,
         initial_cluster,
         endpoints,
+        client_flags: flags,
         data_dir: args.data_dir.clone(),
         leader: 0,
         leader_since: Instant::now(),
@@ -777,7 +912,7 @@ pub async fn run(args: DevArgs) -> Result<(), CliError> {
         }
         let answers = tokio::select! {
             _ = &mut signal => break,
-            answers = probe_all(&running) => answers,
+            answers = probe_all(&running, probe_tls.as_ref()) => answers,
         };
         watch.show(&running, &answers);
         if running.iter().all(|r| r.exit.is_some()) {

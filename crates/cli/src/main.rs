@@ -7,12 +7,14 @@
 //!
 //! Errors end the process with one sentence on stderr and a non-zero exit code.
 
+mod certs;
 mod client_limits;
 mod cluster_spec;
 mod cmd;
 mod config_file;
 mod daemon;
 mod dev;
+mod tls_args;
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -51,6 +53,9 @@ enum Command {
     /// The cluster at a glance in the terminal (members, election groups, locks, topics,
     /// puts/s), from a member's metrics listener; `--json` prints one snapshot.
     Top(cmd::top::TopArgs),
+    /// Certificates for TLS: `certs init DIR` (a CA), `certs issue --ca DIR --name N --kind K`.
+    #[command(subcommand)]
+    Certs(certs::CertsCommand),
     #[command(flatten)]
     Client(cmd::ClientCommand),
 }
@@ -177,6 +182,8 @@ pub struct ServeArgs {
     /// key is derived from the cluster id, which anyone who can reach a client port can learn.
     #[arg(long, env = "CONCLAVE_PEER_SECRET_FILE", value_name = "FILE")]
     pub peer_secret_file: Option<PathBuf>,
+    #[command(flatten)]
+    pub tls: tls_args::ServeTlsArgs,
     #[command(flatten)]
     pub client_limits: client_limits::ClientLimitArgs,
     #[command(flatten)]
@@ -310,6 +317,7 @@ impl ServeArgs {
         config.snapshot_bytes_max = self.snapshot_bytes_max;
         config.request_timeout_ms = self.request_timeout_ms;
         config.peer_secret_file = self.peer_secret_file.clone();
+        (config.client_tls, config.peer_tls) = self.tls.to_files()?;
         config.client_limits = self.client_limits.to_limits();
         self.auth.apply(&mut config.auth)?;
         config.auto_compaction = self.auto_compaction()?;
@@ -538,6 +546,7 @@ fn main() {
                 let code = cmd::top::run(cli.global.json, &cli.global.endpoints, args).await;
                 std::process::exit(code);
             }
+            Command::Certs(command) => certs::run(command),
             Command::Daemon(command) => {
                 let code = daemon::run(cli.global.wants_json(), command, matches).await;
                 std::process::exit(code);

@@ -62,7 +62,20 @@ async fn leader_kill_under_steady_writes_fails_over_fast_and_loses_nothing() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(TRIALS_DEFAULT);
-    let mut cluster = Cluster::start(3).await;
+    failover_trials(Cluster::start(3).await, trials).await;
+}
+
+/// The same with client TLS and peer mutual TLS on every member (fewer trials: the plaintext
+/// run above is the one that measures).
+#[tokio::test(flavor = "multi_thread")]
+async fn leader_kill_with_tls_on_both_ports_fails_over_and_loses_nothing() {
+    failover_trials(Cluster::start_tls(3).await, TLS_TRIALS).await;
+}
+
+/// Trials of the TLS variant.
+const TLS_TRIALS: usize = 5;
+
+async fn failover_trials(mut cluster: Cluster, trials: usize) {
     let mut failovers = Vec::new();
     let mut acknowledged: Vec<String> = Vec::new();
 

@@ -13,6 +13,8 @@ use conclave_proto::etcdserverpb::{MemberListRequest, StatusRequest};
 use tokio::time::Instant;
 use tonic::transport::{Channel, Endpoint};
 
+use crate::tls::TlsOptions;
+
 use crate::error::{Error, ErrorContext, Result};
 use crate::lease::LeaseSafety;
 use crate::session::{Position, Session, SessionPool, session_gone};
@@ -84,6 +86,8 @@ pub struct ClientOptions {
     /// an exactly-once client session, so they can be retried after a leader change or an
     /// unavailable member. Off: they are retried only when nothing was sent.
     pub exactly_once: bool,
+    /// TLS settings (CA, client certificate); see [`TlsOptions`] for when they apply.
+    pub tls: Option<TlsOptions>,
 }
 
 impl Default for ClientOptions {
@@ -94,6 +98,7 @@ impl Default for ClientOptions {
             backoff: Backoff::default(),
             lease_safety: LeaseSafety::default(),
             exactly_once: true,
+            tls: None,
         }
     }
 }
@@ -135,11 +140,14 @@ pub(crate) struct Inner {
     sessions: SessionPool,
 }
 
-/// Adds `http://` when the endpoint has no scheme (`127.0.0.1:2379` as etcdctl accepts).
-pub(crate) fn normalize_endpoint(endpoint: &str) -> String {
+/// Adds a scheme when the endpoint has none (`127.0.0.1:2379` as etcdctl accepts): `https://`
+/// when the client has TLS settings, `http://` otherwise.
+pub(crate) fn normalize_endpoint(endpoint: &str, tls: bool) -> String {
     let trimmed = endpoint.trim().trim_end_matches('/');
     if trimmed.contains("://") {
         trimmed.to_string()
+    } else if tls {
+        format!("https://{trimmed}")
     } else {
         format!("http://{trimmed}")
     }
@@ -157,7 +165,7 @@ impl Inner {
         let configured: Vec<String> = endpoints
             .iter()
             .filter(|e| !e.trim().is_empty())
-            .map(|e| normalize_endpoint(e))
+            .map(|e| normalize_endpoint(e, options.tls.is_some()))
             .collect();
         if configured.is_empty() {
             return Err(Error::InvalidArgument("no endpoints given".into()));
@@ -217,6 +225,7 @@ impl Inner {
             .and_then(|failed| endpoints.iter().position(|e| *e == failed))
             .map_or(0, |i| i + 1);
         let mut reasons = Vec::new();
+        let mut tls_failures = Vec::new();
         for i in 0..endpoints.len() {
             let endpoint = &endpoints[(start + i) % endpoints.len()];
             match self.probe(endpoint).await {
@@ -234,13 +243,31 @@ impl Inner {
                     tracing::debug!(endpoint = %active.endpoint, "conclave client connected");
                     return Ok(active);
                 }
-                Err(reason) => reasons.push(format!("{endpoint}: {reason}")),
+                Err(reason) => {
+                    let tls = endpoint.starts_with("https://");
+                    let client_certificate = (self.options.tls.as_ref())
+                        .is_some_and(|t| t.client_certificate_pem.is_some());
+                    if let Some(sentence) =
+                        crate::tls::explain_failure(&reason, tls, client_certificate)
+                    {
+                        tls_failures.push(format!("{endpoint}: {sentence}"));
+                    } else if !tls
+                        && crate::tls::speaks_tls(endpoint, self.options.connect_timeout).await
+                    {
+                        tls_failures.push(format!("{endpoint}: {}", crate::tls::SPEAKS_TLS));
+                    }
+                    reasons.push(format!("{endpoint}: {reason}"));
+                }
             }
         }
         *self
             .active
             .write()
             .unwrap_or_else(|poisoned| poisoned.into_inner()) = None;
+        // A TLS mismatch does not fix itself with retries; say what it is.
+        if !tls_failures.is_empty() {
+            return Err(Error::Tls(tls_failures.join("; ")));
+        }
         Err(Error::ConnectionFailed {
             endpoints,
             reason: reasons.join("; "),
@@ -249,8 +276,17 @@ impl Inner {
 
     async fn connect_channel(&self, endpoint: &str) -> std::result::Result<Channel, String> {
         let timeout = self.options.connect_timeout;
-        let builder = Endpoint::from_shared(endpoint.to_string())
-            .map_err(|e| e.to_string())?
+        let mut builder = Endpoint::from_shared(endpoint.to_string())
+            .map_err(|e| e.to_string())?;
+        if endpoint.starts_with("https://") {
+            let config = match &self.options.tls {
+                Some(tls) => tls.config(),
+                None => TlsOptions::default().config(),
+            }
+            .map_err(|e| e.to_string())?;
+            builder = builder.tls_config(config).map_err(|e| source_chain(&e))?;
+        }
+        let builder = builder
             .connect_timeout(timeout)
             .tcp_nodelay(true)
             .http2_keep_alive_interval(Duration::from_secs(10))
@@ -272,7 +308,7 @@ impl Inner {
         let status = MaintenanceClient::new(channel.clone())
             .status(request(StatusRequest {}, timeout))
             .await
-            .map_err(|s| Error::status(&s).to_string())?
+            .map_err(|s| format!("{}: {}", Error::status(&s), source_chain(&s)))?
             .into_inner();
         let member_id = status.header.map_or(0, |h| h.member_id);
         let members = ClusterClient::new(channel.clone())
@@ -291,7 +327,7 @@ impl Inner {
                 .write()
                 .unwrap_or_else(|poisoned| poisoned.into_inner());
             for url in members.iter().flat_map(|m| m.client_ur_ls.iter()) {
-                let url = normalize_endpoint(url);
+                let url = normalize_endpoint(url, self.options.tls.is_some());
                 if !known.contains(&url) {
                     known.push(url);
                 }
@@ -304,7 +340,7 @@ impl Inner {
                 .map(|m| m.client_ur_ls.clone())
                 .unwrap_or_default();
             for url in leader_urls {
-                let url = normalize_endpoint(&url);
+                let url = normalize_endpoint(&url, self.options.tls.is_some());
                 if let Ok(leader_channel) = self.connect_channel(&url).await {
                     return Ok((leader_channel, url));
                 }
@@ -657,10 +693,11 @@ mod tests {
     #[test]
     fn endpoints_get_a_scheme() {
         assert_eq!(
-            normalize_endpoint("127.0.0.1:2379"),
+            normalize_endpoint("127.0.0.1:2379", false),
             "http://127.0.0.1:2379"
         );
-        assert_eq!(normalize_endpoint(" http://a:1/ "), "http://a:1");
+        assert_eq!(normalize_endpoint(" http://a:1/ ", true), "http://a:1");
+        assert_eq!(normalize_endpoint("a:1", true), "https://a:1");
         assert!(Inner::new(&[], ClientOptions::default()).is_err());
         assert!(Inner::new(&["  ".into()], ClientOptions::default()).is_err());
     }

@@ -50,6 +50,10 @@ pub enum Error {
     /// The caller's roles do not allow the call.
     #[error("permission denied: {0}")]
     PermissionDenied(String),
+    /// TLS failed: the server's certificate is not trusted or has expired, the server refused
+    /// this client's certificate, or one side speaks TLS and the other does not.
+    #[error("TLS failed: {0}")]
+    Tls(String),
     /// No endpoint could be reached.
     #[error("cannot connect to any of {endpoints:?}: {reason}")]
     ConnectionFailed {
@@ -75,11 +79,12 @@ impl Error {
             Error::ConnectionFailed { .. } => "connection_failed",
             Error::Unauthenticated(_) => "unauthenticated",
             Error::PermissionDenied(_) => "permission_denied",
+            Error::Tls(_) => "tls",
         }
     }
 
     /// Every code [`Error::code`] can return, for documentation and exhaustive CLI tables.
-    pub const CODES: [&'static str; 13] = [
+    pub const CODES: [&'static str; 14] = [
         "no_leader",
         "unavailable",
         "timeout",
@@ -93,6 +98,7 @@ impl Error {
         "connection_failed",
         "unauthenticated",
         "permission_denied",
+        "tls",
     ];
 
     /// Whether trying again (on the same or another member) may succeed. Only idempotent

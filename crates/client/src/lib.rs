@@ -32,6 +32,7 @@ mod lease;
 mod lock;
 mod queue;
 mod session;
+mod tls;
 mod topic;
 mod watch;
 
@@ -54,6 +55,7 @@ pub use lease::{LeaseGrant, LeaseId, LeaseKeepAlive, LeaseSafety, LeaseState, Le
 pub use lock::{LockGuard, LockOptions, Mutex};
 pub use queue::{ClaimOptions, Job, JobState, PushOptions, Pushed, QueueStats, Queues};
 pub use session::SESSIONS_IDLE_MAX;
+pub use tls::{TlsOptions, endpoint};
 pub use topic::{InboxOptions, ReadResponse, TopicMessage, TopicSubscription, Topics};
 pub use watch::{EventType, WatchEvent, WatchOptions, Watcher};
 

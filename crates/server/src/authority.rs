@@ -30,7 +30,7 @@ use bytes::{Buf, BytesMut};
 use fluke_hpack::huffman::HuffmanDecoder;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
-use tonic::transport::server::{Connected, TcpConnectInfo};
+use tonic::transport::server::Connected;
 
 /// The client connection preface every HTTP/2 connection starts with (RFC 9113 §3.4).
 const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
@@ -79,8 +79,11 @@ struct PendingBlock {
 }
 
 /// A client TCP connection as the gRPC server reads it; see the module documentation.
-pub struct ClientStream {
-    inner: TcpStream,
+///
+/// Generic over the connection below it: a plain TCP stream, or a TLS stream (the repair reads
+/// the decrypted HTTP/2 bytes).
+pub struct ClientStream<S = TcpStream> {
+    inner: S,
     state: State,
     input: BytesMut,
     output: BytesMut,
@@ -89,8 +92,8 @@ pub struct ClientStream {
     eof: bool,
 }
 
-impl ClientStream {
-    pub fn new(inner: TcpStream) -> ClientStream {
+impl<S> ClientStream<S> {
+    pub fn new(inner: S) -> ClientStream<S> {
         ClientStream {
             inner,
             state: State::Preface { matched: 0 },
@@ -102,15 +105,15 @@ impl ClientStream {
     }
 }
 
-impl Connected for ClientStream {
-    type ConnectInfo = TcpConnectInfo;
+impl<S: Connected> Connected for ClientStream<S> {
+    type ConnectInfo = S::ConnectInfo;
 
-    fn connect_info(&self) -> TcpConnectInfo {
+    fn connect_info(&self) -> S::ConnectInfo {
         self.inner.connect_info()
     }
 }
 
-impl AsyncRead for ClientStream {
+impl<S: AsyncRead + Unpin> AsyncRead for ClientStream<S> {
     fn poll_read(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -156,7 +159,7 @@ impl AsyncRead for ClientStream {
     }
 }
 
-impl AsyncWrite for ClientStream {
+impl<S: AsyncWrite + Unpin> AsyncWrite for ClientStream<S> {
     fn poll_write(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,

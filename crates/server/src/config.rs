@@ -75,6 +75,10 @@ pub struct ServerConfig {
     /// member. Without one, peers authenticate with a key derived from the cluster id, which
     /// anyone who can read a response header knows (see docs/security.md, The peer port).
     pub peer_secret_file: Option<PathBuf>,
+    /// TLS on the client port (`--cert-file --key-file [--trusted-ca-file --client-cert-auth]`).
+    pub client_tls: Option<crate::tls::ClientTlsFiles>,
+    /// Mutual TLS on the peer port (`--peer-cert-file --peer-key-file --peer-trusted-ca-file`).
+    pub peer_tls: Option<crate::tls::PeerTlsFiles>,
     /// What clients may hold on this node (connections, streams, watches, ...).
     pub client_limits: ClientLimits,
     /// Automatic history compaction (`--auto-compaction-mode`, `--auto-compaction-retention`).
@@ -287,6 +291,8 @@ impl ServerConfig {
             shutdown_transfer_timeout_ms: 1_000,
             join: false,
             peer_secret_file: None,
+            client_tls: None,
+            peer_tls: None,
             client_limits: ClientLimits::default(),
             auth: AuthConfig::default(),
             auto_compaction: crate::compactor::AutoCompaction::Off,

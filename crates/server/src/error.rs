@@ -171,6 +171,10 @@ pub enum Error {
     #[error("raft core cannot start: {0}")]
     RaftStart(String),
 
+    /// A peer's TLS handshake failed, or its certificate does not name the member it claims.
+    #[error("peer TLS refused: {reason}")]
+    PeerTls { reason: String },
+
     /// The gRPC server failed.
     #[error("client API server failed: {0}")]
     ClientServe(String),
@@ -211,6 +215,7 @@ impl Error {
             | Error::HandshakeRejected { .. }
             | Error::HandshakeTimeout { .. }
             | Error::PeerAuthentication { .. }
+            | Error::PeerTls { .. }
             | Error::PeerIdle { .. }
             | Error::ConnectTimeout { .. }
             | Error::ConnectionClosed

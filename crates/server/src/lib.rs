@@ -30,6 +30,7 @@ pub mod metrics;
 pub mod node;
 pub mod observe;
 pub mod server;
+pub mod tls;
 pub mod transport;
 
 pub use config::{Member, ServerConfig};

@@ -18,7 +18,7 @@ use conclave_proto::etcdserverpb::cluster_server::ClusterServer;
 use conclave_proto::etcdserverpb::kv_server::KvServer;
 use conclave_proto::etcdserverpb::maintenance_server::MaintenanceServer;
 use conclave_proto::etcdserverpb::watch_server::WatchServer;
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::api::Api;
@@ -31,8 +31,9 @@ use crate::authority::ClientStream;
 use crate::config::{GRPC_DECODE_SLACK_BYTES, GRPC_RESPONSE_BYTES_MAX, ServerConfig};
 use crate::error::Error;
 use crate::node;
+use crate::tls::{CLIENT_TLS_HANDSHAKE_TIMEOUT_MS, CLIENT_TLS_HANDSHAKES_MAX, ClientPortTls};
 use crate::transport::{
-    PeerKey, PeerListenerState, PeerTransport, TransportConfig, bind_peer_listener,
+    PeerKey, PeerListenerState, PeerTls, PeerTransport, TransportConfig, bind_peer_listener,
     serve_peers_with,
 };
 
@@ -75,8 +76,20 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> Re
         },
         None => None,
     };
+    let client_tls = match &config.client_tls {
+        Some(files) => Some(crate::tls::load_client_port_tls(files.clone())?),
+        None => None,
+    };
+    // Members forward to the leader's client port: check now that they can.
+    crate::tls::member_client_tls(&config)?;
 
     let transport_config = transport_config(&config)?;
+    if let Some(tls) = &transport_config.tls {
+        for member in &config.members {
+            tls.note_member_name(member.id, &member.name);
+        }
+    }
+    let reload = reload_on_hangup(client_tls.clone(), transport_config.tls.clone());
     let mut transport = PeerTransport::new(transport_config.clone())?;
     for member in config.members.iter().filter(|m| m.id != config.id) {
         transport.add_peer(member.id, member.peer_addr.clone())?;
@@ -137,8 +150,7 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> Re
     let (stop_grpc, grpc_stopped) = oneshot::channel::<()>();
     let caps = &config.client_limits;
     let keepalive_ms = CLIENT_KEEPALIVE_INTERVAL_MS.min((caps.client_idle_timeout_ms / 3).max(1));
-    let mut grpc = tokio::spawn(
-        tonic::transport::Server::builder()
+    let router = tonic::transport::Server::builder()
             .http2_keepalive_interval(Some(Duration::from_millis(keepalive_ms)))
             .max_concurrent_streams(Some(caps.grpc_streams_per_connection_max))
             .layer(crate::http::GrpcMetricsLayer {
@@ -161,14 +173,20 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> Re
             .add_service(crate::api::conclave::queue_server(&api, decode_max))
             .add_service(crate::api::conclave::session_server(&api))
             .add_service(crate::api::conclave::status_server(&api))
-            .add_service(crate::api::cluster::membership_server(&api))
-            .serve_with_incoming_shutdown(
-                client_connections(client_listener, api.limits.clone()),
-                async move {
-                    let _ = grpc_stopped.await;
-                },
-            ),
-    );
+            .add_service(crate::api::cluster::membership_server(&api));
+    let grpc_shutdown = async move {
+        let _ = grpc_stopped.await;
+    };
+    let mut grpc = match client_tls {
+        None => tokio::spawn(router.serve_with_incoming_shutdown(
+            client_connections(client_listener, api.limits.clone()),
+            grpc_shutdown,
+        )),
+        Some(tls) => tokio::spawn(router.serve_with_incoming_shutdown(
+            tls_client_connections(client_listener, api.limits.clone(), tls),
+            grpc_shutdown,
+        )),
+    };
     tokio::spawn(crate::compactor::run(api.clone()));
     tokio::spawn(crate::api::cluster::record_member_attributes(
         api.clone(),
@@ -210,6 +228,7 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> Re
         }
     };
     let _ = stop_metrics.send(());
+    reload.abort();
     let _ = stop_peers.send(());
     let _ = peers.await;
     match driver_result {
@@ -258,6 +277,9 @@ pub fn transport_config(config: &ServerConfig) -> Result<TransportConfig, Error>
              which anyone who can reach a client port can learn; give every member the same \
              secret file (see docs/security.md)"
         ),
+    }
+    if let Some(files) = &config.peer_tls {
+        transport.tls = Some(PeerTls::load(files.clone())?);
     }
     if let Some(me) = config.this_member() {
         transport.own_name = me.name.clone();
@@ -323,5 +345,111 @@ fn client_connections(
         }
         let stream = ClientStream::new(stream);
         Some(Ok(IdleClosing::new(stream, limits.clone(), peer, slot)))
+    })
+}
+
+/// Client connections over TLS: each accepted socket takes its connection slot, then completes
+/// its TLS handshake (at most [`CLIENT_TLS_HANDSHAKES_MAX`] at once, each within
+/// [`CLIENT_TLS_HANDSHAKE_TIMEOUT_MS`]) off the accept loop, so a slow or silent client delays
+/// nobody else. A client that fails the handshake (no certificate, or one the CA did not sign,
+/// under `--client-cert-auth`; plaintext HTTP/2) is closed. The handshake uses the certificates
+/// of the last (re)load.
+fn tls_client_connections(
+    listener: tokio::net::TcpListener,
+    limits: Arc<Limits>,
+    tls: Arc<ClientPortTls>,
+) -> impl tokio_stream::Stream<
+    Item = std::io::Result<IdleClosing<ClientStream<tokio_rustls::server::TlsStream<TcpStream>>>>,
+> {
+    let (sender, receiver) = mpsc::channel(CLIENT_TLS_HANDSHAKES_MAX);
+    let handshakes = Arc::new(tokio::sync::Semaphore::new(CLIENT_TLS_HANDSHAKES_MAX));
+    tokio::spawn(async move {
+        loop {
+            let (stream, peer) = tokio::select! {
+                () = sender.closed() => return,
+                accepted = listener.accept() => match accepted {
+                    Ok(accepted) => accepted,
+                    Err(error) => {
+                        // Usually descriptor exhaustion; pausing lets connections close.
+                        tracing::warn!(%error, "accepting a client connection failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                },
+            };
+            let Some(slot) = limits.connection(Some(peer)) else {
+                continue;
+            };
+            let Ok(handshake) = handshakes.clone().try_acquire_owned() else {
+                tracing::debug!(%peer, "too many client TLS handshakes at once; closing the new one");
+                continue;
+            };
+            if let Err(error) = stream.set_nodelay(true) {
+                tracing::debug!(%peer, %error, "client connection lost before TLS");
+                continue;
+            }
+            let acceptor = tokio_rustls::TlsAcceptor::from(tls.current());
+            let sender = sender.clone();
+            let limits = limits.clone();
+            tokio::spawn(async move {
+                let timeout = Duration::from_millis(CLIENT_TLS_HANDSHAKE_TIMEOUT_MS);
+                let accepted = tokio::time::timeout(timeout, acceptor.accept(stream)).await;
+                drop(handshake);
+                let stream = match accepted {
+                    Ok(Ok(stream)) => stream,
+                    Ok(Err(error)) => {
+                        tracing::debug!(%peer, %error, "client TLS handshake failed");
+                        return;
+                    }
+                    Err(_) => {
+                        tracing::debug!(%peer, "client TLS handshake timed out");
+                        return;
+                    }
+                };
+                let stream = ClientStream::new(stream);
+                let _ = sender
+                    .send(Ok(IdleClosing::new(stream, limits, Some(peer), slot)))
+                    .await;
+            });
+        }
+    });
+    tokio_stream::wrappers::ReceiverStream::new(receiver)
+}
+
+/// Reloads the certificates of both ports on SIGHUP (on Unix). A failed reload keeps the
+/// certificates in force and says why.
+fn reload_on_hangup(
+    client: Option<Arc<ClientPortTls>>,
+    peer: Option<Arc<PeerTls>>,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        if client.is_none() && peer.is_none() {
+            return;
+        }
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{SignalKind, signal};
+            let mut hangups = match signal(SignalKind::hangup()) {
+                Ok(hangups) => hangups,
+                Err(error) => {
+                    tracing::warn!(%error, "cannot listen for SIGHUP; certificates will not reload");
+                    return;
+                }
+            };
+            while hangups.recv().await.is_some() {
+                if let Some(client) = &client {
+                    match client.reload() {
+                        Ok(()) => tracing::info!("client port certificates reloaded"),
+                        Err(error) => tracing::warn!(%error, "client port certificates not reloaded; the previous ones stay in force"),
+                    }
+                }
+                if let Some(peer) = &peer {
+                    match peer.reload() {
+                        Ok(()) => tracing::info!("peer port certificates reloaded"),
+                        Err(error) => tracing::warn!(%error, "peer port certificates not reloaded; the previous ones stay in force"),
+                    }
+                }
+            }
+        }
     })
 }

@@ -15,7 +15,7 @@ use conclave_proto::etcdserverpb::request_op::Request as RequestOpKind;
 use conclave_proto::etcdserverpb::{Compare, PutRequest, RangeRequest, RequestOp, TxnRequest};
 use hdrhistogram::Histogram;
 use serde_json::json;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 use super::{CmdResult, Ctx, Failure, parse_duration};
 
@@ -128,9 +128,9 @@ pub async fn run(ctx: &Ctx, command: BenchCommand) -> CmdResult {
     let target = cluster.current_endpoint().await?;
     let connections: Vec<Channel> = (0..args.clients.min(BENCH_CONNECTIONS_MAX))
         .map(|_| {
-            Endpoint::from_shared(target.clone())
+            conclave_client::endpoint(&target, ctx.tls.as_ref())
                 .map(|e| e.connect_timeout(ctx.timeout).connect_lazy())
-                .map_err(|e| Failure::invalid(format!("bad endpoint {target}: {e}")))
+                .map_err(Failure::from)
         })
         .collect::<CmdResult<_>>()?;
     let value = vec![b'x'; args.value_size];

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, Subcommand};
-use conclave_client::{Error, ErrorContext};
+use conclave_client::{TlsOptions, Error, ErrorContext};
 use conclave_proto::etcdserverpb::cluster_client::ClusterClient;
 use conclave_proto::etcdserverpb::maintenance_client::MaintenanceClient;
 use conclave_proto::etcdserverpb::{
@@ -13,7 +13,7 @@ use conclave_proto::etcdserverpb::{
 };
 use serde_json::{Value, json};
 use tokio::io::AsyncWriteExt;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 use super::{CmdResult, Ctx, Failure};
 
@@ -72,14 +72,8 @@ fn status_failure(status: &tonic::Status) -> Failure {
     Error::from_status(status, ErrorContext::default()).into()
 }
 
-fn channel(url: &str, timeout: Duration) -> CmdResult<Channel> {
-    let url = if url.contains("://") {
-        url.to_string()
-    } else {
-        format!("http://{url}")
-    };
-    Ok(Endpoint::from_shared(url.clone())
-        .map_err(|e| Failure::invalid(format!("bad client URL {url}: {e}")))?
+fn channel(url: &str, timeout: Duration, tls: Option<&TlsOptions>) -> CmdResult<Channel> {
+    Ok(conclave_client::endpoint(url, tls)?
         .connect_timeout(timeout)
         .timeout(timeout)
         .connect_lazy())
@@ -87,8 +81,12 @@ fn channel(url: &str, timeout: Duration) -> CmdResult<Channel> {
 
 /// One member's own status, asked of that member (the client library would follow the
 /// leader).
-pub(crate) async fn probe(url: &str, timeout: Duration) -> Result<StatusResponse, String> {
-    let channel = channel(url, timeout).map_err(|f| f.message)?;
+pub(crate) async fn probe(
+    url: &str,
+    timeout: Duration,
+    tls: Option<&TlsOptions>,
+) -> Result<StatusResponse, String> {
+    let channel = channel(url, timeout, tls).map_err(|f| f.message)?;
     let mut maintenance = MaintenanceClient::new(channel);
     let call = maintenance.status(StatusRequest {});
     match tokio::time::timeout(timeout, call).await {
@@ -162,7 +160,7 @@ pub async fn member(ctx: &Ctx, command: MemberCommand) -> CmdResult {
             } else {
                 format!("http://{peer_url}")
             };
-            let answer = ClusterClient::new(channel(&url, ctx.timeout)?)
+            let answer = ClusterClient::new(channel(&url, ctx.timeout, ctx.tls.as_ref())?)
                 .member_add(MemberAddRequest {
                     peer_ur_ls: vec![peer_url.clone()],
                     is_learner: learner,
@@ -218,7 +216,7 @@ pub async fn member(ctx: &Ctx, command: MemberCommand) -> CmdResult {
             let members = client.member_list().await?;
             let target = find_member(&members, &name)?.clone();
             let url = client.current_endpoint().await?;
-            ClusterClient::new(channel(&url, ctx.timeout)?)
+            ClusterClient::new(channel(&url, ctx.timeout, ctx.tls.as_ref())?)
                 .member_remove(MemberRemoveRequest { id: target.id })
                 .await
                 .map_err(|s| status_failure(&s))?;
@@ -232,7 +230,7 @@ pub async fn member(ctx: &Ctx, command: MemberCommand) -> CmdResult {
             let members = client.member_list().await?;
             let target = find_member(&members, &name)?.clone();
             let url = client.current_endpoint().await?;
-            ClusterClient::new(channel(&url, ctx.timeout)?)
+            ClusterClient::new(channel(&url, ctx.timeout, ctx.tls.as_ref())?)
                 .member_promote(MemberPromoteRequest { id: target.id })
                 .await
                 .map_err(|s| status_failure(&s))?;
@@ -274,9 +272,10 @@ async fn probe_all(ctx: &Ctx) -> CmdResult<Vec<(Member, Result<StatusResponse, S
     let members = client.member_list().await?;
     let probes = members.into_iter().map(|member| {
         let timeout = ctx.timeout;
+        let tls = ctx.tls.clone();
         tokio::spawn(async move {
             let answer = match member.client_ur_ls.first() {
-                Some(url) => probe(url, timeout).await,
+                Some(url) => probe(url, timeout, tls.as_ref()).await,
                 None => Err("no client URL".to_string()),
             };
             (member, answer)
@@ -402,7 +401,7 @@ pub async fn transfer_leader(ctx: &Ctx, args: TransferArgs) -> CmdResult {
             .first()
             .ok_or_else(|| Failure::new("unavailable", "the leader has no client URL"))?;
         // MoveLeader must go to the current leader, which answers once the target leads.
-        MaintenanceClient::new(channel(url, ctx.timeout)?)
+        MaintenanceClient::new(channel(url, ctx.timeout, ctx.tls.as_ref())?)
             .move_leader(MoveLeaderRequest {
                 target_id: target.id,
             })
@@ -428,7 +427,7 @@ pub async fn snapshot(ctx: &Ctx, command: SnapshotCommand) -> CmdResult {
     let client = ctx.connect().await?;
     let url = client.current_endpoint().await?;
     // A snapshot may take longer than one request; allow ten deadlines for the stream.
-    let mut stream = MaintenanceClient::new(channel(&url, ctx.timeout * 10)?)
+    let mut stream = MaintenanceClient::new(channel(&url, ctx.timeout * 10, ctx.tls.as_ref())?)
         .snapshot(SnapshotRequest {})
         .await
         .map_err(|s| status_failure(&s))?

@@ -52,6 +52,8 @@ Exit codes (with --json, `code` in the error document):
   12  connection_failed  no endpoint could be reached
   13  unauthenticated    no credentials, a wrong password, or an expired token
   14  permission_denied  the user's roles do not allow the call
+  15  tls                TLS failed: untrusted or expired certificate, a client
+                         certificate refused, or TLS on one side only
   130 interrupted        Ctrl-C / SIGTERM while waiting for a seat or lock, or while CMD
                          ran (after stopping it and resigning or unlocking; a held seat
                          or lock without CMD is released by Ctrl-C with exit 0)";
@@ -78,6 +80,16 @@ pub struct GlobalArgs {
     /// `lock` and `elect campaign` also how long to wait for the lock or the seat.
     #[arg(long, global = true, value_name = "DURATION")]
     pub timeout: Option<String>,
+    /// CA certificate (PEM) that signed the servers' certificates; with it a bare host:port
+    /// endpoint uses TLS (`https://` endpoints always do, `http://` never).
+    #[arg(long = "cacert", id = "tls_cacert", global = true, env = "CONCLAVE_CACERT", value_name = "FILE")]
+    pub cacert: Option<std::path::PathBuf>,
+    /// Client certificate (PEM) for servers started with --client-cert-auth; needs --key.
+    #[arg(long = "cert", id = "tls_cert", global = true, env = "CONCLAVE_CERT", value_name = "FILE")]
+    pub cert: Option<std::path::PathBuf>,
+    /// Private key (PEM) of --cert.
+    #[arg(long = "key", id = "tls_key", global = true, env = "CONCLAVE_KEY", value_name = "FILE")]
+    pub key: Option<std::path::PathBuf>,
 }
 
 /// `-w/--write-out` values.
@@ -213,6 +225,7 @@ pub fn exit_code(code: &str) -> i32 {
         "connection_failed" => 12,
         "unauthenticated" => 13,
         "permission_denied" => 14,
+        "tls" => 15,
         "interrupted" => 130,
         _ => 1,
     }
@@ -288,6 +301,8 @@ pub struct Ctx {
     pub timeout: Duration,
     /// `--timeout` when given explicitly: the wait bound of `lock` and `elect campaign`.
     pub wait: Option<Duration>,
+    /// `--cacert --cert --key`, read once.
+    pub tls: Option<conclave_client::TlsOptions>,
 }
 
 impl Ctx {
@@ -302,11 +317,21 @@ impl Ctx {
             Some(wait) => wait,
             None => parse_duration(DEFAULT_TIMEOUT, "--timeout")?,
         };
+        let tls = if global.cacert.is_some() || global.cert.is_some() || global.key.is_some() {
+            Some(conclave_client::TlsOptions::from_files(
+                global.cacert.as_deref(),
+                global.cert.as_deref(),
+                global.key.as_deref(),
+            )?)
+        } else {
+            None
+        };
         Ok(Ctx {
             global,
             out,
             timeout,
             wait,
+            tls,
         })
     }
 
@@ -327,6 +352,7 @@ impl Ctx {
             return Err(Failure::invalid("--endpoints lists no endpoint"));
         }
         let options = ClientOptions {
+            tls: self.tls.clone(),
             request_timeout: self.timeout,
             connect_timeout: self.timeout.min(CONNECT_TIMEOUT_MAX),
             ..ClientOptions::default()

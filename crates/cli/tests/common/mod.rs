@@ -74,6 +74,96 @@ pub struct Cluster {
     initial_cluster: String,
     /// Serve flags every node gets besides the harness's own (e.g. a smaller cap).
     extra_args: Vec<String>,
+    /// Client TLS and peer mutual TLS on every node ([`Cluster::start_tls`]).
+    pub tls: Option<TestTls>,
+}
+
+/// The certificates of a TLS harness cluster, made with `conclave certs` in `<root>/tls`.
+#[derive(Debug, Clone)]
+pub struct TestTls {
+    pub dir: PathBuf,
+    pub ca: PathBuf,
+    pub client_cert: PathBuf,
+    pub client_key: PathBuf,
+}
+
+impl TestTls {
+    /// Runs `conclave certs ARGS`, panicking with its stderr on failure.
+    pub fn certs(args: &[&str]) {
+        let output = Command::new(env!("CARGO_BIN_EXE_conclave"))
+            .arg("certs")
+            .args(args)
+            .output()
+            .expect("run conclave certs");
+        assert!(
+            output.status.success(),
+            "conclave certs {args:?} failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+
+    /// A CA in `dir` with a server certificate for 127.0.0.1, a client certificate `client`
+    /// and a peer certificate for each member name.
+    pub fn make(dir: &std::path::Path, members: &[String]) -> TestTls {
+        let d = dir.to_str().expect("UTF-8 test path");
+        TestTls::certs(&["init", d]);
+        TestTls::certs(&["issue", "--ca", d, "--name", "server", "--kind", "server", "--ip", "127.0.0.1", "--dns", "localhost"]);
+        TestTls::certs(&["issue", "--ca", d, "--name", "client", "--kind", "client"]);
+        for member in members {
+            TestTls::certs(&["issue", "--ca", d, "--name", member, "--kind", "peer", "--ip", "127.0.0.1"]);
+        }
+        TestTls {
+            dir: dir.to_path_buf(),
+            ca: dir.join("ca.pem"),
+            client_cert: dir.join("client-client.pem"),
+            client_key: dir.join("client-client-key.pem"),
+        }
+    }
+
+    /// The serve flags of member `name`: client TLS with client certificates required, and
+    /// peer mutual TLS.
+    pub fn serve_args(&self, name: &str) -> Vec<String> {
+        let path = |file: String| self.dir.join(file).display().to_string();
+        let ca = self.ca.display().to_string();
+        vec![
+            "--cert-file".into(),
+            path("server-server.pem".into()),
+            "--key-file".into(),
+            path("server-server-key.pem".into()),
+            "--trusted-ca-file".into(),
+            ca.clone(),
+            "--client-cert-auth".into(),
+            "--peer-cert-file".into(),
+            path(format!("{name}-peer.pem")),
+            "--peer-key-file".into(),
+            path(format!("{name}-peer-key.pem")),
+            "--peer-trusted-ca-file".into(),
+            ca,
+        ]
+    }
+
+    /// The client flags of `conclave` (and etcdctl).
+    pub fn client_args(&self) -> Vec<String> {
+        vec![
+            "--cacert".into(),
+            self.ca.display().to_string(),
+            "--cert".into(),
+            self.client_cert.display().to_string(),
+            "--key".into(),
+            self.client_key.display().to_string(),
+        ]
+    }
+
+    /// tonic's client configuration with the client certificate.
+    pub fn client_config(&self) -> tonic::transport::ClientTlsConfig {
+        let read = |p: &PathBuf| std::fs::read(p).expect("read a test certificate");
+        tonic::transport::ClientTlsConfig::new()
+            .ca_certificate(tonic::transport::Certificate::from_pem(read(&self.ca)))
+            .identity(tonic::transport::Identity::from_pem(
+                read(&self.client_cert),
+                read(&self.client_key),
+            ))
+    }
 }
 
 /// The peer secret every harness cluster's members share (`--peer-secret-file`).
@@ -89,9 +179,19 @@ impl Cluster {
 
     /// [`Cluster::start`] with more serve flags for every node.
     pub async fn start_with_args(size: u64, extra_args: &[&str]) -> Cluster {
+        Cluster::start_with(size, extra_args, false).await
+    }
+
+    /// [`Cluster::start`] with client TLS (client certificates required) and peer mutual TLS
+    /// on every node; the harness's own clients ([`Cluster::kv`], ...) use TLS too.
+    pub async fn start_tls(size: u64) -> Cluster {
+        Cluster::start_with(size, &[], true).await
+    }
+
+    async fn start_with(size: u64, extra_args: &[&str], tls: bool) -> Cluster {
         for attempt in 1..=START_ATTEMPTS {
             let extra_args = extra_args.iter().map(|arg| arg.to_string()).collect();
-            let mut cluster = Cluster::start_once(size, extra_args);
+            let mut cluster = Cluster::start_once(size, extra_args, tls);
             if cluster.wait_for_start(STARTUP_TIMEOUT).await {
                 return cluster;
             }
@@ -103,7 +203,7 @@ impl Cluster {
         panic!("no cluster of {size} started in {START_ATTEMPTS} attempts");
     }
 
-    fn start_once(size: u64, extra_args: Vec<String>) -> Cluster {
+    fn start_once(size: u64, extra_args: Vec<String>, tls: bool) -> Cluster {
         let root = std::env::temp_dir().join(format!(
             "conclave-cli-test-{}-{}",
             std::process::id(),
@@ -127,11 +227,16 @@ impl Cluster {
             .map(|n| format!("{}={}", n.id, n.peer))
             .collect::<Vec<_>>()
             .join(",");
+        let tls = tls.then(|| {
+            let names: Vec<String> = nodes.iter().map(|n| format!("node{}", n.id)).collect();
+            TestTls::make(&root.join("tls"), &names)
+        });
         let mut cluster = Cluster {
             root,
             nodes,
             initial_cluster,
             extra_args,
+            tls,
         };
         for id in 1..=size {
             cluster.spawn(id);
@@ -196,6 +301,12 @@ impl Cluster {
             .arg("--peer-secret-file")
             .arg(self.peer_secret_file())
             .args(&self.extra_args)
+            .args(
+                self.tls
+                    .as_ref()
+                    .map(|tls| tls.serve_args(&format!("node{id}")))
+                    .unwrap_or_default(),
+            )
             .env("CONCLAVE_LOG", "info")
             .stdin(Stdio::null())
             .stdout(Stdio::from(log))
@@ -230,7 +341,19 @@ impl Cluster {
     }
 
     pub fn endpoint(&self, id: u64) -> String {
-        format!("http://{}", self.node(id).client)
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://{}", self.node(id).client)
+    }
+
+    /// A lazy channel to node `id`, over TLS when the cluster has it.
+    pub fn channel(&self, id: u64) -> Channel {
+        let mut endpoint = Channel::from_shared(self.endpoint(id)).expect("valid endpoint");
+        if let Some(tls) = &self.tls {
+            endpoint = endpoint
+                .tls_config(tls.client_config())
+                .expect("valid TLS configuration");
+        }
+        endpoint.connect_lazy()
     }
 
     /// Member `id`'s client address, `host:port`.
@@ -260,17 +383,11 @@ impl Cluster {
     }
 
     pub async fn kv(&self, id: u64) -> KvClient<Channel> {
-        let channel = Channel::from_shared(self.endpoint(id))
-            .expect("valid endpoint")
-            .connect_lazy();
-        KvClient::new(channel)
+        KvClient::new(self.channel(id))
     }
 
     pub async fn maintenance(&self, id: u64) -> MaintenanceClient<Channel> {
-        let channel = Channel::from_shared(self.endpoint(id))
-            .expect("valid endpoint")
-            .connect_lazy();
-        MaintenanceClient::new(channel)
+        MaintenanceClient::new(self.channel(id))
     }
 
     /// The leader as a live node reports it of itself, waiting up to `timeout`.

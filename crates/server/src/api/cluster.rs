@@ -59,7 +59,8 @@ impl ClusterService {
 
     fn members(&self) -> Vec<pb::Member> {
         let (members, conf) = current_members(&self.api);
-        members.iter().map(|m| to_pb(m, &conf)).collect()
+        let scheme = client_scheme(&self.api);
+        members.iter().map(|m| to_pb(m, &conf, scheme)).collect()
     }
 
     /// Proposes `steps` and waits until they are applied, retrying while another change is
@@ -143,7 +144,7 @@ impl ClusterService {
         let conf = self.api.node.status().conf_state;
         Ok(pb::MemberAddResponse {
             header: Some(self.api.header(NO_REVISION)),
-            member: Some(to_pb(&member, &conf)),
+            member: Some(to_pb(&member, &conf, client_scheme(&self.api))),
             members: self.members(),
         })
     }
@@ -292,7 +293,18 @@ impl Cluster for ClusterService {
 /// most for its own record to show a successful publication.
 const PUBLISH_RETRY_MS: u64 = 500;
 
-fn to_pb(member: &Member, conf: &ConfState) -> pb::Member {
+/// The scheme of the client URLs members advertise: `https` when this node serves clients
+/// over TLS (members of one cluster are configured alike), so clients that learn the URLs
+/// from `member list` (etcdctl's `--cluster` commands, conclave-client's failover) keep TLS.
+fn client_scheme(api: &Api) -> &'static str {
+    if api.config.client_tls.is_some() {
+        "https"
+    } else {
+        "http"
+    }
+}
+
+fn to_pb(member: &Member, conf: &ConfState, client_scheme: &str) -> pb::Member {
     pb::Member {
         id: member.id,
         name: member.name.clone(),
@@ -300,7 +312,7 @@ fn to_pb(member: &Member, conf: &ConfState) -> pb::Member {
         client_ur_ls: if member.client_addr.is_empty() {
             Vec::new()
         } else {
-            vec![format!("http://{}", member.client_addr)]
+            vec![format!("{client_scheme}://{}", member.client_addr)]
         },
         is_learner: conf.learners.contains(&member.id),
     }

@@ -22,6 +22,7 @@ pub mod limits;
 pub mod lock;
 pub mod maintenance;
 pub mod route;
+pub mod tls;
 pub mod watch;
 
 pub use route::{

@@ -29,7 +29,7 @@ use conclave_raft::NodeId;
 use conclave_state::Response;
 use tonic::Status;
 use tonic::metadata::MetadataValue;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 use super::lock::FENCE_METADATA;
 use super::{
@@ -231,8 +231,8 @@ impl MemberChannels {
         {
             return Ok(channel.clone());
         }
-        let endpoint = Endpoint::from_shared(format!("http://{address}"))
-            .map_err(|e| Status::internal(format!("bad client address of member {id}: {e}")))?
+        let endpoint = crate::tls::member_endpoint(&api.config, &address)
+            .map_err(|e| Status::unavailable(format!("cannot reach member {id}: {e}")))?
             .connect_timeout(Duration::from_millis(api.config.request_timeout_ms));
         let channel = endpoint.connect_lazy();
         channels.insert(id, (address, channel.clone()));

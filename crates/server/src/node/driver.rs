@@ -769,6 +769,9 @@ impl<M: ReplicatedMachine, D: ShellDuties<M>> Driver<M, D> {
         for id in stale {
             transport.remove_peer(id);
         }
+        for member in members.values() {
+            transport.note_member_name(member.id, &member.name);
+        }
         for member in members.values().filter(|m| m.id != me) {
             if let Err(error) = transport.add_peer(member.id, member.peer_addr.clone()) {
                 tracing::warn!(id = member.id, %error, "peer not added");

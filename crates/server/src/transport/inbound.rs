@@ -27,6 +27,8 @@ use tokio::task::JoinSet;
 use tracing::{debug, info, warn};
 
 use super::TransportConfig;
+use super::tls::PeerStream;
+use rustls_pki_types::CertificateDer;
 use super::auth::{self, Transcript};
 use super::frame::{
     self, Frame, FrameReader, HANDSHAKE_FRAME_BYTES_MAX, Hello, HelloAccepted, HelloChallenge,
@@ -66,6 +68,9 @@ pub struct InboundStats {
     pub connections_replaced: AtomicU64,
     /// Authenticated connections closed after `peer_idle_timeout_ms` without a frame.
     pub connections_idle_closed: AtomicU64,
+    /// Connections refused by peer TLS: a failed TLS handshake (no certificate, or one the
+    /// CA did not sign) or a certificate that does not name the member the Hello claims.
+    pub tls_refusals: AtomicU64,
     /// Messages dropped because their `from` was not the connection's member.
     pub messages_wrong_sender: AtomicU64,
     /// Messages dropped because their `to` was not this node.
@@ -274,16 +279,25 @@ impl Connection<'_> {
         inbound: &mpsc::Sender<InboundMessage>,
     ) -> Result<(), Error> {
         stream.set_nodelay(true)?;
-        let mut reader = FrameReader::new(stream);
-        reader.set_frame_bytes_max(HANDSHAKE_FRAME_BYTES_MAX);
         let timeout_ms = self.config.handshake_timeout_ms;
-        let handshake = tokio::time::timeout(
-            Duration::from_millis(timeout_ms),
-            self.handshake(&mut reader),
-        )
+        // TLS (when on) and the Hello exchange share one deadline: a connection that has not
+        // proved itself by then is closed, whichever step it stalls in.
+        let handshake = tokio::time::timeout(Duration::from_millis(timeout_ms), async {
+            let (stream, certificate): (PeerStream, _) = match &self.config.tls {
+                Some(tls) => {
+                    let (stream, certificate) = tls.accept(stream).await?;
+                    (stream, Some(certificate))
+                }
+                None => (Box::new(stream), None),
+            };
+            let mut reader = FrameReader::new(stream);
+            reader.set_frame_bytes_max(HANDSHAKE_FRAME_BYTES_MAX);
+            let outcome = self.handshake(&mut reader, certificate.as_ref()).await?;
+            Ok::<_, Error>((reader, outcome))
+        })
         .await;
         drop(handshake_slot);
-        let (hello, replaced) = match handshake {
+        let (mut reader, (hello, replaced)) = match handshake {
             Err(_) => {
                 self.state
                     .stats
@@ -294,11 +308,14 @@ impl Connection<'_> {
                 return Err(error);
             }
             Ok(Err(error)) => {
+                if matches!(error, Error::PeerTls { .. }) {
+                    self.state.stats.tls_refusals.fetch_add(1, Ordering::Relaxed);
+                }
                 self.state.warn_handshake(&self.remote, &error);
                 return Err(error);
             }
-            Ok(Ok(None)) => return Ok(()),
-            Ok(Ok(Some(authenticated))) => authenticated,
+            Ok(Ok((_, None))) => return Ok(()),
+            Ok(Ok((reader, Some(authenticated)))) => (reader, authenticated),
         };
         let peer = hello.from;
         let generation = replaced.generation;
@@ -317,7 +334,8 @@ impl Connection<'_> {
     /// The listener's side of the handshake. `None` when the dialer closed before a Hello.
     async fn handshake(
         &self,
-        reader: &mut FrameReader<TcpStream>,
+        reader: &mut FrameReader<PeerStream>,
+        certificate: Option<&CertificateDer<'static>>,
     ) -> Result<Option<(Hello, Claimed)>, Error> {
         let config = self.config;
         let stats = &self.state.stats;
@@ -351,6 +369,21 @@ impl Connection<'_> {
         if let Some(reason) = refusal {
             stats.handshakes_refused.fetch_add(1, Ordering::Relaxed);
             return Err(reject(reader, reason).await);
+        }
+        if let (Some(tls), Some(certificate)) = (&config.tls, certificate)
+            && let Some(reason) = tls.check_claim(certificate, hello.from, &hello.name)
+        {
+            stats.handshakes_refused.fetch_add(1, Ordering::Relaxed);
+            let _ = reject(reader, reason.clone()).await;
+            return Err(Error::PeerTls { reason });
+        }
+        if let Some(tls) = &config.tls
+            && tls.member_name(hello.from).is_none()
+        {
+            // A member added at run time is named in the cluster's records only once it has
+            // announced itself; until then its CA-signed certificate names it, so this node
+            // can check the certificate when it dials the member back.
+            tls.note_member_name(hello.from, &hello.name);
         }
         let listener_nonce = auth::new_nonce()?;
         let transcript = Transcript {
@@ -441,7 +474,7 @@ impl Connection<'_> {
     /// Forwards the messages of authenticated member `peer` until the connection ends.
     async fn receive(
         &self,
-        reader: &mut FrameReader<TcpStream>,
+        reader: &mut FrameReader<PeerStream>,
         peer: NodeId,
         claimed: Claimed,
         inbound: &mpsc::Sender<InboundMessage>,
@@ -514,16 +547,18 @@ struct Claimed {
     replaced: oneshot::Receiver<()>,
 }
 
-async fn write_frame(reader: &mut FrameReader<TcpStream>, frame: &Frame) -> Result<(), Error> {
+async fn write_frame(reader: &mut FrameReader<PeerStream>, frame: &Frame) -> Result<(), Error> {
     let mut answer = Vec::new();
     frame::encode_frame(frame, &mut answer)?;
-    reader.get_mut().write_all(&answer).await?;
+    let stream = reader.get_mut();
+    stream.write_all(&answer).await?;
+    stream.flush().await?;
     Ok(())
 }
 
 /// Tells the dialer why, then yields the error to log. The answer is best effort: the
 /// connection closes either way.
-async fn reject(reader: &mut FrameReader<TcpStream>, reason: String) -> Error {
+async fn reject(reader: &mut FrameReader<PeerStream>, reason: String) -> Error {
     let rejected = Frame::HelloRejected(HelloRejected {
         reason: reason.clone(),
     });

@@ -46,6 +46,7 @@ pub mod auth;
 pub mod frame;
 mod inbound;
 mod outbound;
+pub mod tls;
 
 pub use auth::PeerKey;
 pub use frame::{MAX_PEER_FRAME_BYTES, WIRE_VERSION};
@@ -54,6 +55,7 @@ pub use inbound::{
     serve_peers, serve_peers_with,
 };
 pub use outbound::{PeerStats, PeerTransport};
+pub use tls::PeerTls;
 
 use conclave_raft::NodeId;
 
@@ -97,6 +99,9 @@ pub struct TransportConfig {
     /// can record them (empty: nothing to announce).
     pub own_name: String,
     pub own_client_address: String,
+    /// Mutual TLS on the peer port (`--peer-cert-file ...`); `None` is plaintext. The HMAC
+    /// handshake runs either way, inside TLS when it is on.
+    pub tls: Option<std::sync::Arc<PeerTls>>,
 }
 
 impl TransportConfig {
@@ -124,6 +129,7 @@ impl TransportConfig {
             peer_key: PeerKey::weak_from_cluster_id(cluster_id),
             own_name: String::new(),
             own_client_address: String::new(),
+            tls: None,
         }
     }
 

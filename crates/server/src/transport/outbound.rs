@@ -13,14 +13,14 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use conclave_raft::{Message, MessageBody, NodeId};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, ReadHalf, WriteHalf};
 use tokio::net::TcpStream;
-use tokio::net::tcp::OwnedReadHalf;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tracing::{debug, info, warn};
 
 use super::TransportConfig;
+use super::tls::PeerStream;
 use super::auth::{self, Transcript};
 use super::frame::{self, Frame, FrameReader, HANDSHAKE_FRAME_BYTES_MAX, Hello, HelloProof};
 use crate::error::Error;
@@ -145,6 +145,14 @@ impl PeerTransport {
     }
 
     /// The peers messages can be sent to.
+    /// Records what the cluster calls member `id`, which its peer certificate must name when
+    /// peer TLS is on (a no-op without it).
+    pub fn note_member_name(&self, id: NodeId, name: &str) {
+        if let Some(tls) = &self.config.tls {
+            tls.note_member_name(id, name);
+        }
+    }
+
     pub fn peers(&self) -> impl Iterator<Item = NodeId> + '_ {
         self.peers.keys().copied()
     }
@@ -294,9 +302,9 @@ impl PeerLink {
     }
 
     /// Opens a connection and completes the handshake.
-    async fn connect(&self) -> Result<TcpStream, Error> {
+    async fn connect(&self) -> Result<PeerStream, Error> {
         let timeout = Duration::from_millis(self.config.connect_timeout_ms);
-        let mut stream = tokio::time::timeout(timeout, TcpStream::connect(&self.address))
+        let stream = tokio::time::timeout(timeout, TcpStream::connect(&self.address))
             .await
             .map_err(|_| Error::ConnectTimeout {
                 peer: self.peer,
@@ -305,6 +313,16 @@ impl PeerLink {
             })??;
         // We batch ourselves; Nagle would only add latency to heartbeats and votes.
         stream.set_nodelay(true)?;
+        let handshake_timeout = Duration::from_millis(self.config.handshake_timeout_ms);
+        let timed_out = |_| Error::HandshakeTimeout {
+            timeout_ms: self.config.handshake_timeout_ms,
+        };
+        let mut stream: PeerStream = match &self.config.tls {
+            Some(tls) => tokio::time::timeout(handshake_timeout, tls.connect(self.peer, stream))
+                .await
+                .map_err(timed_out)??,
+            None => Box::new(stream),
+        };
         let dialer_nonce = auth::new_nonce()?;
         let hello = Hello {
             cluster_id: self.config.cluster_id,
@@ -317,15 +335,13 @@ impl PeerLink {
         let mut buffer = Vec::new();
         frame::encode_frame(&Frame::Hello(hello), &mut buffer)?;
         stream.write_all(&buffer).await?;
-        let handshake_timeout = Duration::from_millis(self.config.handshake_timeout_ms);
+        stream.flush().await?;
         tokio::time::timeout(
             handshake_timeout,
             self.authenticate(&mut stream, &dialer_nonce),
         )
         .await
-        .map_err(|_| Error::HandshakeTimeout {
-            timeout_ms: self.config.handshake_timeout_ms,
-        })??;
+        .map_err(timed_out)??;
         Ok(stream)
     }
 
@@ -333,7 +349,7 @@ impl PeerLink {
     /// ours, wait for the verdict.
     async fn authenticate(
         &self,
-        stream: &mut TcpStream,
+        stream: &mut PeerStream,
         dialer_nonce: &auth::Nonce,
     ) -> Result<(), Error> {
         // The reader may buffer past an answer only if the listener sent more than one frame
@@ -380,6 +396,7 @@ impl PeerLink {
         let mut buffer = Vec::new();
         frame::encode_frame(&Frame::HelloProof(proof), &mut buffer)?;
         reader.get_mut().write_all(&buffer).await?;
+        reader.get_mut().flush().await?;
         match reader.next_frame().await? {
             Some(Frame::HelloAccepted(accepted))
                 if accepted.cluster_id == self.config.cluster_id
@@ -394,10 +411,10 @@ impl PeerLink {
     /// Moves messages from the queue to the socket until either side ends.
     async fn pump(
         &self,
-        stream: TcpStream,
+        stream: PeerStream,
         queue: &mut mpsc::Receiver<Message>,
     ) -> Result<LinkEnd, Error> {
-        let (mut read_half, mut write_half) = stream.into_split();
+        let (mut read_half, mut write_half) = tokio::io::split(stream);
         let mut batch = Vec::with_capacity(BATCH_MESSAGES_MAX);
         let mut buffer = Vec::with_capacity(self.config.batch_bytes_max);
         // The listener closes a connection idle for peer_idle_timeout_ms; a link with
@@ -418,6 +435,7 @@ impl PeerLink {
                     buffer.clear();
                     frame::encode_frame(&Frame::Keepalive, &mut buffer)?;
                     write_half.write_all(&buffer).await?;
+                    write_half.flush().await?;
                     buffer.clear();
                     keepalive_due.as_mut().reset(tokio::time::Instant::now() + keepalive_interval);
                 }
@@ -433,7 +451,7 @@ impl PeerLink {
         &self,
         batch: &mut Vec<Message>,
         buffer: &mut Vec<u8>,
-        socket: &mut tokio::net::tcp::OwnedWriteHalf,
+        socket: &mut WriteHalf<PeerStream>,
     ) -> Result<(), Error> {
         buffer.clear();
         let mut messages_in_buffer = 0u64;
@@ -463,12 +481,14 @@ impl PeerLink {
         &self,
         buffer: &mut Vec<u8>,
         messages: u64,
-        socket: &mut tokio::net::tcp::OwnedWriteHalf,
+        socket: &mut WriteHalf<PeerStream>,
     ) -> Result<(), Error> {
         if buffer.is_empty() {
             return Ok(());
         }
         socket.write_all(buffer).await?;
+        // TLS holds records until flushed; for plain TCP this is free.
+        socket.flush().await?;
         self.counters
             .sent_messages
             .fetch_add(messages, Ordering::Relaxed);
@@ -481,7 +501,7 @@ impl PeerLink {
 }
 
 /// Resolves when the read half reports end of stream, an error, or unexpected bytes.
-async fn wait_closed(read_half: &mut OwnedReadHalf) -> Error {
+async fn wait_closed(read_half: &mut ReadHalf<PeerStream>) -> Error {
     let mut probe = [0u8; 1];
     match read_half.read(&mut probe).await {
         Ok(0) => Error::ConnectionClosed,

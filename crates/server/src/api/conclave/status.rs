@@ -6,7 +6,6 @@ use std::time::Duration;
 use conclave_proto::conclave::v1::status_server::{Status as StatusApi, StatusServer};
 use conclave_proto::conclave::v1::{self as cv1};
 use conclave_proto::etcdserverpb::{StatusRequest, maintenance_client::MaintenanceClient};
-use tonic::transport::Endpoint;
 use tonic::{Status, async_trait};
 
 use super::header;
@@ -30,11 +29,11 @@ pub struct StatusService {
 
 /// Asks one member's Maintenance.Status.
 async fn probe(
+    config: &crate::ServerConfig,
     client_addr: String,
 ) -> Result<conclave_proto::etcdserverpb::StatusResponse, String> {
     let timeout = Duration::from_millis(STATUS_PROBE_TIMEOUT_MS);
-    let endpoint = Endpoint::from_shared(format!("http://{client_addr}"))
-        .map_err(|e| format!("bad client address {client_addr}: {e}"))?
+    let endpoint = crate::tls::member_endpoint(config, &client_addr)?
         .connect_timeout(timeout)
         .timeout(timeout);
     let call = async move {
@@ -63,11 +62,12 @@ impl StatusApi for StatusService {
         let (current, conf) = crate::api::cluster::current_members(api);
         let probes = current.iter().map(|member| {
             let address = member.client_addr.clone();
+            let config = api.config.clone();
             async move {
                 if address.is_empty() {
                     return Err("its client address is not known yet".to_string());
                 }
-                probe(address).await
+                probe(&config, address).await
             }
         });
         let answers = futures_join_all(probes.collect()).await;
