@@ -451,6 +451,7 @@ pub fn render(api: &Api, peers: &PeerListenerState) -> String {
             Wait::TopicSubscription => "topic_subscriptions_max",
             Wait::ElectionObserver => "election_observers_max",
             Wait::Lock => "lock_waits_max",
+            Wait::QueueClaim => "queue_claim_waits_max",
             Wait::Campaign => "campaign_waits_max",
         };
         client_reasons.push((reason, limits.waits_refused(kind)));
