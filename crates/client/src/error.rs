@@ -276,6 +276,12 @@ mod tests {
             ),
             (Status::not_found("election: no leader"), "not_found"),
             (
+                Status::failed_precondition(
+                    "conclave: job 3 of queue \"q\" is not claimed with fence 7 any more (the claim timed out or ended); its result must not be used",
+                ),
+                "leadership_lost",
+            ),
+            (
                 Status::invalid_argument("etcdserver: key is not provided"),
                 "invalid_argument",
             ),
