@@ -76,7 +76,18 @@ fn conclave(endpoints: &str, client_args: &[String], args: &[&str]) -> (i32, Val
 }
 
 fn assert_tls_refusal(endpoints: &str, client_args: &[String], expected: &str) {
+    assert_refused(endpoints, client_args, expected, false)
+}
+
+/// `server_side`: the server refuses the client's certificate. Under TLS 1.3 its alert may not
+/// reach the client before the connection closes, so the client then reports the closed
+/// connection (`connection_failed`) instead of naming the cause; the refusal itself must hold.
+fn assert_refused(endpoints: &str, client_args: &[String], expected: &str, server_side: bool) {
     let (code, document) = conclave(endpoints, client_args, &["get", "k"]);
+    if server_side && document["code"] == "connection_failed" {
+        assert_eq!(code, 12, "{document}");
+        return;
+    }
     assert_eq!(document["code"], "tls", "{document}");
     assert_eq!(code, 13, "{document}");
     let message = document["message"].as_str().unwrap_or_default();
@@ -219,7 +230,7 @@ async fn clients_that_do_not_fit_the_tls_setup_get_the_tls_code() {
         "not signed by the CA in --cacert",
     );
     // A client certificate from another CA.
-    assert_tls_refusal(
+    assert_refused(
         &https,
         &[
             "--cacert".into(),
@@ -230,11 +241,12 @@ async fn clients_that_do_not_fit_the_tls_setup_get_the_tls_code() {
             other.join("intruder-client-key.pem").display().to_string(),
         ],
         "refused this client's certificate",
+        true,
     );
     // An expired client certificate from the right CA.
     let ca_dir = tls.dir.to_str().expect("UTF-8");
     TestTls::certs(&["issue", "--ca", ca_dir, "--name", "expired", "--kind", "client", "--not-after", "2001-01-01"]);
-    assert_tls_refusal(
+    assert_refused(
         &https,
         &[
             "--cacert".into(),
@@ -245,6 +257,7 @@ async fn clients_that_do_not_fit_the_tls_setup_get_the_tls_code() {
             tls.dir.join("expired-client-key.pem").display().to_string(),
         ],
         "expired",
+        true,
     );
     // The right certificates work against the same node (the refusals were about them).
     let (code, answer) = conclave(&https, &tls.client_args(), &["get", "k"]);
