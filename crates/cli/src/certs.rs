@@ -139,7 +139,8 @@ fn validity(days: u32) -> Result<(time::OffsetDateTime, time::OffsetDateTime), C
 fn parse_date(text: &str) -> Result<time::OffsetDateTime, CliError> {
     let bad = || CliError::Usage(format!("--not-after {text:?} is not a date YYYY-MM-DD"));
     let mut parts = text.split('-');
-    let (Some(y), Some(m), Some(d), None) = (parts.next(), parts.next(), parts.next(), parts.next())
+    let (Some(y), Some(m), Some(d), None) =
+        (parts.next(), parts.next(), parts.next(), parts.next())
     else {
         return Err(bad());
     };
@@ -201,14 +202,18 @@ pub fn issue(
         )));
     }
     let (ca_cert_path, ca_key_path) = ca_paths(ca_dir);
-    let ca_cert = std::fs::read_to_string(&ca_cert_path).map_err(|e| io("read", &ca_cert_path, e))?;
+    let ca_cert =
+        std::fs::read_to_string(&ca_cert_path).map_err(|e| io("read", &ca_cert_path, e))?;
     let ca_key = std::fs::read_to_string(&ca_key_path).map_err(|e| io("read", &ca_key_path, e))?;
     let ca_key = KeyPair::from_pem(&ca_key).map_err(tls_error)?;
     let issuer = Issuer::from_ca_cert_pem(&ca_cert, ca_key).map_err(tls_error)?;
 
     let mut params = CertificateParams::new(Vec::<String>::new()).map_err(tls_error)?;
     params.distinguished_name.push(DnType::CommonName, name);
-    params.key_usages = vec![KeyUsagePurpose::DigitalSignature, KeyUsagePurpose::KeyEncipherment];
+    params.key_usages = vec![
+        KeyUsagePurpose::DigitalSignature,
+        KeyUsagePurpose::KeyEncipherment,
+    ];
     let mut names: Vec<String> = dns.to_vec();
     let mut addresses: Vec<IpAddr> = ips.to_vec();
     match kind {
@@ -231,10 +236,11 @@ pub fn issue(
         }
     }
     for dns_name in names {
-        let san = dns_name
-            .clone()
-            .try_into()
-            .map_err(|_| CliError::Usage(format!("{dns_name:?} is not a DNS name a certificate can carry")))?;
+        let san = dns_name.clone().try_into().map_err(|_| {
+            CliError::Usage(format!(
+                "{dns_name:?} is not a DNS name a certificate can carry"
+            ))
+        })?;
         params.subject_alt_names.push(SanType::DnsName(san));
     }
     params

@@ -277,6 +277,13 @@ heartbeat-ms = 25
 election-timeout-ms = 300
 request-timeout-ms = 900
 peer-secret-file = "/etc/conclave/peer-secret"
+cert-file = "/etc/conclave/server.pem"
+key-file = "/etc/conclave/server-key.pem"
+trusted-ca-file = "/etc/conclave/ca.pem"
+client-cert-auth = true
+peer-cert-file = "/etc/conclave/alpha-peer.pem"
+peer-key-file = "/etc/conclave/alpha-peer-key.pem"
+peer-trusted-ca-file = "/etc/conclave/ca.pem"
 client-connections-max = 100
 client-idle-timeout-ms = 60000
 grpc-streams-per-connection-max = 64
@@ -368,6 +375,15 @@ range-response-bytes-max = 1048576
             Some(std::path::Path::new("/etc/conclave/peer-secret"))
         );
         assert_eq!(args.initial_cluster_state, ClusterState::Existing);
+        assert!(s.tls.client_cert_auth);
+        assert_eq!(
+            s.tls.peer_cert_file.as_deref(),
+            Some(std::path::Path::new("/etc/conclave/alpha-peer.pem"))
+        );
+        assert_eq!(
+            s.tls.trusted_ca_file.as_deref(),
+            Some(std::path::Path::new("/etc/conclave/ca.pem"))
+        );
     }
 
     #[test]

@@ -91,21 +91,52 @@ impl DevTls {
             dir,
         };
         if !tls.ca.exists() {
-            crate::certs::init_ca(&tls.dir, "Conclave dev CA", crate::certs::CA_VALID_DAYS_DEFAULT)?;
+            crate::certs::init_ca(
+                &tls.dir,
+                "Conclave dev CA",
+                crate::certs::CA_VALID_DAYS_DEFAULT,
+            )?;
         }
         let localhost = [std::net::IpAddr::from([127, 0, 0, 1])];
         let localhost_dns = ["localhost".to_string()];
         let days = crate::certs::CERT_VALID_DAYS_DEFAULT;
         use crate::certs::CertKind;
         if !tls.server_cert.exists() {
-            crate::certs::issue(&tls.dir, "server", CertKind::Server, &localhost, &localhost_dns, &tls.dir, None, days)?;
+            crate::certs::issue(
+                &tls.dir,
+                "server",
+                CertKind::Server,
+                &localhost,
+                &localhost_dns,
+                &tls.dir,
+                None,
+                days,
+            )?;
         }
         if !tls.client_cert.exists() {
-            crate::certs::issue(&tls.dir, DEV_CLIENT_NAME, CertKind::Client, &[], &[], &tls.dir, None, days)?;
+            crate::certs::issue(
+                &tls.dir,
+                DEV_CLIENT_NAME,
+                CertKind::Client,
+                &[],
+                &[],
+                &tls.dir,
+                None,
+                days,
+            )?;
         }
         for node in nodes {
             if !tls.peer_cert(node).exists() {
-                crate::certs::issue(&tls.dir, &node.name, CertKind::Peer, &localhost, &[], &tls.dir, None, days)?;
+                crate::certs::issue(
+                    &tls.dir,
+                    &node.name,
+                    CertKind::Peer,
+                    &localhost,
+                    &[],
+                    &tls.dir,
+                    None,
+                    days,
+                )?;
             }
         }
         Ok(tls)

@@ -58,7 +58,11 @@ impl ServeTlsArgs {
                 ));
             }
         };
-        let peer = match (&self.peer_cert_file, &self.peer_key_file, &self.peer_trusted_ca_file) {
+        let peer = match (
+            &self.peer_cert_file,
+            &self.peer_key_file,
+            &self.peer_trusted_ca_file,
+        ) {
             (Some(cert_file), Some(key_file), Some(ca)) => Some(PeerTlsFiles {
                 cert_file: cert_file.clone(),
                 key_file: key_file.clone(),

@@ -276,8 +276,7 @@ impl Inner {
 
     async fn connect_channel(&self, endpoint: &str) -> std::result::Result<Channel, String> {
         let timeout = self.options.connect_timeout;
-        let mut builder = Endpoint::from_shared(endpoint.to_string())
-            .map_err(|e| e.to_string())?;
+        let mut builder = Endpoint::from_shared(endpoint.to_string()).map_err(|e| e.to_string())?;
         if endpoint.starts_with("https://") {
             let config = match &self.options.tls {
                 Some(tls) => tls.config(),

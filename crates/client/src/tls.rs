@@ -52,7 +52,9 @@ impl TlsOptions {
             ));
         }
         Ok(TlsOptions {
-            ca_certificate_pem: ca_certificate.map(|p| read_pem(p, "--cacert")).transpose()?,
+            ca_certificate_pem: ca_certificate
+                .map(|p| read_pem(p, "--cacert"))
+                .transpose()?,
             client_certificate_pem: client_certificate
                 .map(|p| read_pem(p, "--cert"))
                 .transpose()?,
@@ -142,8 +144,7 @@ pub(crate) fn explain_failure(reason: &str, tls: bool, client_certificate: bool)
 }
 
 /// What a plaintext client is told when the server speaks TLS.
-pub(crate) const SPEAKS_TLS: &str =
-    "the server speaks TLS; use an https:// endpoint with --cacert (and --cert and --key if it checks clients)";
+pub(crate) const SPEAKS_TLS: &str = "the server speaks TLS; use an https:// endpoint with --cacert (and --cert and --key if it checks clients)";
 
 /// Whether the server at the plaintext `endpoint` speaks TLS: it answers the HTTP/2 preface
 /// with a TLS alert record (content type 21, version 3.x). Asked only after a plaintext
@@ -178,17 +179,33 @@ mod tests {
     #[test]
     fn tls_failures_get_one_sentence_and_others_none() {
         let expired = "transport error: invalid peer certificate: Expired";
-        assert!(explain_failure(expired, true, false).unwrap().contains("expired"));
+        assert!(
+            explain_failure(expired, true, false)
+                .unwrap()
+                .contains("expired")
+        );
         let foreign = "invalid peer certificate: UnknownIssuer";
-        assert!(explain_failure(foreign, true, false).unwrap().contains("--cacert"));
+        assert!(
+            explain_failure(foreign, true, false)
+                .unwrap()
+                .contains("--cacert")
+        );
         assert!(explain_failure("connection refused", true, false).is_none());
         assert!(explain_failure("connection refused", false, false).is_none());
         let closed = "operation was canceled: connection closed";
-        assert!(explain_failure(closed, true, false).unwrap().contains("--cert"));
+        assert!(
+            explain_failure(closed, true, false)
+                .unwrap()
+                .contains("--cert")
+        );
         assert!(explain_failure(closed, true, true).is_none());
         assert!(explain_failure(closed, false, false).is_none());
         let plaintext = "h2 protocol error: frame with invalid size";
-        assert!(explain_failure(plaintext, false, false).unwrap().contains("https://"));
+        assert!(
+            explain_failure(plaintext, false, false)
+                .unwrap()
+                .contains("https://")
+        );
     }
 
     #[test]

@@ -152,28 +152,28 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> Re
     let keepalive_ms = CLIENT_KEEPALIVE_INTERVAL_MS.min((caps.client_idle_timeout_ms / 3).max(1));
     let router = tonic::transport::Server::builder()
             .http2_keepalive_interval(Some(Duration::from_millis(keepalive_ms)))
-            .max_concurrent_streams(Some(caps.grpc_streams_per_connection_max))
-            .layer(crate::http::GrpcMetricsLayer {
+        .max_concurrent_streams(Some(caps.grpc_streams_per_connection_max))
+        .layer(crate::http::GrpcMetricsLayer {
                 metrics: api.node.metrics_arc(),
             })
-            .add_service(health_service)
-            .add_service(kv)
-            .add_service(
+        .add_service(health_service)
+        .add_service(kv)
+        .add_service(
                 crate::api::auth::AuthService::server(api.clone())
                     .max_decoding_message_size(decode_max),
             )
-            .add_service(maintenance)
-            .add_service(cluster)
-            .add_service(watch)
-            .add_service(crate::api::lease::server(&api, decode_max))
-            .add_service(crate::api::lock::server(&api, decode_max))
-            .add_service(crate::api::election::server(&api, decode_max))
-            .add_service(crate::api::conclave::election_server(&api, decode_max))
-            .add_service(crate::api::conclave::topic_server(&api, decode_max))
-            .add_service(crate::api::conclave::queue_server(&api, decode_max))
-            .add_service(crate::api::conclave::session_server(&api))
-            .add_service(crate::api::conclave::status_server(&api))
-            .add_service(crate::api::cluster::membership_server(&api));
+        .add_service(maintenance)
+        .add_service(cluster)
+        .add_service(watch)
+        .add_service(crate::api::lease::server(&api, decode_max))
+        .add_service(crate::api::lock::server(&api, decode_max))
+        .add_service(crate::api::election::server(&api, decode_max))
+        .add_service(crate::api::conclave::election_server(&api, decode_max))
+        .add_service(crate::api::conclave::topic_server(&api, decode_max))
+        .add_service(crate::api::conclave::queue_server(&api, decode_max))
+        .add_service(crate::api::conclave::session_server(&api))
+        .add_service(crate::api::conclave::status_server(&api))
+        .add_service(crate::api::cluster::membership_server(&api));
     let grpc_shutdown = async move {
         let _ = grpc_stopped.await;
     };
@@ -440,13 +440,17 @@ fn reload_on_hangup(
                 if let Some(client) = &client {
                     match client.reload() {
                         Ok(()) => tracing::info!("client port certificates reloaded"),
-                        Err(error) => tracing::warn!(%error, "client port certificates not reloaded; the previous ones stay in force"),
+                        Err(error) => {
+                            tracing::warn!(%error, "client port certificates not reloaded; the previous ones stay in force")
+                        }
                     }
                 }
                 if let Some(peer) = &peer {
                     match peer.reload() {
                         Ok(()) => tracing::info!("peer port certificates reloaded"),
-                        Err(error) => tracing::warn!(%error, "peer port certificates not reloaded; the previous ones stay in force"),
+                        Err(error) => {
+                            tracing::warn!(%error, "peer port certificates not reloaded; the previous ones stay in force")
+                        }
                     }
                 }
             }

@@ -91,8 +91,12 @@ pub fn load_certs(path: &Path, what: &str) -> Result<Vec<CertificateDer<'static>
 /// The private key of a PEM file (PKCS#8, PKCS#1 or SEC1).
 pub fn load_key(path: &Path, what: &str) -> Result<PrivateKeyDer<'static>, Error> {
     let pem = read_pem_file(path, what)?;
-    PrivateKeyDer::from_pem_slice(&pem)
-        .map_err(|e| invalid(format!("the {what} {} holds no usable private key: {e}", path.display())))
+    PrivateKeyDer::from_pem_slice(&pem).map_err(|e| {
+        invalid(format!(
+            "the {what} {} holds no usable private key: {e}",
+            path.display()
+        ))
+    })
 }
 
 fn roots(path: &Path, what: &str) -> Result<Arc<rustls::RootCertStore>, Error> {
@@ -121,8 +125,10 @@ pub fn client_port_config(files: &ClientTlsFiles) -> Result<rustls::ServerConfig
         .map_err(|e| invalid(format!("TLS setup: {e}")))?;
     let builder = match &files.trusted_ca_file {
         Some(ca) => {
-            let verifier =
-                rustls::server::WebPkiClientVerifier::builder_with_provider(roots(ca, "--trusted-ca-file")?, provider());
+            let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+                roots(ca, "--trusted-ca-file")?,
+                provider(),
+            );
             // Without --client-cert-auth a certificate is checked when a client offers one,
             // and a client without one is still served (etcd does the same).
             let verifier = if files.client_cert_auth {
@@ -142,9 +148,11 @@ pub fn client_port_config(files: &ClientTlsFiles) -> Result<rustls::ServerConfig
         }
         None => builder.with_no_client_auth(),
     };
-    let mut config = builder
-        .with_single_cert(certs, key)
-        .map_err(|e| invalid(format!("--cert-file and --key-file do not make a usable pair: {e}")))?;
+    let mut config = builder.with_single_cert(certs, key).map_err(|e| {
+        invalid(format!(
+            "--cert-file and --key-file do not make a usable pair: {e}"
+        ))
+    })?;
     config.alpn_protocols = vec![b"h2".to_vec()];
     Ok(config)
 }
@@ -161,21 +169,30 @@ pub fn peer_port_configs(files: &PeerTlsFiles) -> Result<PeerTlsConfigs, Error> 
     let certs = load_certs(&files.cert_file, "--peer-cert-file")?;
     let key = load_key(&files.key_file, "--peer-key-file")?;
     let roots = roots(&files.trusted_ca_file, "--peer-trusted-ca-file")?;
-    let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(roots.clone(), provider())
-        .build()
-        .map_err(|e| invalid(format!("--peer-trusted-ca-file: {e}")))?;
+    let verifier =
+        rustls::server::WebPkiClientVerifier::builder_with_provider(roots.clone(), provider())
+            .build()
+            .map_err(|e| invalid(format!("--peer-trusted-ca-file: {e}")))?;
     let listener = rustls::ServerConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()
         .map_err(|e| invalid(format!("TLS setup: {e}")))?
         .with_client_cert_verifier(verifier)
         .with_single_cert(certs.clone(), key.clone_key())
-        .map_err(|e| invalid(format!("--peer-cert-file and --peer-key-file do not make a usable pair: {e}")))?;
+        .map_err(|e| {
+            invalid(format!(
+                "--peer-cert-file and --peer-key-file do not make a usable pair: {e}"
+            ))
+        })?;
     let dialer = rustls::ClientConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()
         .map_err(|e| invalid(format!("TLS setup: {e}")))?
         .with_root_certificates(roots)
         .with_client_auth_cert(certs, key)
-        .map_err(|e| invalid(format!("--peer-cert-file and --peer-key-file do not make a usable pair: {e}")))?;
+        .map_err(|e| {
+            invalid(format!(
+                "--peer-cert-file and --peer-key-file do not make a usable pair: {e}"
+            ))
+        })?;
     Ok(PeerTlsConfigs {
         listener: Arc::new(listener),
         dialer: Arc::new(dialer),

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, Subcommand};
-use conclave_client::{TlsOptions, Error, ErrorContext};
+use conclave_client::{Error, ErrorContext, TlsOptions};
 use conclave_proto::etcdserverpb::cluster_client::ClusterClient;
 use conclave_proto::etcdserverpb::maintenance_client::MaintenanceClient;
 use conclave_proto::etcdserverpb::{

@@ -82,13 +82,31 @@ pub struct GlobalArgs {
     pub timeout: Option<String>,
     /// CA certificate (PEM) that signed the servers' certificates; with it a bare host:port
     /// endpoint uses TLS (`https://` endpoints always do, `http://` never).
-    #[arg(long = "cacert", id = "tls_cacert", global = true, env = "CONCLAVE_CACERT", value_name = "FILE")]
+    #[arg(
+        long = "cacert",
+        id = "tls_cacert",
+        global = true,
+        env = "CONCLAVE_CACERT",
+        value_name = "FILE"
+    )]
     pub cacert: Option<std::path::PathBuf>,
     /// Client certificate (PEM) for servers started with --client-cert-auth; needs --key.
-    #[arg(long = "cert", id = "tls_cert", global = true, env = "CONCLAVE_CERT", value_name = "FILE")]
+    #[arg(
+        long = "cert",
+        id = "tls_cert",
+        global = true,
+        env = "CONCLAVE_CERT",
+        value_name = "FILE"
+    )]
     pub cert: Option<std::path::PathBuf>,
     /// Private key (PEM) of --cert.
-    #[arg(long = "key", id = "tls_key", global = true, env = "CONCLAVE_KEY", value_name = "FILE")]
+    #[arg(
+        long = "key",
+        id = "tls_key",
+        global = true,
+        env = "CONCLAVE_KEY",
+        value_name = "FILE"
+    )]
     pub key: Option<std::path::PathBuf>,
 }
 

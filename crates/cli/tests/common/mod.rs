@@ -107,10 +107,32 @@ impl TestTls {
     pub fn make(dir: &std::path::Path, members: &[String]) -> TestTls {
         let d = dir.to_str().expect("UTF-8 test path");
         TestTls::certs(&["init", d]);
-        TestTls::certs(&["issue", "--ca", d, "--name", "server", "--kind", "server", "--ip", "127.0.0.1", "--dns", "localhost"]);
+        TestTls::certs(&[
+            "issue",
+            "--ca",
+            d,
+            "--name",
+            "server",
+            "--kind",
+            "server",
+            "--ip",
+            "127.0.0.1",
+            "--dns",
+            "localhost",
+        ]);
         TestTls::certs(&["issue", "--ca", d, "--name", "client", "--kind", "client"]);
         for member in members {
-            TestTls::certs(&["issue", "--ca", d, "--name", member, "--kind", "peer", "--ip", "127.0.0.1"]);
+            TestTls::certs(&[
+                "issue",
+                "--ca",
+                d,
+                "--name",
+                member,
+                "--kind",
+                "peer",
+                "--ip",
+                "127.0.0.1",
+            ]);
         }
         TestTls {
             dir: dir.to_path_buf(),

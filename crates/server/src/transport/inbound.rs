@@ -27,15 +27,15 @@ use tokio::task::JoinSet;
 use tracing::{debug, info, warn};
 
 use super::TransportConfig;
-use super::tls::PeerStream;
-use rustls_pki_types::CertificateDer;
 use super::auth::{self, Transcript};
 use super::frame::{
     self, Frame, FrameReader, HANDSHAKE_FRAME_BYTES_MAX, Hello, HelloAccepted, HelloChallenge,
     HelloRejected, MAX_PEER_FRAME_BYTES,
 };
 use super::outbound::frame_name;
+use super::tls::PeerStream;
 use crate::error::Error;
+use rustls_pki_types::CertificateDer;
 
 /// A message received from a peer: the authenticated sender and the message itself.
 pub type InboundMessage = (NodeId, Message);
@@ -309,7 +309,10 @@ impl Connection<'_> {
             }
             Ok(Err(error)) => {
                 if matches!(error, Error::PeerTls { .. }) {
-                    self.state.stats.tls_refusals.fetch_add(1, Ordering::Relaxed);
+                    self.state
+                        .stats
+                        .tls_refusals
+                        .fetch_add(1, Ordering::Relaxed);
                 }
                 self.state.warn_handshake(&self.remote, &error);
                 return Err(error);

@@ -20,9 +20,9 @@ use tokio::task::JoinHandle;
 use tracing::{debug, info, warn};
 
 use super::TransportConfig;
-use super::tls::PeerStream;
 use super::auth::{self, Transcript};
 use super::frame::{self, Frame, FrameReader, HANDSHAKE_FRAME_BYTES_MAX, Hello, HelloProof};
+use super::tls::PeerStream;
 use crate::error::Error;
 
 /// Messages taken from the queue in one go; they are encoded into one buffer and written with

@@ -73,7 +73,9 @@ impl PeerTls {
         stream: TcpStream,
     ) -> Result<PeerStream, Error> {
         let name = self.member_name(peer).ok_or_else(|| Error::PeerTls {
-            reason: format!("the name of member {peer} is not known, so its certificate cannot be checked"),
+            reason: format!(
+                "the name of member {peer} is not known, so its certificate cannot be checked"
+            ),
         })?;
         let server_name = ServerName::try_from(name.clone()).map_err(|_| Error::PeerTls {
             reason: format!("member name {name:?} is not a DNS name a certificate can carry"),
@@ -95,9 +97,12 @@ impl PeerTls {
         stream: TcpStream,
     ) -> Result<(PeerStream, CertificateDer<'static>), Error> {
         let acceptor = tokio_rustls::TlsAcceptor::from(self.port.current().listener);
-        let stream = acceptor.accept(stream).await.map_err(|error| Error::PeerTls {
-            reason: format!("TLS handshake failed: {error}"),
-        })?;
+        let stream = acceptor
+            .accept(stream)
+            .await
+            .map_err(|error| Error::PeerTls {
+                reason: format!("TLS handshake failed: {error}"),
+            })?;
         let certificate = stream
             .get_ref()
             .1
