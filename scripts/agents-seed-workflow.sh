@@ -60,14 +60,19 @@ as_agent() { n=$1; shift; CONCLAVE_ENDPOINTS=$(agent_endpoint "$n") "$CONCLAVE_B
 
 for n in 1 2 3; do
     # seed: AGENT_ID=$(pilotctl --json info | jq -r '.node_id')
-    AGENT_ID=$(as_agent "$n" --json info | jq -r '.data.node_id')
+    # `info` names the member this client talks to (the Raft leader, which clients prefer);
+    # agents sharing a cluster add their own part to be unique.
+    NODE_ID=$(as_agent "$n" --json info | jq -r '.data.node_id')
+    conclave --json member list | check "agent $n's node_id $NODE_ID is a member" \
+        "[.data.members[].id] | index(\"$NODE_ID\") != null"
+    AGENT_ID="node$NODE_ID-agent$n"
     step "agent $n: AGENT_ID=$AGENT_ID"
-    [ "$AGENT_ID" = "$n" ] || fail "agent $n's info gave node_id $AGENT_ID"
+    eval "AGENT_ID_$n=$AGENT_ID"
     # seed: PRIORITY=$(echo -n "$AGENT_ID" | cksum | cut -d' ' -f1)
     PRIORITY=$(printf '%s' "$AGENT_ID" | cksum | cut -d' ' -f1)
     eval "PRIORITY_$n=$PRIORITY"
     # Follow the election topic, so that `inbox` without a topic reads it.
-    as_agent "$n" --json ack --consumer "agent-$AGENT_ID" "$TOPIC" 0 \
+    as_agent "$n" --json ack --consumer "$AGENT_ID" "$TOPIC" 0 \
         | check "agent $n follows $TOPIC" '.status == "ok"'
     # seed: pilotctl --json publish "$REGISTRY_HOST" "election:$ELECTION_GROUP" --data "{...}"
     as_agent "$n" --json publish "$TOPIC" \
@@ -76,13 +81,16 @@ for n in 1 2 3; do
 done
 
 # The highest priority (ties to the smallest id), computed here to check both ways below.
-EXPECTED=$(for n in 1 2 3; do eval "echo \"\$PRIORITY_$n $n\""; done | sort -k1,1nr -k2,2n | head -1 | cut -d' ' -f2)
-SECOND=$(for n in 1 2 3; do eval "echo \"\$PRIORITY_$n $n\""; done | sort -k1,1nr -k2,2n | sed -n 2p | cut -d' ' -f2)
+ranked() { for n in 1 2 3; do eval "echo \"\$PRIORITY_$n \$AGENT_ID_$n $n\""; done | LC_ALL=C sort -k1,1nr -k2,2; }
+EXPECTED_N=$(ranked | sed -n 1p | cut -d' ' -f3)
+SECOND_N=$(ranked | sed -n 2p | cut -d' ' -f3)
+eval "EXPECTED=\$AGENT_ID_$EXPECTED_N"
+eval "SECOND=\$AGENT_ID_$SECOND_N"
 
 step "the seed's inbox scan for the highest priority"
 # seed: HIGHEST=$(pilotctl --json inbox | jq -r '[.messages[] | select(.topic == ... and
 #       .payload.type == "election")] | sort_by(.payload.priority) | last | .payload.candidate')
-HIGHEST=$(as_agent 1 --json inbox --consumer agent-1 \
+HIGHEST=$(as_agent 1 --json inbox --consumer "$AGENT_ID_1" \
     | jq -r '[.data.messages[] | select(.topic == "election:'$ELECTION_GROUP'" and .data.type == "election")] | sort_by(.data.priority) | last | .data.candidate')
 [ "$HIGHEST" = "$EXPECTED" ] || fail "the inbox scan found $HIGHEST, expected $EXPECTED"
 printf '   ok: HIGHEST=%s\n' "$HIGHEST"
@@ -94,7 +102,8 @@ for n in 3 1 2; do
     LEASE=$(as_agent "$n" --json lease grant 30 | jq -r '.data.id')
     eval "LEASE_$n=$LEASE"
     eval "PRIORITY=\$PRIORITY_$n"
-    as_agent "$n" --json elect campaign "$ELECTION_GROUP" --id "$n" --priority "$PRIORITY" \
+    eval "AGENT_ID=\$AGENT_ID_$n"
+    as_agent "$n" --json elect campaign "$ELECTION_GROUP" --id "$AGENT_ID" --priority "$PRIORITY" \
         --value "agent-$n" --lease "$LEASE" --no-wait \
         | check "agent $n registered" '.status == "ok"'
 done
@@ -108,23 +117,23 @@ conclave --json elect leader "$ELECTION_GROUP" \
         ".data.leader == \"$EXPECTED\" and (.data.elected_at | test(\"Z$\")) and .data.fence > 0"
 TERM_NOW=$(conclave --json elect leader "$ELECTION_GROUP" | jq -r '.data.term')
 ELECTED_AT=$(conclave --json elect leader "$ELECTION_GROUP" | jq -r '.data.elected_at')
-as_agent "$EXPECTED" --json publish "$TOPIC" \
+as_agent "$EXPECTED_N" --json publish "$TOPIC" \
     --data "{\"type\":\"leader\",\"leader\":\"$EXPECTED\",\"term\":$TERM_NOW,\"elected_at\":\"$ELECTED_AT\"}" \
     | check "the leader announced itself" '.status == "ok"'
 
 step "heartbeats"
 # seed: pilotctl --json publish ... --data "{\"type\":\"heartbeat\",...,\"timestamp\":\"$(date -u +%s)\"}"
-eval "LEASE=\$LEASE_$EXPECTED"
+eval "LEASE=\$LEASE_$EXPECTED_N"
 printf '{"type":"heartbeat","leader":"%s","term":%s,"timestamp":"%s"}\n' "$EXPECTED" "$TERM_NOW" "$(date -u +%s)" \
-    | as_agent "$EXPECTED" --json publish "$TOPIC" \
+    | as_agent "$EXPECTED_N" --json publish "$TOPIC" \
     | check "a heartbeat message published from stdin" '.status == "ok"'
-as_agent "$EXPECTED" --json lease keepalive "$LEASE" --once \
+as_agent "$EXPECTED_N" --json lease keepalive "$LEASE" --once \
     | check "the leader's real heartbeat: its lease keepalive" '.data.ttl == 30'
 
 step "detect leader failure"
 # seed: LAST_HEARTBEAT=$(pilotctl --json inbox | jq -r '[.messages[] | select(.topic == ... and
 #       .payload.type == "heartbeat")] | sort_by(.payload.timestamp) | last | .payload.timestamp')
-LAST_HEARTBEAT=$(as_agent 2 --json inbox --consumer agent-2 \
+LAST_HEARTBEAT=$(as_agent 2 --json inbox --consumer "$AGENT_ID_2" \
     | jq -r '[.data.messages[] | select(.topic == "election:'$ELECTION_GROUP'" and .data.type == "heartbeat")] | sort_by(.data.timestamp) | last | .data.timestamp')
 ELAPSED=$(( $(date -u +%s) - LAST_HEARTBEAT ))
 [ "$ELAPSED" -le 10 ] || fail "the last heartbeat message is $ELAPSED s old"
@@ -136,9 +145,9 @@ conclave --json elect candidates "$ELECTION_GROUP" \
 
 step "the leader dies; the next priority takes over at once with a higher fence"
 FENCE=$(conclave --json elect leader "$ELECTION_GROUP" | jq -r '.data.fence')
-as_agent "$EXPECTED" --json lease revoke "$LEASE" | check "the leader's lease is gone" '.data.revoked'
+as_agent "$EXPECTED_N" --json lease revoke "$LEASE" | check "the leader's lease is gone" '.data.revoked'
 conclave --json elect leader "$ELECTION_GROUP" \
-    | check "agent $SECOND leads with a higher fence" \
+    | check "$SECOND leads with a higher fence" \
         ".data.leader == \"$SECOND\" and .data.fence > $FENCE"
 
 step "the seed workflow ran as written"

@@ -163,6 +163,8 @@ impl Default for CampaignOptions {
 
 /// Why a leadership ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
+// One value per lost leadership: its size does not matter, boxing would only burden callers.
+#[allow(clippy::large_enum_variant)]
 pub enum LossReason {
     /// [`Leadership::resign`] was called.
     Resigned,

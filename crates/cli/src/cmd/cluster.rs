@@ -465,31 +465,6 @@ pub async fn snapshot(ctx: &Ctx, command: SnapshotCommand) -> CmdResult {
     Ok(0)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn answer(leader: u64, term: u64) -> StatusResponse {
-        StatusResponse {
-            leader,
-            raft_term: term,
-            ..Default::default()
-        }
-    }
-
-    #[test]
-    fn the_highest_term_names_the_leader_and_a_named_leader_beats_none() {
-        let stale_then_new = [answer(1, 3), answer(2, 4), answer(1, 3)];
-        assert_eq!(reported_leader(stale_then_new.iter()), (2, 4));
-        // A member that has just moved to term 4 knows no leader yet; its peer does.
-        for order in [[answer(0, 4), answer(2, 4)], [answer(2, 4), answer(0, 4)]] {
-            assert_eq!(reported_leader(order.iter()), (2, 4));
-        }
-        assert_eq!(reported_leader([answer(0, 5), answer(2, 4)].iter()), (0, 5));
-        assert_eq!(reported_leader(std::iter::empty()), (0, 0));
-    }
-}
-
 /// `info`: who this client talks to, as the seed's `pilotctl info` tells an agent its id.
 pub async fn info(ctx: &Ctx) -> CmdResult {
     let client = ctx.connect().await?;
@@ -529,4 +504,29 @@ pub async fn info(ctx: &Ctx) -> CmdResult {
         },
     );
     Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn answer(leader: u64, term: u64) -> StatusResponse {
+        StatusResponse {
+            leader,
+            raft_term: term,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn the_highest_term_names_the_leader_and_a_named_leader_beats_none() {
+        let stale_then_new = [answer(1, 3), answer(2, 4), answer(1, 3)];
+        assert_eq!(reported_leader(stale_then_new.iter()), (2, 4));
+        // A member that has just moved to term 4 knows no leader yet; its peer does.
+        for order in [[answer(0, 4), answer(2, 4)], [answer(2, 4), answer(0, 4)]] {
+            assert_eq!(reported_leader(order.iter()), (2, 4));
+        }
+        assert_eq!(reported_leader([answer(0, 5), answer(2, 4)].iter()), (0, 5));
+        assert_eq!(reported_leader(std::iter::empty()), (0, 0));
+    }
 }

@@ -268,7 +268,7 @@ impl Election for ElectionService {
         if message.group.is_empty() {
             return Err(invalid("the group name must not be empty"));
         }
-        let wanted = message.policy.clone().unwrap_or_default();
+        let wanted = message.policy.unwrap_or_default();
         let preempt = match cv1::PreemptPolicy::try_from(wanted.preempt_policy) {
             Ok(cv1::PreemptPolicy::Always) => true,
             Ok(cv1::PreemptPolicy::Higher | cv1::PreemptPolicy::Unspecified) => false,
