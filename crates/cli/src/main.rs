@@ -318,6 +318,8 @@ impl ServeArgs {
         config.request_timeout_ms = self.request_timeout_ms;
         config.peer_secret_file = self.peer_secret_file.clone();
         (config.client_tls, config.peer_tls) = self.tls.to_files()?;
+        // etcd's common-name authentication rides on the client TLS flag of the same name.
+        config.auth.client_cert_auth = self.tls.client_cert_auth;
         config.client_limits = self.client_limits.to_limits();
         self.auth.apply(&mut config.auth)?;
         config.auto_compaction = self.auto_compaction()?;

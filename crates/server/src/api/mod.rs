@@ -97,7 +97,8 @@ impl CallContext {
                 .and_then(|value| value.to_str().ok())
                 .filter(|token| token.len() <= auth::TOKEN_BYTES_MAX)
                 .map(Arc::from),
-            cert_user: None,
+            // Used as the user only with --client-cert-auth (docs/security.md).
+            cert_user: tls::client_common_name(request).map(Arc::from),
         }
     }
 
