@@ -13,8 +13,8 @@ mod lease;
 mod lock;
 pub mod output;
 mod repair;
-mod topic;
 pub mod top;
+mod topic;
 mod txn;
 
 use std::time::Duration;
