@@ -516,7 +516,9 @@ fn main() {
         Some(level) => match tracing_subscriber::EnvFilter::try_new(level) {
             Ok(filter) => filter,
             Err(error) => {
-                eprintln!("conclave: error: --log-level {level:?} is not a level or filter: {error}");
+                eprintln!(
+                    "conclave: error: --log-level {level:?} is not a level or filter: {error}"
+                );
                 std::process::exit(cmd::exit_code("invalid_argument"));
             }
         },

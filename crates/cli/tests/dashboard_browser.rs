@@ -47,10 +47,14 @@ fn chromedriver_path() -> PathBuf {
 }
 
 fn chromium_binary() -> Option<String> {
-    ["/usr/bin/chromium", "/usr/bin/chromium-browser", "/usr/bin/google-chrome"]
-        .into_iter()
-        .find(|path| std::path::Path::new(path).is_file())
-        .map(str::to_owned)
+    [
+        "/usr/bin/chromium",
+        "/usr/bin/chromium-browser",
+        "/usr/bin/google-chrome",
+    ]
+    .into_iter()
+    .find(|path| std::path::Path::new(path).is_file())
+    .map(str::to_owned)
 }
 
 /// `conclave elect campaign GROUP --id ID --priority P`, holding the seat until killed.
@@ -87,10 +91,8 @@ async fn group_leader(cluster: &Cluster) -> Option<String> {
 
 async fn get(url: &str) -> Option<(u16, String)> {
     use http_body_util::{BodyExt, Empty};
-    let client = hyper_util::client::legacy::Client::builder(
-        hyper_util::rt::TokioExecutor::new(),
-    )
-    .build_http::<Empty<bytes::Bytes>>();
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<Empty<bytes::Bytes>>();
     let answer = tokio::time::timeout(Duration::from_secs(3), client.get(url.parse().ok()?))
         .await
         .ok()?
@@ -123,13 +125,21 @@ async fn page_rows(browser: &fantoccini::Client) -> (Vec<(String, String)>, Vec<
             .map(r => [r.dataset.key, r.children[id === 'members' ? 2 : 1].textContent]);
         return {members: rows('members'), groups: rows('groups')};
     "#;
-    let shown = browser.execute(script, vec![]).await.expect("read the page");
+    let shown = browser
+        .execute(script, vec![])
+        .await
+        .expect("read the page");
     let pairs = |key: &str| -> Vec<(String, String)> {
         shown[key]
             .as_array()
             .map(|rows| {
                 rows.iter()
-                    .map(|r| (r[0].as_str().unwrap_or("").to_owned(), r[1].as_str().unwrap_or("").to_owned()))
+                    .map(|r| {
+                        (
+                            r[0].as_str().unwrap_or("").to_owned(),
+                            r[1].as_str().unwrap_or("").to_owned(),
+                        )
+                    })
                     .collect()
             })
             .unwrap_or_default()

@@ -57,12 +57,7 @@ async fn metric(cluster: &Cluster, id: u64, name: &str) -> f64 {
 }
 
 /// Waits until `check` holds for member `id`'s metric `name`; returns the value.
-async fn wait_metric(
-    cluster: &Cluster,
-    id: u64,
-    name: &str,
-    check: impl Fn(f64) -> bool,
-) -> f64 {
+async fn wait_metric(cluster: &Cluster, id: u64, name: &str, check: impl Fn(f64) -> bool) -> f64 {
     let start = Instant::now();
     loop {
         let value = metric(cluster, id, name).await;
@@ -79,7 +74,9 @@ async fn wait_metric(
 }
 
 async fn grpc_health(cluster: &Cluster, id: u64) -> Option<ServingStatus> {
-    let channel = Channel::from_shared(cluster.endpoint(id)).ok()?.connect_lazy();
+    let channel = Channel::from_shared(cluster.endpoint(id))
+        .ok()?
+        .connect_lazy();
     let mut client = HealthClient::new(channel);
     let mut request = tonic::Request::new(HealthCheckRequest {
         service: String::new(),
@@ -128,9 +125,12 @@ async fn metrics_follow_load_leader_changes_and_lost_quorum() {
         |v| v >= committed_before + PUTS as f64,
     )
     .await;
-    let applied = wait_metric(&cluster, follower, "etcd_server_proposals_applied_total", |v| {
-        v >= committed_before + PUTS as f64
-    })
+    let applied = wait_metric(
+        &cluster,
+        follower,
+        "etcd_server_proposals_applied_total",
+        |v| v >= committed_before + PUTS as f64,
+    )
     .await;
     let puts_after = sample(&scrape(&cluster, follower).await, puts_label).unwrap_or(0.0);
     assert!(
@@ -138,7 +138,12 @@ async fn metrics_follow_load_leader_changes_and_lost_quorum() {
         "grpc_server_handled_total for Put rose by {} only",
         puts_after - puts_before
     );
-    let fsyncs = metric(&cluster, leader, "etcd_disk_wal_fsync_duration_seconds_count").await;
+    let fsyncs = metric(
+        &cluster,
+        leader,
+        "etcd_disk_wal_fsync_duration_seconds_count",
+    )
+    .await;
     assert!(fsyncs >= 1.0, "the leader's fsyncs are not timed");
     eprintln!(
         "committed {committed_before} -> {committed}, follower applied {applied}, {fsyncs} fsyncs timed"
@@ -169,10 +174,15 @@ async fn metrics_follow_load_leader_changes_and_lost_quorum() {
     let (status, body) = get(&format!("{}/health", cluster.metrics_url(follower)))
         .await
         .expect("health answers");
-    assert_eq!((status, body.trim()), (200, r#"{"health":"true","reason":""}"#));
+    assert_eq!(
+        (status, body.trim()),
+        (200, r#"{"health":"true","reason":""}"#)
+    );
 
     // ---- lost quorum: the last member has no leader, and every endpoint says so -----------
-    let last = (1..=3).find(|&id| id != leader && id != new_leader).unwrap();
+    let last = (1..=3)
+        .find(|&id| id != leader && id != new_leader)
+        .unwrap();
     cluster.kill(new_leader);
     wait_metric(&cluster, last, "etcd_server_has_leader", |v| v == 0.0).await;
     let (status, body) = get(&format!("{}/health", cluster.metrics_url(last)))
@@ -187,7 +197,10 @@ async fn metrics_follow_load_leader_changes_and_lost_quorum() {
     assert!(body.contains("no leader"), "{body}");
     let start = Instant::now();
     while grpc_health(&cluster, last).await != Some(ServingStatus::NotServing) {
-        assert!(start.elapsed() < SETTLE, "grpc.health.v1 still SERVING without a leader");
+        assert!(
+            start.elapsed() < SETTLE,
+            "grpc.health.v1 still SERVING without a leader"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
@@ -203,7 +216,10 @@ async fn readyz_and_top_json_answer_on_a_healthy_cluster() {
             if matches!(&answer, Some((200, body)) if body.trim() == "ok") {
                 break;
             }
-            assert!(start.elapsed() < SETTLE, "member {id} never ready: {answer:?}");
+            assert!(
+                start.elapsed() < SETTLE,
+                "member {id} never ready: {answer:?}"
+            );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }

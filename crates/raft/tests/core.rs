@@ -537,7 +537,10 @@ fn leader_change_reasons_tell_elections_transfers_and_step_downs_apart() {
     net.elect(1);
     let (reason, votes) = net.node(1).leader_change();
     assert_eq!(reason, LeaderChangeReason::ElectionTimeout);
-    assert!(votes.contains(&1) && votes.len() >= 2, "a quorum voted: {votes:?}");
+    assert!(
+        votes.contains(&1) && votes.len() >= 2,
+        "a quorum voted: {votes:?}"
+    );
     for id in 2..=3 {
         let (reason, _) = net.node(id).leader_change();
         assert!(

@@ -126,7 +126,9 @@ pub enum Error {
     ClientListen { address: String, source: io::Error },
 
     /// The metrics address cannot be listened on.
-    #[error("cannot listen for metrics on {address} (--listen-metrics; `none` turns it off): {source}")]
+    #[error(
+        "cannot listen for metrics on {address} (--listen-metrics; `none` turns it off): {source}"
+    )]
     MetricsListen { address: String, source: io::Error },
 
     /// The write-ahead log or a snapshot failed (I/O, corruption, directory locked).

@@ -111,15 +111,21 @@ pub async fn serve(
     }
 }
 
-fn full(status: StatusCode, content_type: &'static str, body: impl Into<Bytes>) -> Response<HttpBody> {
+fn full(
+    status: StatusCode,
+    content_type: &'static str,
+    body: impl Into<Bytes>,
+) -> Response<HttpBody> {
     let mut response = Response::new(Full::new(body.into()).boxed());
     *response.status_mut() = status;
-    response
-        .headers_mut()
-        .insert(header::CONTENT_TYPE, header::HeaderValue::from_static(content_type));
-    response
-        .headers_mut()
-        .insert(header::CACHE_CONTROL, header::HeaderValue::from_static("no-store"));
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static(content_type),
+    );
+    response.headers_mut().insert(
+        header::CACHE_CONTROL,
+        header::HeaderValue::from_static("no-store"),
+    );
     response
 }
 
@@ -207,7 +213,9 @@ pub async fn readiness(state: &HttpState) -> Result<(), String> {
         let ask = client.status(StatusRequest {});
         match tokio::time::timeout(Duration::from_millis(MEMBER_STATUS_TIMEOUT_MS), ask).await {
             Ok(Ok(answer)) => answer.into_inner().raft_index,
-            Ok(Err(error)) => return Err(format!("the leader did not answer: {}", error.message())),
+            Ok(Err(error)) => {
+                return Err(format!("the leader did not answer: {}", error.message()));
+            }
             Err(_) => return Err("the leader did not answer in time".into()),
         }
     };
@@ -454,10 +462,17 @@ mod tests {
     fn method_labels_follow_grpc_paths_and_bound_unknown_ones() {
         let put = method_labels("/etcdserverpb.KV/Put");
         assert_eq!(
-            (put.grpc_type, put.grpc_service.as_str(), put.grpc_method.as_str()),
+            (
+                put.grpc_type,
+                put.grpc_service.as_str(),
+                put.grpc_method.as_str()
+            ),
             ("unary", "etcdserverpb.KV", "Put")
         );
-        assert_eq!(method_labels("/etcdserverpb.Watch/Watch").grpc_type, "bidi_stream");
+        assert_eq!(
+            method_labels("/etcdserverpb.Watch/Watch").grpc_type,
+            "bidi_stream"
+        );
         let odd = method_labels(&format!("/{}/x", "s".repeat(100)));
         assert_eq!(odd.grpc_service, "unknown");
         assert_eq!(code_name(b"14"), "Unavailable");

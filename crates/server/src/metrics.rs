@@ -225,7 +225,9 @@ pub fn render(api: &Api, peers: &PeerListenerState) -> String {
     registry.register(
         "etcd_server_has_leader",
         "Whether or not a leader exists. 1 is existence, 0 is not.",
-        gauge(i64::from(status.leader.is_some() && status.stopped.is_none())),
+        gauge(i64::from(
+            status.leader.is_some() && status.stopped.is_none(),
+        )),
     );
     registry.register(
         "etcd_server_is_leader",
@@ -383,12 +385,18 @@ pub fn render(api: &Api, peers: &PeerListenerState) -> String {
     let stats = &peers.stats;
     let peer_reasons: [(&'static str, u64); 9] = [
         ("core_refused", status.refused_peer_messages),
-        ("handshake_refused", stats.handshakes_refused.load(Ordering::Relaxed)),
+        (
+            "handshake_refused",
+            stats.handshakes_refused.load(Ordering::Relaxed),
+        ),
         (
             "authentication_failed",
             stats.authentication_failures.load(Ordering::Relaxed),
         ),
-        ("handshake_timeout", stats.handshake_timeouts.load(Ordering::Relaxed)),
+        (
+            "handshake_timeout",
+            stats.handshake_timeouts.load(Ordering::Relaxed),
+        ),
         (
             "handshakes_over_limit",
             stats.handshakes_over_limit.load(Ordering::Relaxed),
@@ -401,7 +409,10 @@ pub fn render(api: &Api, peers: &PeerListenerState) -> String {
             "connection_idle_closed",
             stats.connections_idle_closed.load(Ordering::Relaxed),
         ),
-        ("wrong_sender", stats.messages_wrong_sender.load(Ordering::Relaxed)),
+        (
+            "wrong_sender",
+            stats.messages_wrong_sender.load(Ordering::Relaxed),
+        ),
         (
             "wrong_recipient",
             stats.messages_wrong_recipient.load(Ordering::Relaxed),
@@ -430,7 +441,10 @@ pub fn render(api: &Api, peers: &PeerListenerState) -> String {
             "idle_timeout",
             client_stats.connections_idle_closed.load(Ordering::Relaxed),
         ),
-        ("watches_max", client_stats.watches_refused.load(Ordering::Relaxed)),
+        (
+            "watches_max",
+            client_stats.watches_refused.load(Ordering::Relaxed),
+        ),
         (
             "lease_keepalive_streams_max",
             client_stats

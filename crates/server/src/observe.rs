@@ -69,10 +69,11 @@ fn lock_queues_capped(api: &Api) -> (Vec<LockQueue>, bool) {
         let key = String::from_utf8_lossy(&kv.key).into_owned();
         let suffix = format!("/{:x}", kv.lease);
         if let Some(name) = key.strip_suffix(&suffix).filter(|n| !n.is_empty()) {
-            queues
-                .entry(name.to_owned())
-                .or_default()
-                .push((key.clone(), kv.lease, kv.create_revision));
+            queues.entry(name.to_owned()).or_default().push((
+                key.clone(),
+                kv.lease,
+                kv.create_revision,
+            ));
         }
     }
     let queues = queues
@@ -317,7 +318,9 @@ impl Overview {
                 .take(OVERVIEW_ROWS_MAX)
                 .map(|name| {
                     let read = topics.read(name, u64::MAX, 1);
-                    let depth = read.last_seq.saturating_sub(read.first_seq.saturating_sub(1));
+                    let depth = read
+                        .last_seq
+                        .saturating_sub(read.first_seq.saturating_sub(1));
                     let lags: Vec<Value> = consumers
                         .get(name)
                         .map(|list| {

@@ -15,8 +15,8 @@ mod lock;
 pub mod output;
 mod queue;
 mod repair;
-mod topic;
 pub mod top;
+mod topic;
 mod txn;
 
 use std::time::Duration;

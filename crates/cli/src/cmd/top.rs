@@ -95,13 +95,19 @@ fn base_url(endpoints: &str, metrics: Option<&str>) -> Result<String, Failure> {
 
 async fn fetch(base: &str) -> Result<Value, Failure> {
     let url = format!("{base}/api/v1/overview");
-    let uri: hyper::Uri = url
-        .parse()
-        .map_err(|e| Failure::new("invalid_argument", format!("bad metrics address {base:?}: {e}")))?;
+    let uri: hyper::Uri = url.parse().map_err(|e| {
+        Failure::new(
+            "invalid_argument",
+            format!("bad metrics address {base:?}: {e}"),
+        )
+    })?;
     let client = Client::builder(TokioExecutor::new()).build_http::<Empty<bytes::Bytes>>();
     let unavailable = |what: String| Failure::new("unavailable", format!("{url}: {what}"));
     let answer = tokio::time::timeout(Duration::from_millis(TOP_REQUEST_TIMEOUT_MS), async {
-        let response = client.get(uri).await.map_err(|e| unavailable(e.to_string()))?;
+        let response = client
+            .get(uri)
+            .await
+            .map_err(|e| unavailable(e.to_string()))?;
         let status = response.status();
         let body = http_body_util::Limited::new(response.into_body(), TOP_ANSWER_BYTES_MAX)
             .collect()
@@ -115,7 +121,11 @@ async fn fetch(base: &str) -> Result<Value, Failure> {
             .map_err(|e| unavailable(format!("not an overview document: {e}")))
     })
     .await;
-    answer.unwrap_or_else(|_| Err(unavailable(format!("no answer within {TOP_REQUEST_TIMEOUT_MS} ms"))))
+    answer.unwrap_or_else(|_| {
+        Err(unavailable(format!(
+            "no answer within {TOP_REQUEST_TIMEOUT_MS} ms"
+        )))
+    })
 }
 
 fn text(value: &Value) -> String {
@@ -168,7 +178,9 @@ pub fn render(overview: &Value, out: &Output) -> String {
         })
         .collect();
     screen += &out.table(
-        &["ID", "NAME", "ROLE", "TERM", "COMMIT", "APPLIED", "LAG", "HEALTH"],
+        &[
+            "ID", "NAME", "ROLE", "TERM", "COMMIT", "APPLIED", "LAG", "HEALTH",
+        ],
         &members,
     );
     screen += "\n\n";
@@ -193,7 +205,15 @@ pub fn render(overview: &Value, out: &Output) -> String {
         })
         .collect();
     screen += &out.table(
-        &["GROUP", "LEADER", "PRIORITY", "FENCE", "TERM", "KEEPALIVE", "CANDIDATES"],
+        &[
+            "GROUP",
+            "LEADER",
+            "PRIORITY",
+            "FENCE",
+            "TERM",
+            "KEEPALIVE",
+            "CANDIDATES",
+        ],
         &groups,
     );
     screen += "\n\n";

@@ -701,7 +701,9 @@ impl<M: ReplicatedMachine, S: NodeStore> NodeCore<M, S> {
         if let Some(soft) = ready.soft_state {
             tracing::info!(
                 role = role_name(soft.role),
-                leader = soft.leader.map_or_else(|| "none".to_owned(), |l| format!("{l:x}")),
+                leader = soft
+                    .leader
+                    .map_or_else(|| "none".to_owned(), |l| format!("{l:x}")),
                 term = soft.term,
                 "raft role"
             );

@@ -676,7 +676,9 @@ impl<M: ReplicatedMachine, D: ShellDuties<M>> Driver<M, D> {
         *last_tick = now;
         let config = &self.shell.config;
         let heartbeat_ms = config.tick_ms * config.heartbeat_ticks;
-        if self.core.role() != conclave_raft::Role::Leader || gap_ms <= config.tick_ms + heartbeat_ms {
+        if self.core.role() != conclave_raft::Role::Leader
+            || gap_ms <= config.tick_ms + heartbeat_ms
+        {
             return;
         }
         self.shell.metrics.heartbeats_late.inc();
@@ -865,8 +867,13 @@ impl<M: ReplicatedMachine, D: ShellDuties<M>> Driver<M, D> {
             let (reason, votes) = self.core.raw().leader_change();
             let votes: Vec<String> = votes.iter().map(|id| format!("{id:x}")).collect();
             tracing::info!(
-                previous = self.shell.last_leader.map_or_else(|| "none".to_owned(), |l| format!("{l:x}")),
-                leader = status.leader.map_or_else(|| "none".to_owned(), |l| format!("{l:x}")),
+                previous = self
+                    .shell
+                    .last_leader
+                    .map_or_else(|| "none".to_owned(), |l| format!("{l:x}")),
+                leader = status
+                    .leader
+                    .map_or_else(|| "none".to_owned(), |l| format!("{l:x}")),
                 term = status.term,
                 reason = reason.as_str(),
                 votes = votes.join(","),
