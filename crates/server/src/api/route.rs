@@ -396,7 +396,9 @@ impl Api {
     fn answer_here<R>(&self, ctx: &CallContext, response: R) -> tonic::Response<R> {
         let mut response = tonic::Response::new(response);
         if ctx.forwarded {
-            let applied = self.node.status.borrow().applied_index;
+            // The state machine's own index: the published status may lag the apply that
+            // produced this answer by a driver turn.
+            let applied = self.node.read_state(|state| state.last_applied());
             response
                 .metadata_mut()
                 .insert(APPLIED_INDEX_HEADER, applied.into());
