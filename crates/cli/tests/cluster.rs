@@ -217,8 +217,15 @@ async fn requests_fail_with_no_leader_when_quorum_is_lost() {
     for id in (1..=3).filter(|&id| id != survivor) {
         cluster.kill(id);
     }
-    // Let the survivor notice that its leader is gone (CheckQuorum / election timeout).
-    tokio::time::sleep(Duration::from_millis(600)).await;
+    // Wait until the survivor has noticed that its leader is gone (election timeout).
+    let noticed = Instant::now();
+    while cluster.status(survivor).await.map(|s| s.leader) != Some(0) {
+        assert!(
+            noticed.elapsed() < Duration::from_secs(30),
+            "the survivor never noticed its leader was gone"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let mut kv = cluster.kv(survivor).await;
     let mut request = tonic::Request::new(put("k", "v"));
     request.set_timeout(Duration::from_millis(800));
@@ -226,7 +233,8 @@ async fn requests_fail_with_no_leader_when_quorum_is_lost() {
     let error = kv.put(request).await.expect_err("no quorum");
     assert_eq!(error.code(), Code::Unavailable, "{error:?}");
     assert_eq!(error.message(), "etcdserver: no leader");
-    assert!(started.elapsed() < Duration::from_secs(2));
+    // Answered at its 800 ms deadline (generous for a loaded machine), not held on.
+    assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
 }
 
 #[tokio::test(flavor = "multi_thread")]

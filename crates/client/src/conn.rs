@@ -414,6 +414,13 @@ impl Inner {
                         }
                         Ok(Err(status)) => {
                             let error = Error::from_status(&status, context);
+                            // A retry after "no leader" that ran into the deadline still
+                            // failed for want of a leader.
+                            if matches!(error, Error::Timeout(_))
+                                && matches!(last_error, Some(Error::NoLeader(_)))
+                            {
+                                return Err(out_of_time(last_error, timeout));
+                            }
                             if !error.is_transient() {
                                 return Err(error);
                             }

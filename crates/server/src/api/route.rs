@@ -329,6 +329,15 @@ impl Api {
                 .unwrap_or_else(|_| Err(to_status(Error::Timeout)));
             match outcome {
                 Ok(answer) => return Ok(answer),
+                // A call that waited out its deadline while the cluster lost its leader (a
+                // leader cut off from its quorum steps down with the proposal pending) failed
+                // for want of a leader, and says so: clients tell the two apart.
+                Err(status)
+                    if ErrorCode::of(&status) == Some(ErrorCode::Timeout)
+                        && self.node.status.borrow().leader.is_none() =>
+                {
+                    return Err(to_status(Error::NoLeader));
+                }
                 Err(status) if is_retriable(&status) && !ctx.remaining().is_zero() => {
                     tokio::time::sleep(ctx.remaining().min(Duration::from_millis(LEADER_POLL_MS)))
                         .await;
@@ -392,7 +401,9 @@ impl Api {
     fn answer_here<R>(&self, ctx: &CallContext, response: R) -> tonic::Response<R> {
         let mut response = tonic::Response::new(response);
         if ctx.forwarded {
-            let applied = self.node.status.borrow().applied_index;
+            // The state machine's own index: the published status may lag the apply that
+            // produced this answer by a driver turn.
+            let applied = self.node.read_state(|state| state.last_applied());
             response
                 .metadata_mut()
                 .insert(APPLIED_INDEX_HEADER, applied.into());
