@@ -241,3 +241,31 @@ async fn readyz_and_top_json_answer_on_a_healthy_cluster() {
         .expect("answers");
     assert_eq!(status, 404);
 }
+
+/// The work queue gauges follow pushes and claims on every member (each reads its own applied
+/// state, so a follower shows them once it has applied them).
+#[tokio::test(flavor = "multi_thread")]
+async fn queue_depth_follows_pushes_and_claims() {
+    let cluster = Cluster::start(3).await;
+    cluster.wait_for_leader(SETTLE).await;
+    let conclave = |args: &[&str]| {
+        let output = std::process::Command::new(env!("CARGO_BIN_EXE_conclave"))
+            .args(["--json", "--endpoints", &cluster.endpoints()])
+            .args(args)
+            .output()
+            .expect("run conclave");
+        assert!(output.status.success(), "{args:?}: {output:?}");
+    };
+    for n in 0..3 {
+        conclave(&["queue", "push", "depth", "--data", &format!("{{\"n\":{n}}}")]);
+    }
+    conclave(&["queue", "claim", "depth", "--worker", "w1"]);
+    for id in 1..=3 {
+        wait_metric(&cluster, id, "conclave_queue_depth{state=\"ready\"}", |v| v == 2.0).await;
+        wait_metric(&cluster, id, "conclave_queue_depth{state=\"in_flight\"}", |v| {
+            v == 1.0
+        })
+        .await;
+        assert_eq!(metric(&cluster, id, "conclave_queues").await, 1.0);
+    }
+}

@@ -71,6 +71,11 @@ struct ReasonLabels {
     reason: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StateLabels {
+    state: &'static str,
+}
+
 type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
 
 fn grpc_histogram() -> Histogram {
@@ -177,6 +182,11 @@ pub struct StateFigures {
     pub topics: u64,
     pub topic_messages: u64,
     pub sessions: u64,
+    pub queues: u64,
+    /// Jobs held over all work queues: ready, delayed (not yet claimable), claimed.
+    pub queue_jobs_ready: u64,
+    pub queue_jobs_delayed: u64,
+    pub queue_jobs_in_flight: u64,
     pub leases: u64,
     pub keys: u64,
     pub revision: i64,
@@ -195,7 +205,21 @@ pub fn state_figures(api: &Api) -> StateFigures {
                     .saturating_sub(read.first_seq.saturating_sub(1))
             })
             .sum();
+        let (mut queues, mut ready, mut delayed, mut in_flight) = (0u64, 0u64, 0u64, 0u64);
+        for name in state.work_queue_names_from("") {
+            if let Some(queue) = state.work_queue(name) {
+                let stats = queue.stats();
+                queues += 1;
+                ready += stats.ready;
+                delayed += stats.delayed;
+                in_flight += stats.in_flight;
+            }
+        }
         StateFigures {
+            queues,
+            queue_jobs_ready: ready,
+            queue_jobs_delayed: delayed,
+            queue_jobs_in_flight: in_flight,
             election_groups: state.group_names().count() as u64,
             locks_held: locks.iter().filter(|q| !q.waiters.is_empty()).count() as u64,
             topics: topics.len() as u64,
@@ -363,6 +387,26 @@ pub fn render(api: &Api, peers: &PeerListenerState) -> String {
         "conclave_topic_messages",
         "Messages retained over all topics.",
         gauge(figures.topic_messages as i64),
+    );
+    registry.register(
+        "conclave_queues",
+        "Work queues in the applied state (dead-letter queues included).",
+        gauge(figures.queues as i64),
+    );
+    let queue_depth = Family::<StateLabels, Gauge>::default();
+    for (state, jobs) in [
+        ("ready", figures.queue_jobs_ready),
+        ("delayed", figures.queue_jobs_delayed),
+        ("in_flight", figures.queue_jobs_in_flight),
+    ] {
+        queue_depth
+            .get_or_create(&StateLabels { state })
+            .set(jobs as i64);
+    }
+    registry.register(
+        "conclave_queue_depth",
+        "Jobs held over all work queues, by state: ready, delayed, in_flight (claimed).",
+        queue_depth,
     );
     registry.register(
         "conclave_sessions",
