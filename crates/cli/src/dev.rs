@@ -753,7 +753,10 @@ fn own_answer(
 /// Waits until every node runs, holds its own client port and answers there as itself.
 /// A node that exits first, or a silence past [`DEV_START_TIMEOUT_MS`], is an error naming
 /// each node that failed and why (its log's last line).
-async fn wait_started(running: &mut [Running]) -> Result<(), CliError> {
+async fn wait_started(
+    running: &mut [Running],
+    tls: Option<&conclave_client::TlsOptions>,
+) -> Result<(), CliError> {
     let deadline = Instant::now() + Duration::from_millis(DEV_START_TIMEOUT_MS);
     let mut signal = std::pin::pin!(termination_signal());
     loop {
@@ -776,7 +779,7 @@ async fn wait_started(running: &mut [Running]) -> Result<(), CliError> {
         if !exited.is_empty() {
             return Err(CliError::Io(exited.join("; ")));
         }
-        let answers = probe_all(running).await;
+        let answers = probe_all(running, tls).await;
         let pending: Vec<String> = running
             .iter()
             .zip(&answers)
@@ -909,7 +912,7 @@ pub async fn run(args: DevArgs) -> Result<(), CliError> {
          Ctrl-C stops the cluster.\n"
     ));
     say(&banner);
-    if let Err(error) = wait_started(&mut running).await {
+    if let Err(error) = wait_started(&mut running, probe_tls.as_ref()).await {
         stop_all(&mut running).await;
         return Err(error);
     }

@@ -547,7 +547,9 @@ fn main() {
             Command::Serve(args) => serve(args, matches).await,
             Command::Dev(args) => dev::run(args).await,
             Command::Top(args) => {
-                let code = cmd::top::run(cli.global.json, &cli.global.endpoints, args).await;
+                let code =
+                    cmd::top::run(cli.global.wants_json(), &cli.global.endpoints_spec(), args)
+                        .await;
                 std::process::exit(code);
             }
             Command::Certs(command) => certs::run(command),
