@@ -225,7 +225,7 @@ impl Inner {
             let endpoint = &endpoints[(start + i) % endpoints.len()];
             match self.probe(endpoint).await {
                 Ok((channel, chosen, true)) => {
-                    return Ok(self.adopt(&mut *generation, channel, chosen));
+                    return Ok(self.adopt(&mut generation, channel, chosen));
                 }
                 Ok((channel, chosen, false)) => {
                     reasons.push(format!("{endpoint}: knows no leader"));
@@ -237,7 +237,7 @@ impl Inner {
             }
         }
         if let Some((channel, chosen)) = leaderless {
-            return Ok(self.adopt(&mut *generation, channel, chosen));
+            return Ok(self.adopt(&mut generation, channel, chosen));
         }
         *self
             .active
