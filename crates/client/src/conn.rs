@@ -226,22 +226,21 @@ impl Inner {
             .map_or(0, |i| i + 1);
         let mut reasons = Vec::new();
         let mut tls_failures = Vec::new();
+        // A member that knows no leader is taken only when none does: it may be cut off for
+        // good (a removed or stranded member still serving), and a watch opened there is
+        // alive but silent (docs/faults.md, finding 6).
+        let mut leaderless = None;
         for i in 0..endpoints.len() {
             let endpoint = &endpoints[(start + i) % endpoints.len()];
             match self.probe(endpoint).await {
-                Ok((channel, chosen)) => {
-                    *generation += 1;
-                    let active = Active {
-                        channel,
-                        endpoint: chosen,
-                        generation: *generation,
-                    };
-                    *self
-                        .active
-                        .write()
-                        .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(active.clone());
-                    tracing::debug!(endpoint = %active.endpoint, "conclave client connected");
-                    return Ok(active);
+                Ok((channel, chosen, true)) => {
+                    return Ok(self.adopt(&mut generation, channel, chosen));
+                }
+                Ok((channel, chosen, false)) => {
+                    reasons.push(format!("{endpoint}: knows no leader"));
+                    if leaderless.is_none() {
+                        leaderless = Some((channel, chosen));
+                    }
                 }
                 Err(reason) => {
                     let tls = endpoint.starts_with("https://");
@@ -260,6 +259,9 @@ impl Inner {
                 }
             }
         }
+        if let Some((channel, chosen)) = leaderless {
+            return Ok(self.adopt(&mut generation, channel, chosen));
+        }
         *self
             .active
             .write()
@@ -272,6 +274,22 @@ impl Inner {
             endpoints,
             reason: reasons.join("; "),
         })
+    }
+
+    /// Makes `channel` the connection in use, under a new generation.
+    fn adopt(&self, generation: &mut u64, channel: Channel, endpoint: String) -> Active {
+        *generation += 1;
+        let active = Active {
+            channel,
+            endpoint,
+            generation: *generation,
+        };
+        *self
+            .active
+            .write()
+            .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(active.clone());
+        tracing::debug!(endpoint = %active.endpoint, "conclave client connected");
+        active
     }
 
     async fn connect_channel(&self, endpoint: &str) -> std::result::Result<Channel, String> {
@@ -300,8 +318,9 @@ impl Inner {
 
     /// Connects to `endpoint` and asks for its status; when it knows a leader other than
     /// itself, tries to connect to the leader instead (writes then skip a forwarding hop).
-    /// Learns the members' client URLs for later reconnects.
-    async fn probe(&self, endpoint: &str) -> std::result::Result<(Channel, String), String> {
+    /// Learns the members' client URLs for later reconnects. The flag says whether the member
+    /// knows a leader.
+    async fn probe(&self, endpoint: &str) -> std::result::Result<(Channel, String, bool), String> {
         let channel = self.connect_channel(endpoint).await?;
         let timeout = self.options.connect_timeout;
         let status = MaintenanceClient::new(channel.clone())
@@ -341,11 +360,11 @@ impl Inner {
             for url in leader_urls {
                 let url = normalize_endpoint(&url, self.options.tls.is_some());
                 if let Ok(leader_channel) = self.connect_channel(&url).await {
-                    return Ok((leader_channel, url));
+                    return Ok((leader_channel, url, true));
                 }
             }
         }
-        Ok((channel, endpoint.to_string()))
+        Ok((channel, endpoint.to_string(), status.leader != 0))
     }
 
     /// Runs `call` until it succeeds, fails for good, or `timeout` passes; see [`Retry`].
@@ -598,6 +617,22 @@ impl Inner {
             }
         }
         Ok(())
+    }
+
+    /// Whether the member behind `channel` knows a leader; an error when it does not answer
+    /// within the connect timeout.
+    pub(crate) async fn knows_leader(&self, channel: Channel) -> Result<bool> {
+        let timeout = self.options.connect_timeout;
+        let mut maintenance = MaintenanceClient::new(channel);
+        let status = maintenance.status(request(StatusRequest {}, timeout));
+        match tokio::time::timeout(timeout, status).await {
+            Ok(Ok(status)) => Ok(status.into_inner().leader != 0),
+            Ok(Err(status)) => Err(Error::status(&status)),
+            Err(_) => Err(Error::Timeout(format!(
+                "no status within {} ms",
+                timeout.as_millis()
+            ))),
+        }
     }
 
     /// Drops the connection of `generation` so the next call picks an endpoint afresh.

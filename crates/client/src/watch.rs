@@ -129,10 +129,18 @@ impl Client {
     }
 }
 
+/// How long a stream may stay silent before the watch asks whether its member still knows a
+/// leader. A member cut off from the leader (partitioned, or removed and still running) keeps
+/// the stream open and answers HTTP/2 pings, but applies nothing, so the watch must leave it
+/// by itself (docs/faults.md, finding 6). Silence on a quiet key range costs one Status call.
+pub(crate) const SILENCE_CHECK: std::time::Duration = std::time::Duration::from_secs(2);
+
 struct Open {
     /// Keeps the request side open; etcd ends a watch stream whose client half closes.
     _requests: mpsc::Sender<pb::WatchRequest>,
     answers: tonic::Streaming<pb::WatchResponse>,
+    /// The connection the stream is on, to ask its member for its status.
+    channel: tonic::transport::Channel,
     generation: u64,
     /// Where the stream starts, once the server confirmed the creation.
     created_revision: Option<i64>,
@@ -157,7 +165,7 @@ async fn open(inner: &Shared, create: pb::WatchCreateRequest) -> Result<Open> {
                         request_union: Some(pb::watch_request::RequestUnion::CreateRequest(create)),
                     })
                     .await;
-                let mut answers = WatchClient::new(channel)
+                let mut answers = WatchClient::new(channel.clone())
                     .watch(ReceiverStream::new(rx))
                     .await?
                     .into_inner();
@@ -179,6 +187,7 @@ async fn open(inner: &Shared, create: pb::WatchCreateRequest) -> Result<Open> {
                     Some(Ok(first)) => Ok(Open {
                         _requests: tx,
                         answers,
+                        channel,
                         generation,
                         created_revision: first
                             .created
@@ -244,6 +253,14 @@ async fn watch_task(
             let answer = tokio::select! {
                 answer = current.answers.next() => answer,
                 () = out.closed() => return,
+                () = tokio::time::sleep(SILENCE_CHECK) => {
+                    // Silent for a while: carry on only if the member still knows a leader
+                    // (then it applies what the cluster commits); otherwise resume elsewhere.
+                    match inner.knows_leader(current.channel.clone()).await {
+                        Ok(true) => continue,
+                        Ok(false) | Err(_) => break,
+                    }
+                }
             };
             match answer {
                 Some(Ok(answer)) => {

@@ -297,8 +297,10 @@ fn start_watch(
             };
             let (events, header_revision) = if skips_revisions(seen, &batch) {
                 // The member jumped over revisions without applying them one by one (a
-                // snapshot from the leader was installed): read them from the history, or
-                // cancel as compacted so the client resumes, never skip them silently.
+                // snapshot from the leader was installed, announced by a batch with no events
+                // at its revision, so this does not wait for a later write): read them from
+                // the history, or cancel as compacted so the client resumes, never skip them
+                // silently.
                 let from = (seen + 1).max(start_revision);
                 let (history, now) = api.node.read_state(|state| {
                     let history = state.events_since(from, &filter.key, &filter.range_end);

@@ -305,6 +305,17 @@ impl Duties<StateMachine, WalStorage> for CoordinationDuties {
             events: Arc::new(events),
         });
     }
+
+    fn snapshot_installed(&mut self, machine: &StateMachine) {
+        // A batch with no events at the snapshot's revision: each watch sees that the state
+        // moved past what it covered and reads the skipped revisions from the history. Without
+        // it a watch only noticed at the next write with an event, so a cluster that went
+        // quiet (or wrote only leases, sessions or topics) left it waiting for good.
+        let _ = self.events.send(AppliedEvents {
+            revision: machine.revision(),
+            events: Arc::new(Vec::new()),
+        });
+    }
 }
 
 impl ShellDuties<StateMachine> for CoordinationDuties {

@@ -214,6 +214,11 @@ pub trait Duties<M: ReplicatedMachine, S: NodeStore> {
     /// A batch of entries was applied and the machine unlocked; the proposers have not been
     /// answered yet, so whatever this publishes is visible before they are.
     fn batch_applied(&mut self) {}
+
+    /// A snapshot from the leader replaced the machine (unlocked again). Whatever follows
+    /// applied entries must hear of it: the revisions the snapshot jumped over were never
+    /// applied one by one, and no later entry need come to reveal them.
+    fn snapshot_installed(&mut self, _machine: &M) {}
 }
 
 /// What a waiter wants from the entry at its index.
@@ -803,6 +808,7 @@ impl<M: ReplicatedMachine, S: NodeStore> NodeCore<M, S> {
     ) -> Result<(), Error> {
         if let Some(snapshot) = &ready.snapshot {
             let members = restore_machine(&mut *self.machine_mut(), snapshot)?;
+            duties.snapshot_installed(&self.machine());
             if let Some(members) = members {
                 self.members = members.into_iter().map(|m| (m.id, m)).collect();
                 self.members_changed = true;
