@@ -59,6 +59,9 @@ pub struct ConfigFile {
     pub auto_compaction_mode: Option<crate::CompactionMode>,
     /// A string, as the flag takes it (`"1h"`, `"24"`, `"1000"`).
     pub auto_compaction_retention: Option<String>,
+    pub auth_token: Option<String>,
+    pub auth_token_ttl: Option<u64>,
+    pub bcrypt_cost: Option<u32>,
 }
 
 impl ConfigFile {
@@ -165,6 +168,9 @@ impl ServeCommandArgs {
             range_response_bytes_max,
             auto_compaction_mode,
             auto_compaction_retention,
+            auth_token,
+            auth_token_ttl,
+            bcrypt_cost,
         } = file;
         macro_rules! fill {
             ($key:ident => $target:expr) => {
@@ -195,6 +201,9 @@ impl ServeCommandArgs {
         fill!(initial_cluster_state => self.initial_cluster_state);
         fill!(auto_compaction_mode => serve.auto_compaction_mode);
         fill!(auto_compaction_retention => serve.auto_compaction_retention);
+        fill!(auth_token => serve.auth.auth_token);
+        fill!(auth_token_ttl => serve.auth.auth_token_ttl);
+        fill!(bcrypt_cost => serve.auth.bcrypt_cost);
         let tls = &mut self.serve.tls;
         fill!(cert_file => tls.cert_file);
         fill!(key_file => tls.key_file);
@@ -296,6 +305,14 @@ election-observers-max = 11
 lock-waits-max = 12
 campaign-waits-max = 13
 range-response-bytes-max = 1048576
+listen-metrics = "10.0.0.1:12379"
+wal-fsync-warn-ms = 500
+queue-claim-waits-max = 14
+auto-compaction-mode = "periodic"
+auto-compaction-retention = "1h"
+auth-token = "simple"
+auth-token-ttl = 600
+bcrypt-cost = 12
 "#;
 
     #[test]
