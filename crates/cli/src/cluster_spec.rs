@@ -59,7 +59,7 @@ fn client_from_peer(peer: &str) -> Option<String> {
 /// The warning an even-sized cluster gets: it tolerates no more failures than the odd size
 /// below it, and a partition into halves leaves neither side a quorum.
 pub fn even_cluster_warning(voters: usize) -> Option<String> {
-    (voters > 0 && voters % 2 == 0).then(|| {
+    (voters > 0 && voters.is_multiple_of(2)).then(|| {
         format!(
             "a cluster of {voters} members tolerates {} failure(s), no more than one of {} \
              members, and a split into two halves of {} stops both; prefer an odd size",
@@ -149,9 +149,14 @@ mod tests {
         let joined = parse_members("1=h:2380,4=h:2386", None, Some(4), "n4", "h:7").expect("ok");
         assert_eq!(joined[1].name, "n4");
         assert_eq!(joined[0].name, "node1");
-        let unnamed =
-            parse_members("1=h:2380,4=h:2386", None, Some(4), DEFAULT_MEMBER_NAME, "h:7")
-                .expect("ok");
+        let unnamed = parse_members(
+            "1=h:2380,4=h:2386",
+            None,
+            Some(4),
+            DEFAULT_MEMBER_NAME,
+            "h:7",
+        )
+        .expect("ok");
         assert_eq!(unnamed[1].name, "node4");
     }
 
@@ -162,7 +167,11 @@ mod tests {
         }
         let four = even_cluster_warning(4).expect("a warning");
         assert!(four.contains("tolerates 1 failure"), "{four}");
-        assert!(even_cluster_warning(2).expect("a warning").contains("tolerates 0"));
+        assert!(
+            even_cluster_warning(2)
+                .expect("a warning")
+                .contains("tolerates 0")
+        );
         assert!(parse_members("a=nohost", None, None, "a", "h:1").is_err());
     }
 }

@@ -266,9 +266,9 @@ async fn start(out: &Output, mut full: ServeCommandArgs, matches: &ArgMatches) -
         }
         if started.elapsed() > START_TIMEOUT {
             let seen = match last_answer {
-                Some(other) if other != member_id => format!(
-                    "; member {other:x} answers there, not this one ({member_id:x})"
-                ),
+                Some(other) if other != member_id => {
+                    format!("; member {other:x} answers there, not this one ({member_id:x})")
+                }
                 _ => String::new(),
             };
             return Err(Failure::new(

@@ -977,7 +977,11 @@ pub async fn run(args: DevArgs) -> Result<(), CliError> {
             .iter()
             .filter_map(|r| {
                 let status = r.exit.as_ref()?;
-                Some(format!("{} ({})", r.node.name, exit_reason(status, &r.node.log)))
+                Some(format!(
+                    "{} ({})",
+                    r.node.name,
+                    exit_reason(status, &r.node.log)
+                ))
             })
             .collect();
         return Err(CliError::Io(format!(

@@ -195,7 +195,12 @@ pub struct ServeArgs {
     /// History the leader keeps when it compacts on its own: periodic, a duration (`30m`,
     /// `1h`, `10s`) or a bare number of hours (etcd's reading); revision, a count. `0` (the
     /// default) leaves compaction to `conclave compact`.
-    #[arg(long, env = "CONCLAVE_AUTO_COMPACTION_RETENTION", default_value = "0", value_name = "RETENTION")]
+    #[arg(
+        long,
+        env = "CONCLAVE_AUTO_COMPACTION_RETENTION",
+        default_value = "0",
+        value_name = "RETENTION"
+    )]
     pub auto_compaction_retention: String,
     /// Address of the HTTP listener for /metrics (Prometheus), /health, /readyz and the /ui
     /// dashboard; `none` turns it off. Default: the client host, client port + 10000 (it is

@@ -234,7 +234,11 @@ async fn requests_fail_with_no_leader_when_quorum_is_lost() {
     assert_eq!(error.code(), Code::Unavailable, "{error:?}");
     assert_eq!(error.message(), "etcdserver: no leader");
     // Answered at its 800 ms deadline (generous for a loaded machine), not held on.
-    assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -19,7 +19,11 @@ const LINE_TIMEOUT: Duration = Duration::from_secs(15);
 fn wait_for_file(path: &std::path::Path) {
     let began = Instant::now();
     while !path.exists() {
-        assert!(began.elapsed() < LINE_TIMEOUT, "{} never appeared", path.display());
+        assert!(
+            began.elapsed() < LINE_TIMEOUT,
+            "{} never appeared",
+            path.display()
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
 }
@@ -323,14 +327,20 @@ async fn ctrl_c_withdraws_a_waiting_locker_and_releases_a_holder() {
     holder.signal("-INT");
     assert_eq!(holder.wait_code(LINE_TIMEOUT), Some(130), "CMD was stopped");
     // CMD was cut short: the last document is the interruption, as the exit code says.
-    let (_, last) = holder.next_json(LINE_TIMEOUT).expect("the interrupted document");
+    let (_, last) = holder
+        .next_json(LINE_TIMEOUT)
+        .expect("the interrupted document");
     assert_eq!(last["code"], "interrupted", "{last}");
     // The lock is free at once: the next holder does not wait for a TTL, and its fence is higher.
     let started = Instant::now();
     let next = run(eps, &["lock", "gate", "--json", "--", "true"]);
     assert_eq!(next.code, 0, "{next:?}");
     // Well below the lock's 10 s TTL, with room for a loaded machine.
-    assert!(started.elapsed() < Duration::from_secs(8), "{:?}", started.elapsed());
+    assert!(
+        started.elapsed() < Duration::from_secs(8),
+        "{:?}",
+        started.elapsed()
+    );
     let first: Value = next
         .stdout
         .lines()

@@ -80,8 +80,7 @@ async fn etcdctl_flags_and_variables_are_understood() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_leader_compacts_history_older_than_the_retention() {
-    let cluster =
-        Cluster::start_with_args(3, &["--auto-compaction-retention", "2s"]).await;
+    let cluster = Cluster::start_with_args(3, &["--auto-compaction-retention", "2s"]).await;
     let eps = cluster.endpoints();
     let first = run_until_ok(&eps, &["put", "k", "0", "--json"], GENEROUS).data()["revision"]
         .as_i64()
@@ -106,7 +105,11 @@ async fn the_leader_compacts_history_older_than_the_retention() {
         std::thread::sleep(Duration::from_millis(200));
     }
     // Not before the retention had passed.
-    assert!(began.elapsed() >= Duration::from_secs(1), "{:?}", began.elapsed());
+    assert!(
+        began.elapsed() >= Duration::from_secs(1),
+        "{:?}",
+        began.elapsed()
+    );
     // The newest history is kept.
     let newest = run(&eps, &["get", "k", "--json"]).data();
     let rev = newest["kvs"][0]["mod_revision"].as_i64().expect("rev");

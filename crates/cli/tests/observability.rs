@@ -257,14 +257,26 @@ async fn queue_depth_follows_pushes_and_claims() {
         assert!(output.status.success(), "{args:?}: {output:?}");
     };
     for n in 0..3 {
-        conclave(&["queue", "push", "depth", "--data", &format!("{{\"n\":{n}}}")]);
+        conclave(&[
+            "queue",
+            "push",
+            "depth",
+            "--data",
+            &format!("{{\"n\":{n}}}"),
+        ]);
     }
     conclave(&["queue", "claim", "depth", "--worker", "w1"]);
     for id in 1..=3 {
-        wait_metric(&cluster, id, "conclave_queue_depth{state=\"ready\"}", |v| v == 2.0).await;
-        wait_metric(&cluster, id, "conclave_queue_depth{state=\"in_flight\"}", |v| {
-            v == 1.0
+        wait_metric(&cluster, id, "conclave_queue_depth{state=\"ready\"}", |v| {
+            v == 2.0
         })
+        .await;
+        wait_metric(
+            &cluster,
+            id,
+            "conclave_queue_depth{state=\"in_flight\"}",
+            |v| v == 1.0,
+        )
         .await;
         assert_eq!(metric(&cluster, id, "conclave_queues").await, 1.0);
     }

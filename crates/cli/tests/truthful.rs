@@ -59,30 +59,21 @@ fn daemon_start_on_a_busy_client_port_fails_with_the_reason_from_the_log() {
     let client = format!("127.0.0.1:{}", free_port());
     let first_dir = root.join("first");
     let _first = Daemon(first_dir.clone());
-    let first = daemon_start(
-        &first_dir,
-        &client,
-        &format!("127.0.0.1:{}", free_port()),
-    );
+    let first = daemon_start(&first_dir, &client, &format!("127.0.0.1:{}", free_port()));
     assert!(first.status.success(), "{first:?}");
 
     // Same member id (1, the default), same client port: the first server answers there as
     // the member the second would be, so only the process check can tell.
     let second_dir = root.join("second");
     let _second = Daemon(second_dir.clone());
-    let second = daemon_start(
-        &second_dir,
-        &client,
-        &format!("127.0.0.1:{}", free_port()),
-    );
+    let second = daemon_start(&second_dir, &client, &format!("127.0.0.1:{}", free_port()));
     let stdout = String::from_utf8_lossy(&second.stdout);
     assert_ne!(second.status.code(), Some(0), "{stdout}");
     let doc: serde_json::Value = serde_json::from_str(stdout.trim()).expect("one JSON document");
     assert_eq!(doc["status"], "error", "{doc}");
     let message = doc["message"].as_str().unwrap_or_default();
     assert!(
-        message.to_lowercase().contains("address")
-            || message.to_lowercase().contains("in use"),
+        message.to_lowercase().contains("address") || message.to_lowercase().contains("in use"),
         "the reason from the log: {message}"
     );
     let _ = std::fs::remove_dir_all(&root);
@@ -93,7 +84,14 @@ fn dev_on_busy_ports_exits_with_an_error_instead_of_showing_a_leader() {
     let root = temp_dir("dev");
     let base = free_port_run(6);
     let mut first = conclave()
-        .args(["dev", "--nodes", "3", "--base-port", &base.to_string(), "--data-dir"])
+        .args([
+            "dev",
+            "--nodes",
+            "3",
+            "--base-port",
+            &base.to_string(),
+            "--data-dir",
+        ])
         .arg(root.join("first"))
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
@@ -103,7 +101,10 @@ fn dev_on_busy_ports_exits_with_an_error_instead_of_showing_a_leader() {
     let (tx, lines) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         use std::io::BufRead;
-        for line in std::io::BufReader::new(stdout).lines().map_while(Result::ok) {
+        for line in std::io::BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+        {
             let _ = tx.send(line);
         }
     });
@@ -118,7 +119,14 @@ fn dev_on_busy_ports_exits_with_an_error_instead_of_showing_a_leader() {
     }
 
     let second = conclave()
-        .args(["dev", "--nodes", "3", "--base-port", &base.to_string(), "--data-dir"])
+        .args([
+            "dev",
+            "--nodes",
+            "3",
+            "--base-port",
+            &base.to_string(),
+            "--data-dir",
+        ])
         .arg(root.join("second"))
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -127,7 +135,9 @@ fn dev_on_busy_ports_exits_with_an_error_instead_of_showing_a_leader() {
     let pid = second.id();
     let watchdog = std::thread::spawn(move || {
         std::thread::sleep(GENEROUS);
-        let _ = Command::new("kill").args(["-KILL", &pid.to_string()]).status();
+        let _ = Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .status();
     });
     let output = second.wait_with_output().expect("wait for the second dev");
     drop(watchdog);
@@ -175,7 +185,10 @@ fn a_refused_connection_is_said_once() {
     let closed = format!("127.0.0.1:{}", free_port());
     let failed = run(&closed, &["get", "k", "--json", "--timeout", "1s"]);
     failed.assert_error("connection_failed", 12);
-    let message = failed.json()["message"].as_str().unwrap_or_default().to_string();
+    let message = failed.json()["message"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
     assert!(message.contains("tcp connect error"), "{message}");
     assert!(
         !message.contains("tcp connect error: tcp connect error"),
@@ -228,7 +241,10 @@ async fn lease_ids_read_the_same_in_output_and_errors() {
     run(&eps, &["lease", "revoke", &id, "--json"]).data();
     let refused = run(&eps, &["put", "k", "v", "--lease", &id, "--json"]);
     refused.assert_error("lease_expired", 7);
-    let message = refused.json()["message"].as_str().unwrap_or_default().to_string();
+    let message = refused.json()["message"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
     assert!(message.contains(&id), "{message} names {id}");
 }
 
@@ -297,7 +313,10 @@ async fn a_write_through_a_follower_is_visible_there_when_it_is_acknowledged() {
         .await
         .is_err()
     {
-        assert!(began.elapsed() < GENEROUS, "the follower never took a write");
+        assert!(
+            began.elapsed() < GENEROUS,
+            "the follower never took a write"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     for round in 0..30 {
@@ -332,7 +351,14 @@ async fn even_sized_clusters_are_warned_about() {
     let root = temp_dir("even");
     let base = free_port_run(4);
     let mut dev = conclave()
-        .args(["dev", "--nodes", "2", "--base-port", &base.to_string(), "--data-dir"])
+        .args([
+            "dev",
+            "--nodes",
+            "2",
+            "--base-port",
+            &base.to_string(),
+            "--data-dir",
+        ])
         .arg(&root)
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -342,12 +368,18 @@ async fn even_sized_clusters_are_warned_about() {
     let (tx, lines) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         use std::io::BufRead;
-        for line in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
             let _ = tx.send(line);
         }
     });
     let warning = lines.recv_timeout(GENEROUS).expect("a line on stderr");
-    assert!(warning.contains("warning") && warning.contains("2 members"), "{warning}");
+    assert!(
+        warning.contains("warning") && warning.contains("2 members"),
+        "{warning}"
+    );
     // Each node's log (serve) says it too.
     let log = root.join("node1.log");
     let began = Instant::now();
@@ -356,10 +388,16 @@ async fn even_sized_clusters_are_warned_about() {
         if text.contains("prefer an odd size") {
             break;
         }
-        assert!(began.elapsed() < GENEROUS, "no warning in {}: {text}", log.display());
+        assert!(
+            began.elapsed() < GENEROUS,
+            "no warning in {}: {text}",
+            log.display()
+        );
         std::thread::sleep(Duration::from_millis(100));
     }
-    let _ = Command::new("kill").args(["-TERM", &dev.id().to_string()]).status();
+    let _ = Command::new("kill")
+        .args(["-TERM", &dev.id().to_string()])
+        .status();
     let _ = dev.wait();
     let _ = std::fs::remove_dir_all(&root);
 

@@ -133,7 +133,11 @@ pub async fn run(api: std::sync::Arc<Api>) {
         if status.leader != Some(api.config.id) {
             continue;
         }
-        match api.node.propose(Request::Compact { revision: target }).await {
+        match api
+            .node
+            .propose(Request::Compact { revision: target })
+            .await
+        {
             Ok(_) => tracing::info!(revision = target, "auto-compaction: history compacted"),
             Err(error) => {
                 tracing::warn!(revision = target, %error, "auto-compaction did not apply")
@@ -176,7 +180,10 @@ mod tests {
             if let Some(target) = plan.tick(now_ms, step as i64 + 1, compacted) {
                 // Never history younger than the retention.
                 let target_time_ms = (target as u64 - 1) * 100;
-                assert!(now_ms - target_time_ms >= retention_ms, "{now_ms}: {target}");
+                assert!(
+                    now_ms - target_time_ms >= retention_ms,
+                    "{now_ms}: {target}"
+                );
                 compacted = target;
                 done.push((now_ms, target));
             }

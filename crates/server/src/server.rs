@@ -151,17 +151,17 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> Re
     let caps = &config.client_limits;
     let keepalive_ms = CLIENT_KEEPALIVE_INTERVAL_MS.min((caps.client_idle_timeout_ms / 3).max(1));
     let router = tonic::transport::Server::builder()
-            .http2_keepalive_interval(Some(Duration::from_millis(keepalive_ms)))
+        .http2_keepalive_interval(Some(Duration::from_millis(keepalive_ms)))
         .max_concurrent_streams(Some(caps.grpc_streams_per_connection_max))
         .layer(crate::http::GrpcMetricsLayer {
-                metrics: api.node.metrics_arc(),
-            })
+            metrics: api.node.metrics_arc(),
+        })
         .add_service(health_service)
         .add_service(kv)
         .add_service(
-                crate::api::auth::AuthService::server(api.clone())
-                    .max_decoding_message_size(decode_max),
-            )
+            crate::api::auth::AuthService::server(api.clone())
+                .max_decoding_message_size(decode_max),
+        )
         .add_service(maintenance)
         .add_service(cluster)
         .add_service(watch)
