@@ -371,6 +371,7 @@ mod tests {
             },
             Error::Unauthenticated(String::new()),
             Error::PermissionDenied(String::new()),
+            Error::Tls(String::new()),
         ];
         let codes: Vec<_> = errors.iter().map(Error::code).collect();
         assert_eq!(codes, Error::CODES);
