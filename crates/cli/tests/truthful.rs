@@ -58,7 +58,7 @@ fn daemon_start_on_a_busy_client_port_fails_with_the_reason_from_the_log() {
     let root = temp_dir("daemon");
     let client = format!("127.0.0.1:{}", free_port());
     let first_dir = root.join("first");
-    let _first = Daemon(first_dir.clone());
+    let first_daemon = Daemon(first_dir.clone());
     let first = daemon_start(&first_dir, &client, &format!("127.0.0.1:{}", free_port()));
     assert!(first.status.success(), "{first:?}");
 
@@ -76,6 +76,8 @@ fn daemon_start_on_a_busy_client_port_fails_with_the_reason_from_the_log() {
         message.to_lowercase().contains("address") || message.to_lowercase().contains("in use"),
         "the reason from the log: {message}"
     );
+    // Stopped before its directory (with the pid file `daemon stop` reads) goes.
+    drop(first_daemon);
     let _ = std::fs::remove_dir_all(&root);
 }
 
