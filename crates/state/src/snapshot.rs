@@ -223,7 +223,10 @@ mod tests {
         frames.inner.extend_from_slice(&version.to_le_bytes());
         // Formats 1 to 3 end before the auth state; a default one encodes in 37 bytes.
         let mut state = postcard::to_allocvec(&machine.state).expect("in memory");
-        assert!(!machine.state.auth.enabled, "only a default auth state is trimmed");
+        assert!(
+            !machine.state.auth.enabled,
+            "only a default auth state is trimmed"
+        );
         state.truncate(state.len() - 37);
         frames.write_all(&state).expect("in memory");
         frames.finish().expect("in memory")
