@@ -26,7 +26,11 @@ check() {
 
 cleanup() {
     if [ -n "$DEV_PID" ]; then
-        kill -INT "$DEV_PID" 2>/dev/null || true
+        # TERM, not INT: a background job of a script starts with SIGINT ignored. Bounded,
+        # so a stuck shutdown cannot hang CI.
+        kill -TERM "$DEV_PID" 2>/dev/null || true
+        for _ in $(seq 100); do kill -0 "$DEV_PID" 2>/dev/null || break; sleep 0.1; done
+        kill -KILL "$DEV_PID" 2>/dev/null || true
         wait "$DEV_PID" 2>/dev/null || true
     fi
     rm -rf "$WORK"
