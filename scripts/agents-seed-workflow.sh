@@ -44,7 +44,8 @@ E3=127.0.0.1:$((BASE_PORT + 4))
 export CONCLAVE_ENDPOINTS="$E1,$E2,$E3"
 
 step "start a 3-node dev cluster on $CONCLAVE_ENDPOINTS"
-conclave dev --base-port "$BASE_PORT" --data-dir "$WORK/dev" >"$WORK/dev.log" 2>&1 &
+# The binary itself, not the shell function: $! must be the dev process that TERM stops.
+"$CONCLAVE_BIN" dev --base-port "$BASE_PORT" --data-dir "$WORK/dev" >"$WORK/dev.log" 2>&1 &
 DEV_PID=$!
 i=0
 until conclave --json status 2>/dev/null | jq -e '.data.leader != null and .data.healthy_members == 3' >/dev/null; do
