@@ -1,8 +1,11 @@
 //! Starts real `conclave serve` processes for the integration tests.
 //!
-//! The binary belongs to another package, so `CARGO_BIN_EXE_*` is not available: we run
-//! `cargo build -p conclave-cli` into the same target directory and take
-//! `<target>/debug/conclave`. `CONCLAVE_BIN` overrides the path.
+//! The binary belongs to another package, so `CARGO_BIN_EXE_*` is not available. Under
+//! `cargo test --workspace` cargo has just built `conclave` next to this test binary (the CLI's
+//! own tests need it), so that one is taken when it is newer than every source file it is built
+//! from; otherwise (`cargo test -p conclave-client` after an edit) we run `cargo build -p
+//! conclave-cli` and take `<target>/debug/conclave`. A second build would cost a whole debug
+//! tree of disk and minutes in CI. `CONCLAVE_BIN` overrides the path.
 
 #![allow(dead_code)]
 
@@ -28,6 +31,9 @@ pub fn server_binary() -> PathBuf {
         if let Some(path) = std::env::var_os("CONCLAVE_BIN") {
             return Ok(PathBuf::from(path));
         }
+        if let Some(path) = fresh_sibling_binary() {
+            return Ok(path);
+        }
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
         let status = Command::new(cargo)
             .args(["build", "-q", "-p", "conclave-cli"])
@@ -49,6 +55,44 @@ pub fn server_binary() -> PathBuf {
         Ok(path) => path.clone(),
         Err(reason) => panic!("the Conclave server binary is not available: {reason}"),
     }
+}
+
+/// The crates whose sources go into the `conclave` binary.
+const SERVER_SOURCE_DIRS: [&str; 7] = ["cli", "client", "proto", "raft", "server", "state", "storage"];
+
+/// `conclave` in this test binary's own profile directory (`<target>/release/deps/..`), if it is
+/// newer than every file under the server's crates and `proto/`.
+fn fresh_sibling_binary() -> Option<PathBuf> {
+    let test_exe = std::env::current_exe().ok()?;
+    let binary = test_exe.parent()?.parent()?.join("conclave");
+    let built = std::fs::metadata(&binary).ok()?.modified().ok()?;
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let mut sources: Vec<PathBuf> = SERVER_SOURCE_DIRS
+        .iter()
+        .map(|krate| root.join("crates").join(krate))
+        .collect();
+    sources.push(root.join("proto"));
+    let newest_source = sources.iter().filter_map(|dir| newest_modification(dir)).max()?;
+    (built >= newest_source).then_some(binary)
+}
+
+/// The latest modification time of any file under `dir`, skipping `tests/`, `benches/` and `examples/` (they are not
+/// part of the binary).
+fn newest_modification(dir: &Path) -> Option<std::time::SystemTime> {
+    let mut newest = None;
+    for entry in std::fs::read_dir(dir).ok()?.flatten() {
+        let path = entry.path();
+        let modified = if path.is_dir() {
+            if path.file_name().is_some_and(|name| name == "tests" || name == "benches" || name == "examples") {
+                continue;
+            }
+            newest_modification(&path)
+        } else {
+            entry.metadata().ok().and_then(|meta| meta.modified().ok())
+        };
+        newest = newest.max(modified);
+    }
+    newest
 }
 
 /// A port nothing listens on right now (the OS picks it; a tiny race is acceptable in tests).
