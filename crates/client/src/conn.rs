@@ -269,6 +269,8 @@ impl Inner {
                         crate::tls::explain_failure(&reason, tls, client_certificate)
                     {
                         tls_failures.push(format!("{endpoint}: {sentence}"));
+                    } else if let Some(sentence) = self.ask_tls_refusal(endpoint).await {
+                        tls_failures.push(format!("{endpoint}: {sentence}"));
                     } else if !tls
                         && crate::tls::speaks_tls(endpoint, self.options.connect_timeout).await
                     {
@@ -293,6 +295,15 @@ impl Inner {
             endpoints,
             reason: reasons.join("; "),
         })
+    }
+
+    /// For a TLS endpoint whose failure said nothing about TLS: the sentence for the refusal
+    /// a bare handshake hears (see [`crate::tls::refusal_reason`]), if that is one.
+    async fn ask_tls_refusal(&self, endpoint: &str) -> Option<String> {
+        let options = self.options.tls.as_ref()?;
+        let reason =
+            crate::tls::refusal_reason(endpoint, options, self.options.connect_timeout).await?;
+        crate::tls::explain_failure(&reason, true, options.client_certificate_pem.is_some())
     }
 
     /// Makes `channel` the connection in use, under a new generation.
