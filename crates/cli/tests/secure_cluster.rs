@@ -20,8 +20,8 @@ use std::time::{Duration, Instant};
 
 use common::{Cluster, TestTls};
 use conclave_client::{
-    CampaignOptions, Client, ClientOptions, Credentials, Error, GetOptions, PutOptions,
-    TlsOptions, WatchOptions,
+    CampaignOptions, Client, ClientOptions, Credentials, Error, GetOptions, PutOptions, TlsOptions,
+    WatchOptions,
 };
 use serde_json::Value;
 
@@ -234,7 +234,12 @@ impl Drop for Background {
 }
 
 /// `conclave --json ARGS` with `flags` and `env`; (exit code, the first JSON document).
-fn conclave(endpoints: &str, flags: &[String], env: &[(&str, &str)], args: &[&str]) -> (i32, Value) {
+fn conclave(
+    endpoints: &str,
+    flags: &[String],
+    env: &[(&str, &str)],
+    args: &[&str],
+) -> (i32, Value) {
     let output = Command::new(env!("CARGO_BIN_EXE_conclave"))
         .args(["--endpoints", endpoints, "--json", "--timeout", "10s"])
         .args(flags)
@@ -323,11 +328,25 @@ async fn a_cluster_with_tls_mtls_and_auth_serves_etcdctl_the_cli_and_the_client_
         &["user", "add", "root:rootpw"],
         &["user", "grant-role", "root", "root"],
         &["role", "add", "reader"],
-        &["role", "grant-permission", "reader", "read", "a/", "--prefix"],
+        &[
+            "role",
+            "grant-permission",
+            "reader",
+            "read",
+            "a/",
+            "--prefix",
+        ],
         &["user", "add", "alice:alicepw"],
         &["user", "grant-role", "alice", "reader"],
         &["role", "add", "crew"],
-        &["role", "grant-permission", "crew", "readwrite", "crew/", "--prefix"],
+        &[
+            "role",
+            "grant-permission",
+            "crew",
+            "readwrite",
+            "crew/",
+            "--prefix",
+        ],
         &["user", "add", "carol:carolpw"],
         &["user", "grant-role", "carol", "crew"],
     ];
@@ -344,9 +363,15 @@ async fn a_cluster_with_tls_mtls_and_auth_serves_etcdctl_the_cli_and_the_client_
     }
     let (code, role) = conclave(&c, &flags, &[], &["role", "get", "crew"]);
     assert_eq!(code, 0, "{role}");
-    assert_eq!(role["data"]["permissions"][0]["kind"], "readwrite", "{role}");
+    assert_eq!(
+        role["data"]["permissions"][0]["kind"], "readwrite",
+        "{role}"
+    );
     assert_eq!(role["data"]["permissions"][0]["key"], "crew/", "{role}");
-    assert_eq!(role["data"]["permissions"][0]["range_end"], "crew0", "{role}");
+    assert_eq!(
+        role["data"]["permissions"][0]["range_end"], "crew0",
+        "{role}"
+    );
     assert!(etcdctl(&tls, &e, &["auth", "enable"]).status.success());
     let (code, enabled) = conclave(&c, &flags, &[], &["auth", "enable"]);
     assert_eq!(code, 0, "{enabled}");
@@ -357,7 +382,10 @@ async fn a_cluster_with_tls_mtls_and_auth_serves_etcdctl_the_cli_and_the_client_
     // Root's view of the users through the CLI.
     let (code, users) = conclave(&c, &flags, root_env, &["user", "list"]);
     assert_eq!(code, 0, "{users}");
-    assert_eq!(users["data"]["users"], serde_json::json!(["alice", "carol", "root"]));
+    assert_eq!(
+        users["data"]["users"],
+        serde_json::json!(["alice", "carol", "root"])
+    );
     let (code, alice) = conclave(&c, &flags, root_env, &["user", "get", "alice"]);
     assert_eq!(code, 0, "{alice}");
     assert_eq!(alice["data"]["roles"], serde_json::json!(["reader"]));
@@ -391,7 +419,11 @@ async fn a_cluster_with_tls_mtls_and_auth_serves_etcdctl_the_cli_and_the_client_
         elect.wait_for("me");
         let lock = Background::start(&tls, endpoints, &[carol, "lock", "crew/l"]);
         lock.wait_for("crew/l/");
-        let watch = Background::start(&tls, endpoints, &[alice, "watch", "a/", "--prefix", "--rev=1"]);
+        let watch = Background::start(
+            &tls,
+            endpoints,
+            &[alice, "watch", "a/", "--prefix", "--rev=1"],
+        );
         watch.wait_for("a/x");
     }
     // A role limited to crew/ campaigns and locks there and nowhere else.
@@ -424,14 +456,25 @@ async fn a_cluster_with_tls_mtls_and_auth_serves_etcdctl_the_cli_and_the_client_
         "Error: etcdserver: permission denied"
     );
     let as_carol = client_args_as(&tls, "carol");
-    let written = same_as(&as_carol, &e, &leader_endpoint, &["put", "crew/cn", "by-cert"]);
+    let written = same_as(
+        &as_carol,
+        &e,
+        &leader_endpoint,
+        &["put", "crew/cn", "by-cert"],
+    );
     assert_eq!(written.stdout, "OK\n");
     // A token, when sent, wins over the certificate's name (both systems).
-    let refused = same_as(&as_carol, &e, &leader_endpoint, &[alice, "put", "crew/cn", "x"]);
+    let refused = same_as(
+        &as_carol,
+        &e,
+        &leader_endpoint,
+        &[alice, "put", "crew/cn", "x"],
+    );
     assert_eq!(refused.error, "Error: etcdserver: permission denied");
 
     // The conclave CLI: --user NAME:PASSWORD, or CONCLAVE_USER and CONCLAVE_PASSWORD.
-    let carol_env: &[(&str, &str)] = &[("CONCLAVE_USER", "carol"), ("CONCLAVE_PASSWORD", "carolpw")];
+    let carol_env: &[(&str, &str)] =
+        &[("CONCLAVE_USER", "carol"), ("CONCLAVE_PASSWORD", "carolpw")];
     let (code, put) = conclave(&c, &flags, carol_env, &["put", "crew/c", "3"]);
     assert_eq!(code, 0, "{put}");
     let (code, got) = conclave(&c, &flags, carol_env, &["get", "crew/c"]);
@@ -457,10 +500,18 @@ async fn a_cluster_with_tls_mtls_and_auth_serves_etcdctl_the_cli_and_the_client_
         .output()
         .expect("run conclave watch");
     let watched = String::from_utf8_lossy(&watch.stdout);
-    assert!(watched.contains("\"a/x\""), "conclave watch saw {watched:?}");
+    assert!(
+        watched.contains("\"a/x\""),
+        "conclave watch saw {watched:?}"
+    );
     // Its refusals: one sentence and a distinct code each.
     assert_cli_refusal(
-        conclave(&c, &flags, carol_env, &["elect", "campaign", "ops", "--id", "c1", "--", "true"]),
+        conclave(
+            &c,
+            &flags,
+            carol_env,
+            &["elect", "campaign", "ops", "--id", "c1", "--", "true"],
+        ),
         14,
         "permission_denied",
         "permission denied",
@@ -486,13 +537,23 @@ async fn a_cluster_with_tls_mtls_and_auth_serves_etcdctl_the_cli_and_the_client_
         "CONCLAVE_PASSWORD",
     );
     assert_cli_refusal(
-        conclave(&cluster.endpoints(), &[], &[], &["--user", "alice:alicepw", "get", "a/x"]),
+        conclave(
+            &cluster.endpoints(),
+            &[],
+            &[],
+            &["--user", "alice:alicepw", "get", "a/x"],
+        ),
         15,
         "tls",
         "the server speaks TLS",
     );
     assert_cli_refusal(
-        conclave(&c, &client_args_as(&tls, "expired"), &[], &["--user", "alice:alicepw", "get", "a/x"]),
+        conclave(
+            &c,
+            &client_args_as(&tls, "expired"),
+            &[],
+            &["--user", "alice:alicepw", "get", "a/x"],
+        ),
         15,
         "tls",
         "expired",
