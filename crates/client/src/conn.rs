@@ -11,9 +11,14 @@ use conclave_proto::etcdserverpb::cluster_client::ClusterClient;
 use conclave_proto::etcdserverpb::maintenance_client::MaintenanceClient;
 use conclave_proto::etcdserverpb::{MemberListRequest, StatusRequest};
 use tokio::time::Instant;
-use tonic::transport::{Channel, Endpoint};
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::Endpoint;
 
+use crate::auth::{Authenticator, Credentials, TokenInterceptor};
 use crate::tls::TlsOptions;
+
+/// A connection to one member that adds the client's auth token to every call.
+pub(crate) type Channel = InterceptedService<tonic::transport::Channel, TokenInterceptor>;
 
 use crate::error::{Error, ErrorContext, Result};
 use crate::lease::LeaseSafety;
@@ -88,6 +93,10 @@ pub struct ClientOptions {
     pub exactly_once: bool,
     /// TLS settings (CA, client certificate); see [`TlsOptions`] for when they apply.
     pub tls: Option<TlsOptions>,
+    /// Who the client is when the cluster has authentication on (see [`Credentials`]);
+    /// `None` sends no token (fine while auth is off, or under common-name authentication
+    /// with a client certificate).
+    pub credentials: Option<Credentials>,
 }
 
 impl Default for ClientOptions {
@@ -99,6 +108,7 @@ impl Default for ClientOptions {
             lease_safety: LeaseSafety::default(),
             exactly_once: true,
             tls: None,
+            credentials: None,
         }
     }
 }
@@ -138,6 +148,8 @@ pub(crate) struct Inner {
     reconnecting: tokio::sync::Mutex<u64>,
     /// Exactly-once sessions not in use by a write right now.
     sessions: SessionPool,
+    /// The credentials and the token every call carries.
+    auth: Authenticator,
 }
 
 /// Adds a scheme when the endpoint has none (`127.0.0.1:2379` as etcdctl accepts): `https://`
@@ -175,7 +187,9 @@ impl Inner {
                 Error::InvalidArgument(format!("endpoint {endpoint:?} is not a valid URL: {e}"))
             })?;
         }
+        let auth = Authenticator::new(options.credentials.clone())?;
         Ok(Inner {
+            auth,
             endpoints: RwLock::new(configured.clone()),
             configured,
             options,
@@ -197,12 +211,17 @@ impl Inner {
     }
 
     /// The connection to use, connecting if there is none.
+    /// With a password and no token yet, authenticates first.
     pub(crate) async fn active(&self) -> Result<Active> {
-        match self.current() {
-            Some(active) if active.generation != FORGOTTEN => Ok(active),
-            Some(_) => self.reconnect(Some(FORGOTTEN)).await,
-            None => self.reconnect(None).await,
-        }
+        let active = match self.current() {
+            Some(active) if active.generation != FORGOTTEN => active,
+            Some(_) => self.reconnect(Some(FORGOTTEN)).await?,
+            None => self.reconnect(None).await?,
+        };
+        self.auth
+            .ensure(&active.channel, self.options.request_timeout)
+            .await?;
+        Ok(active)
     }
 
     /// Replaces the connection of generation `failed` (or establishes the first one). If
@@ -250,6 +269,8 @@ impl Inner {
                         crate::tls::explain_failure(&reason, tls, client_certificate)
                     {
                         tls_failures.push(format!("{endpoint}: {sentence}"));
+                    } else if let Some(sentence) = self.ask_tls_refusal(endpoint).await {
+                        tls_failures.push(format!("{endpoint}: {sentence}"));
                     } else if !tls
                         && crate::tls::speaks_tls(endpoint, self.options.connect_timeout).await
                     {
@@ -276,11 +297,25 @@ impl Inner {
         })
     }
 
+    /// For a TLS endpoint whose failure said nothing about TLS: the sentence for the refusal
+    /// a bare handshake hears (see [`crate::tls::refusal_reason`]), if that is one.
+    async fn ask_tls_refusal(&self, endpoint: &str) -> Option<String> {
+        let options = self.options.tls.as_ref()?;
+        let reason =
+            crate::tls::refusal_reason(endpoint, options, self.options.connect_timeout).await?;
+        crate::tls::explain_failure(&reason, true, options.client_certificate_pem.is_some())
+    }
+
     /// Makes `channel` the connection in use, under a new generation.
-    fn adopt(&self, generation: &mut u64, channel: Channel, endpoint: String) -> Active {
+    fn adopt(
+        &self,
+        generation: &mut u64,
+        channel: tonic::transport::Channel,
+        endpoint: String,
+    ) -> Active {
         *generation += 1;
         let active = Active {
-            channel,
+            channel: InterceptedService::new(channel, self.auth.interceptor()),
             endpoint,
             generation: *generation,
         };
@@ -292,7 +327,10 @@ impl Inner {
         active
     }
 
-    async fn connect_channel(&self, endpoint: &str) -> std::result::Result<Channel, String> {
+    async fn connect_channel(
+        &self,
+        endpoint: &str,
+    ) -> std::result::Result<tonic::transport::Channel, String> {
         let timeout = self.options.connect_timeout;
         let mut builder = Endpoint::from_shared(endpoint.to_string()).map_err(|e| e.to_string())?;
         if endpoint.starts_with("https://") {
@@ -320,7 +358,10 @@ impl Inner {
     /// itself, tries to connect to the leader instead (writes then skip a forwarding hop).
     /// Learns the members' client URLs for later reconnects. The flag says whether the member
     /// knows a leader.
-    async fn probe(&self, endpoint: &str) -> std::result::Result<(Channel, String, bool), String> {
+    async fn probe(
+        &self,
+        endpoint: &str,
+    ) -> std::result::Result<(tonic::transport::Channel, String, bool), String> {
         let channel = self.connect_channel(endpoint).await?;
         let timeout = self.options.connect_timeout;
         let status = MaintenanceClient::new(channel.clone())
@@ -402,6 +443,8 @@ impl Inner {
         // The last transient failure: when the deadline ends the retries, it says why
         // (a cluster without a leader is `no_leader`, not a slow answer).
         let mut last_error: Option<Error> = None;
+        // A refused token is renewed once per call; a second refusal is the answer.
+        let mut renewed_token = false;
         loop {
             let remaining = deadline.saturating_duration_since(Instant::now());
             if remaining.is_zero() {
@@ -439,6 +482,17 @@ impl Inner {
                                 && matches!(last_error, Some(Error::NoLeader(_)))
                             {
                                 return Err(out_of_time(last_error, timeout));
+                            }
+                            // An expired or revoked token (or auth turned on since the
+                            // client learnt it was off): authenticate again and repeat the
+                            // call, which the server refused before doing anything.
+                            if matches!(error, Error::Unauthenticated(_))
+                                && !renewed_token
+                                && self.auth.renew()
+                            {
+                                renewed_token = true;
+                                tracing::debug!(%error, "conclave client authenticating again");
+                                continue;
                             }
                             if !error.is_transient() {
                                 return Err(error);

@@ -269,9 +269,7 @@ pub struct Election {
     client: Client,
 }
 
-fn election_client(
-    channel: tonic::transport::Channel,
-) -> ElectionClient<tonic::transport::Channel> {
+fn election_client(channel: crate::conn::Channel) -> ElectionClient<crate::conn::Channel> {
     ElectionClient::new(channel)
 }
 

@@ -47,9 +47,7 @@ pub struct EtcdElection {
     client: Client,
 }
 
-fn election_client(
-    channel: tonic::transport::Channel,
-) -> ElectionClient<tonic::transport::Channel> {
+fn election_client(channel: crate::conn::Channel) -> ElectionClient<crate::conn::Channel> {
     ElectionClient::new(channel)
 }
 

@@ -23,6 +23,7 @@
 //! client session, so they are retried the same way and still applied once. See
 //! `docs/client.md`.
 
+mod auth;
 mod conn;
 mod election;
 mod error;
@@ -40,6 +41,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+pub use auth::{Auth, Credentials, Permission, PermissionKind, TOKEN_METADATA_KEY};
 pub use conn::{Backoff, ClientOptions};
 pub use election::{
     CampaignOptions, Candidate, Election, ElectionEvent, ElectionEventKind, ElectionEvents,
@@ -172,6 +174,11 @@ impl Client {
         Queues::new(self.clone())
     }
 
+    /// Authentication: turn it on and off, manage users and roles (etcd's Auth service).
+    pub fn auth(&self) -> Auth {
+        Auth::new(self.clone())
+    }
+
     /// Closes the client's idle exactly-once sessions at once instead of leaving them to
     /// expire on the server (after its `session_ttl_ms`, 1 h by default). Later writes open
     /// new ones.
@@ -188,7 +195,7 @@ impl Client {
         call: F,
     ) -> Result<T>
     where
-        F: FnMut(tonic::transport::Channel, Duration, Position) -> Fut,
+        F: FnMut(crate::conn::Channel, Duration, Position) -> Fut,
         Fut: Future<Output = std::result::Result<T, tonic::Status>>,
     {
         self.inner
@@ -199,7 +206,7 @@ impl Client {
     /// One request with the default deadline.
     async fn call<T, F, Fut>(&self, retry: Retry, context: ErrorContext, call: F) -> Result<T>
     where
-        F: FnMut(tonic::transport::Channel, Duration) -> Fut,
+        F: FnMut(crate::conn::Channel, Duration) -> Fut,
         Fut: Future<Output = std::result::Result<T, tonic::Status>>,
     {
         self.inner

@@ -149,7 +149,7 @@ pub struct Queues {
     client: Client,
 }
 
-fn queue_client(channel: tonic::transport::Channel) -> QueueClient<tonic::transport::Channel> {
+fn queue_client(channel: crate::conn::Channel) -> QueueClient<crate::conn::Channel> {
     QueueClient::new(channel)
 }
 
@@ -319,7 +319,7 @@ impl Queues {
     /// lost) gets that answer from the cache, instead of being refused as stale.
     async fn fenced<T, F, Fut>(&self, call: F) -> Result<T>
     where
-        F: FnMut(tonic::transport::Channel, Duration, Position) -> Fut,
+        F: FnMut(crate::conn::Channel, Duration, Position) -> Fut,
         Fut: std::future::Future<Output = std::result::Result<T, tonic::Status>>,
     {
         self.client

@@ -172,6 +172,83 @@ pub(crate) async fn speaks_tls(endpoint: &str, timeout: std::time::Duration) -> 
         .unwrap_or(false)
 }
 
+/// Why the TLS server at `endpoint` refuses this client, in rustls's words ("received fatal
+/// alert: BadCertificate", "invalid peer certificate: UnknownIssuer", ...) for
+/// [`explain_failure`], or `None` when it accepts the handshake or cannot be asked.
+///
+/// Asked after a TLS connection failed without saying why. Under TLS 1.3 a server checks the
+/// client's certificate after the client considers the handshake done, and HTTP/2 has sent its
+/// preface by then: the server's alert and a TCP reset for that unread preface race, and the
+/// reset often wins, leaving only "connection reset" (which read as `connection_failed`).
+/// This handshake sends nothing after it, so the server closes cleanly and its alert arrives.
+pub(crate) async fn refusal_reason(
+    endpoint: &str,
+    options: &TlsOptions,
+    timeout: std::time::Duration,
+) -> Option<String> {
+    use rustls_pki_types::pem::PemObject;
+    use rustls_pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+    use tokio::io::AsyncReadExt;
+    use tokio_rustls::rustls;
+
+    let authority = endpoint.strip_prefix("https://")?.split('/').next()?;
+    let host = match authority.rsplit_once(':') {
+        Some((host, _port)) => host.trim_start_matches('[').trim_end_matches(']'),
+        None => authority,
+    };
+    let name = ServerName::try_from(host.to_string()).ok()?;
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_slice_iter(options.ca_certificate_pem.as_deref()?) {
+        roots.add(cert.ok()?).ok()?;
+    }
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let builder = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .ok()?
+        .with_root_certificates(roots);
+    let mut config = match (&options.client_certificate_pem, &options.client_key_pem) {
+        (Some(cert), Some(key)) => {
+            let chain = CertificateDer::pem_slice_iter(cert)
+                .collect::<std::result::Result<Vec<_>, _>>()
+                .ok()?;
+            let key = PrivateKeyDer::from_pem_slice(key).ok()?;
+            builder.with_client_auth_cert(chain, key).ok()?
+        }
+        _ => builder.with_no_client_auth(),
+    };
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config));
+    let attempt = async {
+        let tcp = tokio::net::TcpStream::connect(authority).await.ok()?;
+        let mut stream = match connector.connect(name, tcp).await {
+            Ok(stream) => stream,
+            Err(error) => return Some(error_chain(&error)),
+        };
+        // An accepted client hears the server's HTTP/2 settings; a refused one the alert.
+        let mut first = [0u8; 1];
+        match stream.read(&mut first).await {
+            Ok(0) => Some("connection closed after the TLS handshake".to_string()),
+            Ok(_) => None,
+            Err(error) => Some(error_chain(&error)),
+        }
+    };
+    tokio::time::timeout(timeout, attempt).await.ok().flatten()
+}
+
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let said = cause.to_string();
+        if !text.contains(&said) {
+            text.push_str(": ");
+            text.push_str(&said);
+        }
+        source = cause.source();
+    }
+    text
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -66,7 +66,7 @@ pub struct Topics {
     client: Client,
 }
 
-fn topic_client(channel: tonic::transport::Channel) -> TopicClient<tonic::transport::Channel> {
+fn topic_client(channel: crate::conn::Channel) -> TopicClient<crate::conn::Channel> {
     TopicClient::new(channel)
 }
 

@@ -140,7 +140,7 @@ struct Open {
     _requests: mpsc::Sender<pb::WatchRequest>,
     answers: tonic::Streaming<pb::WatchResponse>,
     /// The connection the stream is on, to ask its member for its status.
-    channel: tonic::transport::Channel,
+    channel: crate::conn::Channel,
     generation: u64,
     /// Where the stream starts, once the server confirmed the creation.
     created_revision: Option<i64>,

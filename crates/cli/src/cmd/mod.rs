@@ -4,6 +4,7 @@
 //! Every command ends in one of two ways: success (exit 0, or the exit status of a child
 //! command it supervised) or a [`Failure`] carrying a stable code and its exit code.
 
+pub(crate) mod access;
 pub(crate) mod auth;
 mod bench;
 mod child;
@@ -108,6 +109,16 @@ pub struct GlobalArgs {
         value_name = "FILE"
     )]
     pub key: Option<std::path::PathBuf>,
+    /// Authenticate as NAME (when the cluster has auth enabled); the password after a colon,
+    /// else from CONCLAVE_PASSWORD, else prompted for on a terminal.
+    #[arg(
+        long = "user",
+        id = "auth_user",
+        global = true,
+        env = "CONCLAVE_USER",
+        value_name = "NAME[:PASSWORD]"
+    )]
+    pub user: Option<String>,
 }
 
 /// `-w/--write-out` values.
@@ -195,6 +206,16 @@ pub enum ClientCommand {
     /// Cut a stopped node's write-ahead log at damage `serve` refused to start over, saying
     /// what is lost (--dry-run: only say it).
     Repair(repair::RepairArgs),
+    /// Authentication: enable, disable, status.
+    #[command(subcommand)]
+    Auth(access::AuthCommand),
+    /// Users: add, delete, get, list, passwd, grant-role, revoke-role.
+    #[command(subcommand)]
+    User(access::UserCommand),
+    /// Roles and their key-range permissions: add, delete, get, list, grant-permission,
+    /// revoke-permission.
+    #[command(subcommand)]
+    Role(access::RoleCommand),
 }
 
 /// Why a command failed: a stable code, one sentence, and the exit code for its class.
@@ -321,6 +342,8 @@ pub struct Ctx {
     pub wait: Option<Duration>,
     /// `--cacert --cert --key`, read once.
     pub tls: Option<conclave_client::TlsOptions>,
+    /// `--user`, with its password, read once.
+    pub credentials: Option<conclave_client::Credentials>,
 }
 
 impl Ctx {
@@ -344,7 +367,9 @@ impl Ctx {
         } else {
             None
         };
+        let credentials = access::credentials(global.user.as_deref())?;
         Ok(Ctx {
+            credentials,
             global,
             out,
             timeout,
@@ -371,6 +396,7 @@ impl Ctx {
         }
         let options = ClientOptions {
             tls: self.tls.clone(),
+            credentials: self.credentials.clone(),
             request_timeout: self.timeout,
             connect_timeout: self.timeout.min(CONNECT_TIMEOUT_MAX),
             ..ClientOptions::default()
@@ -426,6 +452,9 @@ pub async fn run(global: GlobalArgs, command: ClientCommand) -> i32 {
         ClientCommand::Snapshot(command) => cluster::snapshot(&ctx, command).await,
         ClientCommand::Bench(command) => bench::run(&ctx, command).await,
         ClientCommand::Repair(args) => repair::run(&ctx, args),
+        ClientCommand::Auth(command) => access::auth(&ctx, command).await,
+        ClientCommand::User(command) => access::user(&ctx, command).await,
+        ClientCommand::Role(command) => access::role(&ctx, command).await,
     };
     match result {
         Ok(code) => code,

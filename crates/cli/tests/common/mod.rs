@@ -210,6 +210,11 @@ impl Cluster {
         Cluster::start_with(size, &[], true).await
     }
 
+    /// [`Cluster::start_tls`] with more serve flags for every node.
+    pub async fn start_tls_with_args(size: u64, extra_args: &[&str]) -> Cluster {
+        Cluster::start_with(size, extra_args, true).await
+    }
+
     async fn start_with(size: u64, extra_args: &[&str], tls: bool) -> Cluster {
         for attempt in 1..=START_ATTEMPTS {
             let extra_args = extra_args.iter().map(|arg| arg.to_string()).collect();
