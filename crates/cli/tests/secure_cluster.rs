@@ -463,6 +463,25 @@ async fn a_cluster_with_tls_mtls_and_auth_serves_etcdctl_the_cli_and_the_client_
         &["put", "crew/cn", "by-cert"],
     );
     assert_eq!(written.stdout, "OK\n");
+    // Through a follower too: the call is forwarded to the leader with carol's identity
+    // (a token the follower signs for her), not the follower's own certificate.
+    let follower = cluster
+        .nodes
+        .iter()
+        .find(|node| node.id != leader)
+        .expect("a 3-member cluster has followers");
+    let follower_endpoint = format!("https://{}", follower.client);
+    for attempt in ["by-cert-via-follower", "again"] {
+        let written = same_as(
+            &as_carol,
+            &e,
+            &follower_endpoint,
+            &["put", "crew/cn", attempt],
+        );
+        assert_eq!(written.stdout, "OK\n", "{written:?}");
+    }
+    let refused = same_as(&as_alice, &e, &follower_endpoint, &["put", "a/x", "9"]);
+    assert_eq!(refused.error, "Error: etcdserver: permission denied");
     // A token, when sent, wins over the certificate's name (both systems).
     let refused = same_as(
         &as_carol,

@@ -15,6 +15,7 @@
 //! disabled and enabled again. Passwords never enter the log: the member that proposes a
 //! UserAdd or UserChangePassword hashes the password with bcrypt first.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -153,6 +154,37 @@ pub fn name_prefix(name: &[u8]) -> (Vec<u8>, bytes::Bytes) {
 }
 
 impl Api {
+    /// The context a call carries when this member forwards it. A caller known here only by
+    /// its client certificate (`--client-cert-auth`, no token) gets a token signed for that
+    /// user, valid for the configured token lifetime: the member it is forwarded to sees this
+    /// member's connection and certificate, not the client's. Every member holds the signing
+    /// key, so this grants nothing a member could not already sign.
+    pub fn forwarding_context<'a>(&self, ctx: &'a CallContext) -> Cow<'a, CallContext> {
+        if ctx.token.is_some() || !self.config.auth.client_cert_auth {
+            return Cow::Borrowed(ctx);
+        }
+        let Some(user) = &ctx.cert_user else {
+            return Cow::Borrowed(ctx);
+        };
+        let expires_ms = now_ms().saturating_add(self.config.auth.token_ttl_ms);
+        let token = self.node.read_state(|state| {
+            let auth = state.auth();
+            if auth.enabled {
+                sign_token(auth, user, expires_ms)
+            } else {
+                None
+            }
+        });
+        match token {
+            Some(token) => {
+                let mut forwarded = ctx.clone();
+                forwarded.token = Some(Arc::from(token));
+                Cow::Owned(forwarded)
+            }
+            None => Cow::Borrowed(ctx),
+        }
+    }
+
     /// The verified user of a call (empty: none), against this member's auth state.
     pub fn caller(&self, ctx: &CallContext) -> Result<String, Status> {
         let client_cert_auth = self.config.auth.client_cert_auth;

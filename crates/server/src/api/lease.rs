@@ -222,7 +222,7 @@ impl Shared {
             let (requests, outgoing) = mpsc::channel(KEEPALIVE_UPSTREAM_REQUESTS_MAX);
             // No gRPC timeout: the stream lives as long as the client's.
             let mut request = tonic::Request::new(ReceiverStream::new(outgoing));
-            mark_forwarded(&mut request, ctx);
+            mark_forwarded(&mut request, &self.api.forwarding_context(ctx));
             let mut client = LeaseClient::new(self.api.channel(leader)?);
             let opened = tokio::time::timeout(ctx.remaining(), client.lease_keep_alive(request))
                 .await
