@@ -266,3 +266,75 @@ async fn age_retention_drops_old_messages_in_a_running_cluster() {
         .collect();
     assert_eq!(topics, ["kept"], "{all}");
 }
+
+/// The `higher` policy (the default) through the server: a higher-priority candidate that
+/// campaigns without `--preempt` waits behind the sitting leader and asks nothing; one that
+/// campaigns with `--preempt` asks for the seat (`handoff_to` names it) while the leader
+/// keeps it. `always` is the handoff test above: there the challenger asks without the flag.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_higher_policy_hands_off_only_to_a_challenger_that_asks() {
+    let cluster = Cluster::start(3).await;
+    let eps = cluster.endpoints();
+    let eps = eps.as_str();
+    let group = "polite";
+    let configured = run_until_ok(
+        eps,
+        &[
+            "elect",
+            "configure",
+            group,
+            "--preempt-policy",
+            "higher",
+            "--json",
+        ],
+        RETRY,
+    )
+    .data();
+    assert_eq!(configured["preempt_policy"], "higher", "{configured}");
+    let register = |id: &str, priority: &str, preempt: bool| {
+        let lease = run_until_ok(eps, &["lease", "grant", "120", "--json"], RETRY).data()["id"]
+            .as_str()
+            .expect("lease id")
+            .to_string();
+        let mut args = vec![
+            "elect",
+            "campaign",
+            group,
+            "--id",
+            id,
+            "--priority",
+            priority,
+            "--lease",
+            &lease,
+            "--no-wait",
+            "--json",
+        ];
+        if preempt {
+            args.push("--preempt");
+        }
+        run(eps, &args).data()
+    };
+    let low = register("low", "1", false);
+    assert_eq!(low["elected"], true, "{low}");
+
+    let quiet = register("quiet", "5", false);
+    assert_eq!(quiet["elected"], false, "{quiet}");
+    let leader = leader_of(eps, group).expect("a leader");
+    assert_eq!(leader["leader"], "low", "{leader}");
+    assert_eq!(
+        leader["handoff_to"],
+        Value::Null,
+        "a challenger without --preempt asks nothing under `higher`: {leader}"
+    );
+    assert_eq!(leader["policy"]["preempt_policy"], "higher", "{leader}");
+
+    // The best candidate is the one that may ask: eager outranks quiet.
+    let eager = register("eager", "9", true);
+    assert_eq!(eager["elected"], false, "{eager}");
+    let leader = leader_of(eps, group).expect("a leader");
+    assert_eq!(
+        leader["leader"], "low",
+        "the leader keeps the seat: {leader}"
+    );
+    assert_eq!(leader["handoff_to"], "eager", "{leader}");
+}

@@ -254,15 +254,48 @@ async fn a_partitioned_holder_keeps_its_seat_until_the_ttl() {
     wait_candidates(eps, "cut", 2);
     let partition = Partition::cut();
     let cut_at = Instant::now();
+    // When the seat moved, as the cluster says (not the waiting process).
+    let moved = loop {
+        if leader_of(eps, "cut").is_some_and(|leader| leader != "holder") {
+            break cut_at.elapsed();
+        }
+        assert!(
+            cut_at.elapsed() < Duration::from_secs(TTL_S + 15),
+            "the seat never moved from a partitioned holder"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
     let (at, next) = elected(&waiting, Duration::from_secs(TTL_S + 15));
     let takeover = at.duration_since(cut_at);
     drop(partition);
-    eprintln!("takeover {takeover:?} after the partition (TTL {TTL_S} s)");
+    eprintln!(
+        "seat moved {moved:?}, waiting campaign elected {takeover:?} after the partition (TTL {TTL_S} s)"
+    );
     assert_eq!(next["leader"], "waiting", "{next}");
     // The last keepalive was at most TTL/3 before the cut, so the lease lived at least
     // 2/3 of the TTL after it: far longer than the orphan grace.
     assert!(
-        takeover >= Duration::from_secs(TTL_S * 2 / 3 - 1),
-        "the seat moved {takeover:?} after a partition: before the TTL"
+        moved >= Duration::from_secs(TTL_S * 2 / 3 - 1),
+        "the seat moved {moved:?} after a partition: before the TTL"
+    );
+    // And not much past it. The TTL counts from the last keepalive the leader read. Measured
+    // here (2 of 3 runs on a loaded 2-core machine): the seat moves about two TTLs after the
+    // cut, not one. The likely path (not yet proven): a keepalive the holder queued during
+    // the partition reaches the leader once the holder gives up at its local deadline and
+    // exits (its orphaned socket is no longer the partitioned user's, so the rule lets the
+    // retransmission out), and renews the lease for one more TTL. The contract's "never early" allows it and no two holders ever lead (the
+    // holder stopped at its own deadline), but the seat sits empty-handed that long; the
+    // bound below is today's, and docs/agents.md says so.
+    assert!(
+        moved <= Duration::from_secs(2 * TTL_S + PAST_TTL_SLACK_S),
+        "the seat moved {moved:?} after a partition: past two {TTL_S} s TTLs"
+    );
+    assert!(
+        takeover <= moved + Duration::from_secs(PAST_TTL_SLACK_S),
+        "the waiting campaign said elected {takeover:?} after the cut, the seat moved at {moved:?}"
     );
 }
+
+/// How long past the TTL a partitioned holder's seat may take to move on a loaded machine:
+/// the expiry's commit, the next candidate's grant and its process noticing.
+const PAST_TTL_SLACK_S: u64 = 5;

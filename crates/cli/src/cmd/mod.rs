@@ -465,14 +465,57 @@ pub async fn run(global: GlobalArgs, command: ClientCommand) -> i32 {
     }
 }
 
-/// Resolves on SIGTERM or Ctrl-C.
+/// Set once SIGTERM or SIGINT arrived, by the listener the first [`interrupted`] starts.
+static INTERRUPTED: std::sync::OnceLock<tokio::sync::watch::Receiver<bool>> =
+    std::sync::OnceLock::new();
+
+/// Resolves on SIGTERM or Ctrl-C, at once if one already arrived. The first call starts one
+/// listener that stays for the rest of the process: tokio's handler, once installed, stays
+/// too, so a listener made per wait would let a signal that comes between two waits (a
+/// campaign that was just elected and is starting its command) be swallowed, and the
+/// command would run on as if never told to stop. Until the first call the default
+/// actions apply, so Ctrl-C still ends a command that never waits for it.
 pub async fn interrupted() {
-    crate::termination_signal().await
+    let mut arrived = INTERRUPTED
+        .get_or_init(|| {
+            let (tell, arrived) = tokio::sync::watch::channel(false);
+            tokio::spawn(async move {
+                crate::termination_signal().await;
+                let _ = tell.send(true);
+                // Kept open so receivers see the flag rather than a closed channel.
+                std::future::pending::<()>().await
+            });
+            arrived
+        })
+        .clone();
+    if arrived.wait_for(|arrived| *arrived).await.is_err() {
+        // The listener is gone only with its runtime, when nothing can wait any more.
+        std::future::pending::<()>().await
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A SIGTERM that arrives while no one waits (between two phases of a command) is kept
+    /// for the next wait. A listener made per wait lost it: this waited in vain.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_signal_between_two_waits_is_not_lost() {
+        // The first wait starts listening; it ends without a signal.
+        let first = tokio::time::timeout(Duration::from_millis(200), interrupted()).await;
+        assert!(first.is_err(), "no signal was sent yet");
+        let status = std::process::Command::new("kill")
+            .args(["-TERM", &std::process::id().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success());
+        // Give the signal time to arrive while nothing waits.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        tokio::time::timeout(Duration::from_secs(10), interrupted())
+            .await
+            .expect("the signal that came between the waits ends the next one");
+    }
 
     #[test]
     fn durations_parse_and_refuse_nonsense() {
