@@ -141,7 +141,8 @@ impl Tally {
 
     fn record(&mut self, elapsed: Duration) {
         let us = u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX);
-        self.latencies_us.saturating_record(us.clamp(1, LATENCY_MAX_US));
+        self.latencies_us
+            .saturating_record(us.clamp(1, LATENCY_MAX_US));
     }
 }
 
@@ -224,8 +225,7 @@ async fn fill_keys(channels: &[Channel], args: &Args) -> Result<(), BenchError> 
         }));
     }
     for task in tasks {
-        task.await
-            .map_err(|e| BenchError::Setup(e.to_string()))??;
+        task.await.map_err(|e| BenchError::Setup(e.to_string()))??;
     }
     Ok(())
 }
@@ -292,7 +292,8 @@ async fn run_client(
         }
         Op::TxnCas => {
             let mut kv = KvClient::new(channel);
-            let own_key: tonic::codegen::Bytes = format!("{KEY_PREFIX}cas/{id}").into_bytes().into();
+            let own_key: tonic::codegen::Bytes =
+                format!("{KEY_PREFIX}cas/{id}").into_bytes().into();
             let first = kv
                 .put(PutRequest {
                     key: own_key.clone(),
@@ -361,7 +362,7 @@ async fn run_client(
             let (sender, receiver) = mpsc::channel(1);
             let keepalive = LeaseKeepAliveRequest { id: granted.id };
             sender
-                .send(keepalive.clone())
+                .send(keepalive)
                 .await
                 .map_err(|_| BenchError::Setup("keepalive channel closed".into()))?;
             let mut start = Instant::now();
@@ -384,7 +385,7 @@ async fn run_client(
                     break;
                 }
                 start = Instant::now();
-                if sender.send(keepalive.clone()).await.is_err() {
+                if sender.send(keepalive).await.is_err() {
                     tally.errors += 1;
                     break;
                 }
@@ -618,7 +619,15 @@ async fn run(args: Args) -> Result<(), BenchError> {
         if args.header {
             println!(
                 "{:<10} {:<17} {:>7} {:>10} {:>8} {:>8} {:>8} {:>8} {:>7}",
-                "label", "op", "clients", "ops/s", "p50 ms", "p99 ms", "p99.9 ms", "max ms", "errors"
+                "label",
+                "op",
+                "clients",
+                "ops/s",
+                "p50 ms",
+                "p99 ms",
+                "p99.9 ms",
+                "max ms",
+                "errors"
             );
         }
         println!(

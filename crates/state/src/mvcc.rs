@@ -731,7 +731,11 @@ mod tests {
     fn the_key_map_encodes_exactly_as_a_btreemap() {
         let mut store = KvStore::new();
         for i in 0..500u32 {
-            put(&mut store, &format!("key/{:04}", (i * 7919) % 500), &format!("v{i}"));
+            put(
+                &mut store,
+                &format!("key/{:04}", (i * 7919) % 500),
+                &format!("v{i}"),
+            );
         }
         let as_btree: std::collections::BTreeMap<Bytes, Vec<Record>> = store
             .keys
@@ -761,9 +765,18 @@ mod tests {
             put(&mut store, &format!("k{i}"), "after");
         }
         store.compact(store.revision()).expect("compacts");
-        assert_eq!(frozen.get(b"k7").map(|kv| kv.value), Some(Bytes::from("before")));
-        assert_eq!(store.get(b"k7").map(|kv| kv.value), Some(Bytes::from("after")));
-        assert_eq!(postcard::to_allocvec(&frozen).expect("in memory"), frozen_bytes);
+        assert_eq!(
+            frozen.get(b"k7").map(|kv| kv.value),
+            Some(Bytes::from("before"))
+        );
+        assert_eq!(
+            store.get(b"k7").map(|kv| kv.value),
+            Some(Bytes::from("after"))
+        );
+        assert_eq!(
+            postcard::to_allocvec(&frozen).expect("in memory"),
+            frozen_bytes
+        );
     }
 
     fn put(store: &mut KvStore, key: &str, value: &str) -> i64 {
