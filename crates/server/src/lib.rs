@@ -36,4 +36,4 @@ pub mod transport;
 pub use config::{Member, ServerConfig};
 pub use embed::{Node, NodeBuilder, NodeConfig, Role, RoleChange, RoleEvents};
 pub use error::Error;
-pub use machine::{MachineError, ReplicatedMachine};
+pub use machine::{FrozenImage, MachineError, ReplicatedMachine};

@@ -73,12 +73,48 @@ pub trait ReplicatedMachine: Send + Sync + 'static {
     fn apply(&mut self, index: u64, entry: &[u8]) -> Result<Self::Output, MachineError>;
 
     /// An image of the whole state, from which [`ReplicatedMachine::restore`] rebuilds it.
-    /// Taken on the driver thread every `snapshot_entries` applied entries; the log below it
-    /// is then dropped.
+    /// The log below it is dropped once it is written.
     fn snapshot(&self) -> Vec<u8>;
+
+    /// The state as it is now, to be encoded into exactly the image
+    /// [`ReplicatedMachine::snapshot`] would give now, but later, on the snapshot writer's
+    /// thread, while the driver goes on applying entries. Called on the driver thread every
+    /// `snapshot_entries` applied entries. The default encodes at once (so the driver waits
+    /// for it); a machine whose state clones cheaply (persistent maps) returns a clone.
+    fn snapshot_frozen(&self) -> FrozenImage {
+        FrozenImage::ready(self.snapshot())
+    }
 
     /// Replaces the state with the one `image` describes: at start from the newest snapshot
     /// on disk, or when the leader sends one to a member that fell behind its log. A machine
     /// that was never snapshotted starts as the value given to the node.
     fn restore(&mut self, image: &[u8]) -> Result<(), MachineError>;
+}
+
+/// A machine's state frozen at one applied index, not yet encoded: see
+/// [`ReplicatedMachine::snapshot_frozen`].
+pub struct FrozenImage(Box<dyn FnOnce() -> Vec<u8> + Send>);
+
+impl FrozenImage {
+    /// An image already encoded.
+    pub fn ready(image: Vec<u8>) -> FrozenImage {
+        FrozenImage(Box::new(move || image))
+    }
+
+    /// An image `encode` produces when called, on whichever thread calls it; it must give the
+    /// bytes [`ReplicatedMachine::snapshot`] gave when this was made.
+    pub fn deferred(encode: impl FnOnce() -> Vec<u8> + Send + 'static) -> FrozenImage {
+        FrozenImage(Box::new(encode))
+    }
+
+    /// The image's bytes.
+    pub fn encode(self) -> Vec<u8> {
+        (self.0)()
+    }
+}
+
+impl std::fmt::Debug for FrozenImage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("FrozenImage")
+    }
 }

@@ -836,14 +836,15 @@ impl CoreSimulation {
             }
         };
         let index = plan.meta.index;
+        // Encoded at once here; the real shell does it on a helper thread while it applies on,
+        // which `conclave_state`'s tests show gives the same bytes.
+        let data = plan.data.encode();
         let recorded = core.snapshot_written(index, |store| match store {
             NodeStorage::Mem(mem) => {
-                mem.create_snapshot(index, plan.meta.conf_state, plan.data);
+                mem.create_snapshot(index, plan.meta.conf_state, data);
                 Ok(())
             }
-            NodeStorage::Wal(wal) => {
-                Ok(wal.create_snapshot(index, plan.meta.conf_state, plan.data)?)
-            }
+            NodeStorage::Wal(wal) => Ok(wal.create_snapshot(index, plan.meta.conf_state, data)?),
         });
         match recorded {
             Ok(_) => self.stats.snapshots += 1,

@@ -13,10 +13,10 @@
 //! So reads and watch replays at any revision >= C are exact.
 
 use std::cmp::Ordering;
-use std::collections::BTreeMap;
 use std::ops::Bound;
 
 use bytes::Bytes;
+use imbl::OrdMap;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
@@ -233,7 +233,10 @@ fn visible(history: &[Record], at: Option<i64>) -> Option<&Record> {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct KvStore {
     /// Invariant: each history is non-empty and sorted by (mod_revision, sub).
-    keys: BTreeMap<Bytes, Vec<Record>>,
+    /// A persistent map: cloning the store is O(1) and the clone stays as it was while the
+    /// original moves on, so a snapshot can be encoded on another thread (see `docs/state.md`).
+    /// It serializes exactly as a `BTreeMap` would (a length, then the pairs in key order).
+    keys: OrdMap<Bytes, Vec<Record>>,
     /// Invariant: revision >= 1 and revision >= compact_revision.
     revision: i64,
     compact_revision: i64,
@@ -253,7 +256,7 @@ impl KvStore {
     /// An empty store at revision 1, as etcd.
     pub fn new() -> Self {
         KvStore {
-            keys: BTreeMap::new(),
+            keys: OrdMap::new(),
             revision: 1,
             compact_revision: 0,
             pending_writes: 0,
@@ -319,7 +322,7 @@ impl KvStore {
             return Vec::new();
         };
         self.keys
-            .range::<[u8], _>(bounds)
+            .range::<_, [u8]>(bounds)
             .filter(|(_, history)| visible(history, None).is_some())
             .map(|(key, _)| key.clone())
             .collect()
@@ -331,7 +334,7 @@ impl KvStore {
             return Vec::new();
         };
         self.keys
-            .range::<[u8], _>(bounds)
+            .range::<_, [u8]>(bounds)
             .filter_map(|(key, history)| visible(history, None).map(|record| record.to_kv(key)))
             .collect()
     }
@@ -382,7 +385,7 @@ impl KvStore {
         let mut count: i64 = 0;
         let mut more = false;
         if let Some(bounds) = range_bounds(&request.key, &request.range_end) {
-            for (key, history) in self.keys.range::<[u8], _>(bounds) {
+            for (key, history) in self.keys.range::<_, [u8]>(bounds) {
                 let Some(record) = visible(history, at) else {
                     continue;
                 };
@@ -555,18 +558,32 @@ impl KvStore {
                 current_revision: self.revision,
             });
         }
-        self.keys.retain(|_, history| {
+        // The persistent map's `retain` cannot change values, so find the histories to trim
+        // first, then trim them (each `get_mut` copies only the path to its key if shared).
+        let mut trims = Vec::new();
+        for (key, history) in &self.keys {
             let below = history.partition_point(|record| record.mod_revision < revision);
             let keep_from = match below.checked_sub(1) {
                 Some(newest_below) if history[newest_below].is_live() => newest_below,
                 _ => below,
             };
             if keep_from > 0 {
-                history.drain(..keep_from);
-                history.shrink_to_fit();
+                trims.push((key.clone(), keep_from));
             }
-            !history.is_empty()
-        });
+        }
+        for (key, keep_from) in trims {
+            let emptied = match self.keys.get_mut(&key[..]) {
+                Some(history) => {
+                    history.drain(..keep_from);
+                    history.shrink_to_fit();
+                    history.is_empty()
+                }
+                None => false,
+            };
+            if emptied {
+                self.keys.remove(&key[..]);
+            }
+        }
         self.compact_revision = revision;
         Ok(())
     }
@@ -592,7 +609,7 @@ impl KvStore {
             return Ok(Vec::new());
         };
         let mut found: Vec<(i64, u32, WatchEvent)> = Vec::new();
-        for (stored_key, history) in self.keys.range::<[u8], _>(bounds) {
+        for (stored_key, history) in self.keys.range::<_, [u8]>(bounds) {
             let first = history.partition_point(|record| record.mod_revision < start_revision);
             for position in first..history.len() {
                 let record = &history[position];
@@ -707,6 +724,60 @@ fn sort_kvs(kvs: &mut [KeyValue], order: SortOrder, target: SortTarget) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The persistent map must put the same bytes on disk as the `BTreeMap` it replaced, or
+    /// images written before the change would no longer load (and vice versa).
+    #[test]
+    fn the_key_map_encodes_exactly_as_a_btreemap() {
+        let mut store = KvStore::new();
+        for i in 0..500u32 {
+            put(
+                &mut store,
+                &format!("key/{:04}", (i * 7919) % 500),
+                &format!("v{i}"),
+            );
+        }
+        let as_btree: std::collections::BTreeMap<Bytes, Vec<Record>> = store
+            .keys
+            .iter()
+            .map(|(key, history)| (key.clone(), history.clone()))
+            .collect();
+        assert_eq!(
+            postcard::to_allocvec(&store.keys).expect("in memory"),
+            postcard::to_allocvec(&as_btree).expect("in memory")
+        );
+        let decoded: OrdMap<Bytes, Vec<Record>> =
+            postcard::from_bytes(&postcard::to_allocvec(&as_btree).expect("in memory"))
+                .expect("decodes");
+        assert_eq!(decoded, store.keys);
+    }
+
+    /// A clone is a snapshot: writes to the original after cloning leave it untouched.
+    #[test]
+    fn a_clone_stays_as_it_was_while_the_original_moves_on() {
+        let mut store = KvStore::new();
+        for i in 0..300 {
+            put(&mut store, &format!("k{i}"), "before");
+        }
+        let frozen = store.clone();
+        let frozen_bytes = postcard::to_allocvec(&frozen).expect("in memory");
+        for i in 0..300 {
+            put(&mut store, &format!("k{i}"), "after");
+        }
+        store.compact(store.revision()).expect("compacts");
+        assert_eq!(
+            frozen.get(b"k7").map(|kv| kv.value),
+            Some(Bytes::from("before"))
+        );
+        assert_eq!(
+            store.get(b"k7").map(|kv| kv.value),
+            Some(Bytes::from("after"))
+        );
+        assert_eq!(
+            postcard::to_allocvec(&frozen).expect("in memory"),
+            frozen_bytes
+        );
+    }
 
     fn put(store: &mut KvStore, key: &str, value: &str) -> i64 {
         store.put(

@@ -69,7 +69,12 @@ impl Maintenance for MaintenanceService {
         // The image holds password hashes and the token key: root only once auth is on.
         let ctx = CallContext::new(&request, self.api.config.request_timeout_ms);
         self.api.check_admin(&ctx)?;
-        let image = self.api.node.read_state(|state| state.snapshot_to_vec());
+        // Only a clone is taken under the state lock (O(1) for the key-value store, a
+        // persistent map), so the driver is not held up while the image is encoded.
+        let frozen = self.api.node.read_state(|state| state.clone());
+        let image = tokio::task::spawn_blocking(move || frozen.snapshot_to_vec())
+            .await
+            .map_err(|e| Status::internal(format!("snapshot encoding stopped: {e}")))?;
         let header = self.api.read_header();
         let total = image.len();
         let blobs: Vec<_> = image

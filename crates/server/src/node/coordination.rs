@@ -18,7 +18,7 @@ use super::leader_duties::LeaderDuties;
 pub use super::leader_duties::Proposal;
 use crate::config::{Member, ServerConfig};
 use crate::error::Error;
-use crate::machine::{MachineError, ReplicatedMachine};
+use crate::machine::{FrozenImage, MachineError, ReplicatedMachine};
 use crate::transport::{InboundMessage, PeerTransport};
 
 /// Events a watcher hub may lag behind the apply path before it is told it lost some.
@@ -54,6 +54,13 @@ impl ReplicatedMachine for StateMachine {
 
     fn snapshot(&self) -> Vec<u8> {
         self.snapshot_to_vec()
+    }
+
+    fn snapshot_frozen(&self) -> FrozenImage {
+        // The key-value store is a persistent map, so this clone is O(1) for it (the smaller
+        // tables are copied); the writer thread encodes it while the driver applies on.
+        let frozen = self.clone();
+        FrozenImage::deferred(move || frozen.snapshot_to_vec())
     }
 
     fn restore(&mut self, image: &[u8]) -> Result<(), MachineError> {

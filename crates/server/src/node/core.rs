@@ -22,7 +22,7 @@ use conclave_storage::WalStorage;
 use super::entries::{self, EntryBody};
 use crate::config::{Member, ServerConfig};
 use crate::error::Error;
-use crate::machine::ReplicatedMachine;
+use crate::machine::{FrozenImage, ReplicatedMachine};
 
 /// At most one WARN line per this many milliseconds about refused peer messages; the ones
 /// in between are only counted, and the next line says how many were not logged.
@@ -282,10 +282,26 @@ impl RefusedMessages {
 }
 
 /// A snapshot the shell should write: the machine's image behind the member records.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct SnapshotPlan {
     pub meta: SnapshotMeta,
-    pub data: Bytes,
+    pub data: SnapshotData,
+}
+
+/// A snapshot's bytes before they are encoded: the member records and the machine's state as
+/// of the snapshot's index. Encoding may run on another thread while the node goes on.
+#[derive(Debug)]
+pub struct SnapshotData {
+    members: Vec<Member>,
+    image: FrozenImage,
+}
+
+impl SnapshotData {
+    /// The snapshot's bytes (see `entries::snapshot_bytes`).
+    pub fn encode(self) -> Bytes {
+        let image = self.image.encode();
+        Bytes::from(entries::snapshot_bytes(self.members.iter(), &image))
+    }
 }
 
 /// The sans-IO node; see the module documentation.
@@ -1042,8 +1058,12 @@ impl<M: ReplicatedMachine, S: NodeStore> NodeCore<M, S> {
         {
             return Ok(None);
         }
-        let image = self.machine().snapshot();
-        let data = Bytes::from(entries::snapshot_bytes(self.members.values(), &image));
+        // Only the freezing happens here (for the coordination machine a clone of persistent
+        // maps); the encoding is the shell's, on whichever thread it likes.
+        let data = SnapshotData {
+            members: self.members.values().cloned().collect(),
+            image: self.machine().snapshot_frozen(),
+        };
         let term =
             self.raw.store().term(applied).map_err(|e| {
                 Error::RaftStart(format!("no term for applied entry {applied}: {e}"))

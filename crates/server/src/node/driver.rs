@@ -346,15 +346,21 @@ fn log_recovery(report: &RecoveryReport) {
     }
 }
 
-/// A snapshot whose file a helper thread writes: encoding the machine needs the driver
-/// thread, writing and syncing the file does not.
+/// A snapshot a helper thread encodes and writes: the driver only freezes the machine's
+/// state (a clone of persistent maps) and goes on applying.
 struct SnapshotJob {
     index: u64,
-    data: Bytes,
     started: Instant,
+    /// Time the driver spent freezing the state.
+    freeze_ms: f64,
+    written: std::sync::mpsc::Receiver<SnapshotWritten>,
+}
+
+/// What the snapshot writer thread hands back.
+struct SnapshotWritten {
+    file: Result<conclave_storage::SnapshotFile, conclave_storage::Error>,
+    data: Bytes,
     encode_ms: f64,
-    written:
-        std::sync::mpsc::Receiver<Result<conclave_storage::SnapshotFile, conclave_storage::Error>>,
 }
 
 /// The shell's I/O: the peer transport, the status channel, the reply channels and the
@@ -791,23 +797,28 @@ impl<M: ReplicatedMachine, D: ShellDuties<M>> Driver<M, D> {
         let Some(SnapshotPlan { meta, data }) = self.core.snapshot_due()? else {
             return Ok(());
         };
-        let encode_ms = started.elapsed().as_secs_f64() * 1e3;
+        let freeze_ms = started.elapsed().as_secs_f64() * 1e3;
         let index = meta.index;
         let mut writer = self.core.raw().store().begin_snapshot(meta)?;
         let (done, written) = std::sync::mpsc::channel();
-        let bytes = data.clone();
         std::thread::Builder::new()
             .name("conclave-snapshot".into())
             .spawn(move || {
-                let result = writer.write_chunk(&bytes).and_then(|()| writer.finish());
-                let _ = done.send(result);
+                let encoding = Instant::now();
+                let data = data.encode();
+                let encode_ms = encoding.elapsed().as_secs_f64() * 1e3;
+                let file = writer.write_chunk(&data).and_then(|()| writer.finish());
+                let _ = done.send(SnapshotWritten {
+                    file,
+                    data,
+                    encode_ms,
+                });
             })
             .map_err(|e| Error::RaftStart(format!("cannot start the snapshot writer: {e}")))?;
         self.shell.snapshot_job = Some(SnapshotJob {
             index,
-            data,
             started,
-            encode_ms,
+            freeze_ms,
             written,
         });
         Ok(())
@@ -831,14 +842,18 @@ impl<M: ReplicatedMachine, D: ShellDuties<M>> Driver<M, D> {
                 Err(std::sync::mpsc::TryRecvError::Disconnected) => None,
             }
         };
-        let file = result.ok_or_else(|| {
+        let SnapshotWritten {
+            file,
+            data,
+            encode_ms,
+        } = result.ok_or_else(|| {
             Error::RaftStart(format!(
                 "the snapshot writer for index {} stopped without an answer",
                 job.index
             ))
-        })??;
-        let bytes = job.data.len();
-        let data = job.data;
+        })?;
+        let file = file?;
+        let bytes = data.len();
         let recorded = self.core.snapshot_written(job.index, |store| {
             Ok(store.record_created_snapshot_with_data(file, data)?)
         })?;
@@ -850,7 +865,8 @@ impl<M: ReplicatedMachine, D: ShellDuties<M>> Driver<M, D> {
             tracing::info!(
                 index = job.index,
                 bytes,
-                encode_ms = job.encode_ms,
+                freeze_ms = job.freeze_ms,
+                encode_ms,
                 total_ms = job.started.elapsed().as_secs_f64() * 1e3,
                 "snapshot taken, log compacted"
             );
