@@ -417,6 +417,14 @@ pub(crate) fn keepalive_interval(ttl: Duration) -> Duration {
     (ttl / 3).max(Duration::from_millis(100))
 }
 
+/// Whether a keepalive that failed with `error` is tried again (until the lease's local
+/// deadline) rather than ending the lease. A member that timed out (busy, or waiting for a
+/// leadership check during an election) said nothing about the lease, so it is no reason to
+/// report a lease lost that may still have seconds to live.
+fn keepalive_may_retry(error: &Error) -> bool {
+    error.is_transient() || matches!(error, Error::Timeout(_))
+}
+
 async fn keep_alive_task(inner: Shared, id: LeaseId, state: watch::Sender<LeaseState>) {
     let safety = inner.options.lease_safety;
     let mut failures = 0u32;
@@ -458,7 +466,7 @@ async fn keep_alive_task(inner: Shared, id: LeaseId, state: watch::Sender<LeaseS
             Ok(answers) => answers.into_inner(),
             Err(status) => {
                 let error = Error::status(&status);
-                if !error.is_transient() {
+                if !keepalive_may_retry(&error) {
                     let _ = state.send(LeaseState::Expired {
                         reason: error.to_string(),
                     });
@@ -506,7 +514,7 @@ async fn keep_alive_task(inner: Shared, id: LeaseId, state: watch::Sender<LeaseS
                             revision: 0,
                         },
                     );
-                    if !error.is_transient() {
+                    if !keepalive_may_retry(&error) {
                         let _ = state.send(LeaseState::Expired {
                             reason: error.to_string(),
                         });
@@ -542,6 +550,15 @@ async fn pause(inner: &Shared, state: &watch::Sender<LeaseState>, failures: u32)
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_keepalive_timed_out_by_the_server_is_retried_not_taken_for_expiry() {
+        assert!(keepalive_may_retry(&Error::Timeout("request timed out".into())));
+        assert!(keepalive_may_retry(&Error::NoLeader("no leader".into())));
+        assert!(!keepalive_may_retry(&Error::NotFound("lease not found".into())));
+        assert!(!keepalive_may_retry(&Error::PermissionDenied("denied".into())));
+    }
+
 
     #[test]
     fn local_deadline_subtracts_drift_and_margin() {
