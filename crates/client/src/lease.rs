@@ -553,12 +553,17 @@ mod tests {
 
     #[test]
     fn a_keepalive_timed_out_by_the_server_is_retried_not_taken_for_expiry() {
-        assert!(keepalive_may_retry(&Error::Timeout("request timed out".into())));
+        assert!(keepalive_may_retry(&Error::Timeout(
+            "request timed out".into()
+        )));
         assert!(keepalive_may_retry(&Error::NoLeader("no leader".into())));
-        assert!(!keepalive_may_retry(&Error::NotFound("lease not found".into())));
-        assert!(!keepalive_may_retry(&Error::PermissionDenied("denied".into())));
+        assert!(!keepalive_may_retry(&Error::NotFound(
+            "lease not found".into()
+        )));
+        assert!(!keepalive_may_retry(&Error::PermissionDenied(
+            "denied".into()
+        )));
     }
-
 
     #[test]
     fn local_deadline_subtracts_drift_and_margin() {

@@ -58,7 +58,9 @@ pub fn server_binary() -> PathBuf {
 }
 
 /// The crates whose sources go into the `conclave` binary.
-const SERVER_SOURCE_DIRS: [&str; 7] = ["cli", "client", "proto", "raft", "server", "state", "storage"];
+const SERVER_SOURCE_DIRS: [&str; 7] = [
+    "cli", "client", "proto", "raft", "server", "state", "storage",
+];
 
 /// `conclave` in this test binary's own profile directory (`<target>/release/deps/..`), if it is
 /// newer than every file under the server's crates and `proto/`.
@@ -72,7 +74,10 @@ fn fresh_sibling_binary() -> Option<PathBuf> {
         .map(|krate| root.join("crates").join(krate))
         .collect();
     sources.push(root.join("proto"));
-    let newest_source = sources.iter().filter_map(|dir| newest_modification(dir)).max()?;
+    let newest_source = sources
+        .iter()
+        .filter_map(|dir| newest_modification(dir))
+        .max()?;
     (built >= newest_source).then_some(binary)
 }
 
@@ -83,7 +88,10 @@ fn newest_modification(dir: &Path) -> Option<std::time::SystemTime> {
     for entry in std::fs::read_dir(dir).ok()?.flatten() {
         let path = entry.path();
         let modified = if path.is_dir() {
-            if path.file_name().is_some_and(|name| name == "tests" || name == "benches" || name == "examples") {
+            if path
+                .file_name()
+                .is_some_and(|name| name == "tests" || name == "benches" || name == "examples")
+            {
                 continue;
             }
             newest_modification(&path)

@@ -366,10 +366,8 @@ impl Api {
                 match (local, target) {
                     (Some(local), _) => local.await.map(Served::Here),
                     (None, Target::Leader(leader)) => {
-                        let request = Api::forwarded_request(
-                            message.clone(),
-                            &self.forwarding_context(ctx),
-                        );
+                        let request =
+                            Api::forwarded_request(message.clone(), &self.forwarding_context(ctx));
                         call(self.channel(leader)?, request)
                             .await
                             .map(Served::Leader)
