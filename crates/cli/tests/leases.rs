@@ -7,7 +7,7 @@ mod common;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::Cluster;
+use common::{Cluster, Paused};
 use conclave_proto::etcdserverpb::lease_client::LeaseClient;
 use conclave_proto::etcdserverpb::{
     LeaseGrantRequest, LeaseKeepAliveRequest, LeaseKeepAliveResponse, LeaseLeasesRequest,
@@ -545,28 +545,6 @@ async fn etcdctl_lock_of_a_killed_holder_frees_when_its_session_lease_expires() 
         waited < Duration::from_secs(2) + ELECTION_TIMEOUT + Duration::from_secs(1),
         "lock freed {waited:?} after the holder died"
     );
-}
-
-/// Stops a process with SIGSTOP; SIGCONT when dropped (also when the test fails).
-struct Paused(u32);
-
-impl Paused {
-    fn new(pid: u32) -> Paused {
-        let stopped = Command::new("kill")
-            .args(["-STOP", &pid.to_string()])
-            .status()
-            .expect("run kill");
-        assert!(stopped.success(), "SIGSTOP {pid}");
-        Paused(pid)
-    }
-}
-
-impl Drop for Paused {
-    fn drop(&mut self) {
-        let _ = Command::new("kill")
-            .args(["-CONT", &self.0.to_string()])
-            .status();
-    }
 }
 
 /// A leader paused by SIGSTOP still believes it leads when it is continued, until it hears

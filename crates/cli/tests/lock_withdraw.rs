@@ -8,11 +8,10 @@
 
 mod common;
 
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use common::Cluster;
+use common::{Cluster, Paused};
 use conclave_proto::etcdserverpb::lease_client::LeaseClient;
 use conclave_proto::etcdserverpb::{LeaseGrantRequest, RangeRequest};
 use conclave_proto::v3lockpb::lock_client::LockClient;
@@ -76,28 +75,6 @@ async fn exists(cluster: &Cluster, via: u64, key: &Bytes) -> bool {
 
 fn lock_key(lease: i64) -> Bytes {
     Bytes::from(format!("{NAME}/{lease:x}"))
-}
-
-/// Stops a process with SIGSTOP; SIGCONT when dropped (also when the test fails).
-struct Paused(u32);
-
-impl Paused {
-    fn new(pid: u32) -> Paused {
-        let stopped = Command::new("kill")
-            .args(["-STOP", &pid.to_string()])
-            .status()
-            .expect("run kill");
-        assert!(stopped.success(), "SIGSTOP {pid}");
-        Paused(pid)
-    }
-}
-
-impl Drop for Paused {
-    fn drop(&mut self) {
-        let _ = Command::new("kill")
-            .args(["-CONT", &self.0.to_string()])
-            .status();
-    }
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -4,38 +4,15 @@
 
 mod common;
 
-use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::Cluster;
+use common::{Cluster, Paused};
 use conclave_client::{Client, ClientOptions, WatchOptions};
 
 /// Writes made while the watcher's member is stopped, then as many after it is continued.
 const WRITES: usize = 20;
 /// How long the member stays stopped: past the client's 2 s silence check, as in the run.
 const PAUSE: Duration = Duration::from_millis(3000);
-
-/// Stops a process with SIGSTOP; SIGCONT when dropped (also when the test fails).
-struct Paused(u32);
-
-impl Paused {
-    fn new(pid: u32) -> Paused {
-        let stopped = Command::new("kill")
-            .args(["-STOP", &pid.to_string()])
-            .status()
-            .expect("run kill");
-        assert!(stopped.success(), "SIGSTOP {pid}");
-        Paused(pid)
-    }
-}
-
-impl Drop for Paused {
-    fn drop(&mut self) {
-        let _ = Command::new("kill")
-            .args(["-CONT", &self.0.to_string()])
-            .status();
-    }
-}
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_resumed_watch_delivers_every_write_across_a_pause_of_its_follower() {

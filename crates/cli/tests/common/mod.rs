@@ -548,3 +548,25 @@ impl Drop for Cluster {
         }
     }
 }
+
+/// Stops a process with SIGSTOP; SIGCONT when dropped (also when the test fails).
+pub struct Paused(u32);
+
+impl Paused {
+    pub fn new(pid: u32) -> Paused {
+        let stopped = Command::new("kill")
+            .args(["-STOP", &pid.to_string()])
+            .status()
+            .expect("run kill");
+        assert!(stopped.success(), "SIGSTOP {pid}");
+        Paused(pid)
+    }
+}
+
+impl Drop for Paused {
+    fn drop(&mut self) {
+        let _ = Command::new("kill")
+            .args(["-CONT", &self.0.to_string()])
+            .status();
+    }
+}
