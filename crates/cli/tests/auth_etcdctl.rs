@@ -7,13 +7,11 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use common::Cluster;
+use common::{Cluster, EtcdctlLines};
 use conclave_proto::etcdserverpb::auth_client::AuthClient;
 use conclave_proto::etcdserverpb::kv_client::KvClient;
 use conclave_proto::etcdserverpb::{AuthenticateRequest, PutRequest};
@@ -203,58 +201,6 @@ const SETUP: &[&[&str]] = &[
     &["auth", "enable"],
 ];
 
-/// A background etcdctl whose stdout lines arrive on a channel.
-struct Background {
-    child: Child,
-    lines: mpsc::Receiver<String>,
-}
-
-impl Background {
-    fn start(endpoints: &str, args: &[&str]) -> Background {
-        // Started directly, not under `timeout`, so that dropping it kills etcdctl itself.
-        let mut child = Command::new(ETCDCTL)
-            .env_clear()
-            .env("ETCDCTL_API", "3")
-            .arg(format!("--endpoints={endpoints}"))
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start etcdctl");
-        let stdout = child.stdout.take().expect("piped");
-        let (sender, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if sender.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        Background { child, lines }
-    }
-
-    /// Waits for a line that starts with `prefix`.
-    fn wait_for(&self, prefix: &str) -> String {
-        let deadline = Instant::now() + WAIT_TIMEOUT;
-        while let Some(left) = deadline.checked_duration_since(Instant::now()) {
-            match self.lines.recv_timeout(left) {
-                Ok(line) if line.starts_with(prefix) => return line,
-                Ok(_) => {}
-                Err(_) => break,
-            }
-        }
-        panic!("no line starting with {prefix:?} within {WAIT_TIMEOUT:?}");
-    }
-}
-
-impl Drop for Background {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 fn leased_key_prefix(line: &str) -> &str {
     line.rsplit_once('/').map_or(line, |(prefix, _)| prefix)
 }
@@ -325,17 +271,21 @@ async fn etcdctl_sees_the_same_auth_as_on_etcd() {
 
     // Elections and locks are writes under their name: carol campaigns in crew/ only.
     for endpoints in [&e, &c] {
-        let elect = Background::start(endpoints, &[carol, "elect", "crew/e", "me"]);
-        let key = elect.wait_for("crew/e/");
+        let elect = EtcdctlLines::start(endpoints, &[], &[carol, "elect", "crew/e", "me"]);
+        let key = elect.wait_for("crew/e/", WAIT_TIMEOUT);
         assert_eq!(leased_key_prefix(&key), "crew/e");
-        elect.wait_for("me");
-        let lock = Background::start(endpoints, &[carol, "lock", "crew/l"]);
-        lock.wait_for("crew/l/");
+        elect.wait_for("me", WAIT_TIMEOUT);
+        let lock = EtcdctlLines::start(endpoints, &[], &[carol, "lock", "crew/l"]);
+        lock.wait_for("crew/l/", WAIT_TIMEOUT);
         let put = etcdctl(endpoints, &[root, "put", "a/w", "seen"]);
         assert!(put.status.success());
         // From revision 1, so the put is seen however late the watch is created.
-        let watch = Background::start(endpoints, &[root, "watch", "a/", "--prefix", "--rev=1"]);
-        watch.wait_for("a/w");
+        let watch = EtcdctlLines::start(
+            endpoints,
+            &[],
+            &[root, "watch", "a/", "--prefix", "--rev=1"],
+        );
+        watch.wait_for("a/w", WAIT_TIMEOUT);
     }
     let refused = same(&e, &c, &[carol, "elect", "ops", "me"]);
     assert!(!refused.success);

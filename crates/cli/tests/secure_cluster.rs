@@ -12,13 +12,11 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use common::{Cluster, TestTls};
+use common::{Cluster, EtcdctlLines, TestTls};
 use conclave_client::{
     CampaignOptions, Client, ClientOptions, Credentials, Error, GetOptions, PutOptions, TlsOptions,
     WatchOptions,
@@ -182,55 +180,9 @@ fn same_as(cert_flags: &[String], etcd: &str, conclave: &str, args: &[&str]) -> 
     on_conclave
 }
 
-/// A background etcdctl whose stdout lines arrive on a channel; killed when dropped.
-struct Background {
-    child: Child,
-    lines: mpsc::Receiver<String>,
-}
-
-impl Background {
-    fn start(tls: &TestTls, endpoints: &str, args: &[&str]) -> Background {
-        let mut child = Command::new(ETCDCTL)
-            .env_clear()
-            .env("ETCDCTL_API", "3")
-            .arg(format!("--endpoints={endpoints}"))
-            .args(tls.client_args())
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start etcdctl");
-        let stdout = child.stdout.take().expect("piped");
-        let (sender, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if sender.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        Background { child, lines }
-    }
-
-    fn wait_for(&self, prefix: &str) -> String {
-        let deadline = Instant::now() + WAIT;
-        while let Some(left) = deadline.checked_duration_since(Instant::now()) {
-            match self.lines.recv_timeout(left) {
-                Ok(line) if line.starts_with(prefix) => return line,
-                Ok(_) => {}
-                Err(_) => break,
-            }
-        }
-        panic!("no line starting with {prefix:?} within {WAIT:?}");
-    }
-}
-
-impl Drop for Background {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// An etcdctl left running with the TLS client flags.
+fn background(tls: &TestTls, endpoints: &str, args: &[&str]) -> EtcdctlLines {
+    EtcdctlLines::start(endpoints, &tls.client_args(), args)
 }
 
 /// `conclave --json ARGS` with `flags` and `env`; (exit code, the first JSON document).
@@ -414,17 +366,17 @@ async fn a_cluster_with_tls_mtls_and_auth_serves_etcdctl_the_cli_and_the_client_
     for endpoints in [&e, &c] {
         let members = etcdctl(&tls, endpoints, &[alice, "member", "list"]);
         assert!(members.status.success(), "{members:?}");
-        let elect = Background::start(&tls, endpoints, &[carol, "elect", "crew/e", "me"]);
-        assert!(elect.wait_for("crew/e/").starts_with("crew/e/"));
-        elect.wait_for("me");
-        let lock = Background::start(&tls, endpoints, &[carol, "lock", "crew/l"]);
-        lock.wait_for("crew/l/");
-        let watch = Background::start(
+        let elect = background(&tls, endpoints, &[carol, "elect", "crew/e", "me"]);
+        assert!(elect.wait_for("crew/e/", WAIT).starts_with("crew/e/"));
+        elect.wait_for("me", WAIT);
+        let lock = background(&tls, endpoints, &[carol, "lock", "crew/l"]);
+        lock.wait_for("crew/l/", WAIT);
+        let watch = background(
             &tls,
             endpoints,
             &[alice, "watch", "a/", "--prefix", "--rev=1"],
         );
-        watch.wait_for("a/x");
+        watch.wait_for("a/x", WAIT);
     }
     // A role limited to crew/ campaigns and locks there and nowhere else.
     let refused = same(&[carol, "elect", "ops", "me"]);

@@ -570,3 +570,62 @@ impl Drop for Paused {
             .status();
     }
 }
+
+/// Debian's etcdctl (package etcd-client), for the tests that compare with etcd.
+pub const ETCDCTL_PATH: &str = "/usr/bin/etcdctl";
+
+/// An etcdctl left running (`elect`, `lock`, `watch`) whose stdout lines arrive on a channel;
+/// killed when dropped.
+pub struct EtcdctlLines {
+    child: Child,
+    lines: std::sync::mpsc::Receiver<String>,
+}
+
+impl EtcdctlLines {
+    /// Starts `etcdctl --endpoints=ENDPOINTS FLAGS... ARGS...` with a clean environment. Started
+    /// directly, not under `timeout`, so that dropping it kills etcdctl itself.
+    pub fn start(endpoints: &str, flags: &[String], args: &[&str]) -> EtcdctlLines {
+        use std::io::{BufRead, BufReader};
+        let mut child = Command::new(ETCDCTL_PATH)
+            .env_clear()
+            .env("ETCDCTL_API", "3")
+            .arg(format!("--endpoints={endpoints}"))
+            .args(flags)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start etcdctl");
+        let stdout = child.stdout.take().expect("piped");
+        let (sender, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if sender.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        EtcdctlLines { child, lines }
+    }
+
+    /// Waits up to `wait` for a line that starts with `prefix`, and returns it.
+    pub fn wait_for(&self, prefix: &str, wait: Duration) -> String {
+        let deadline = Instant::now() + wait;
+        while let Some(left) = deadline.checked_duration_since(Instant::now()) {
+            match self.lines.recv_timeout(left) {
+                Ok(line) if line.starts_with(prefix) => return line,
+                Ok(_) => {}
+                Err(_) => break,
+            }
+        }
+        panic!("no line starting with {prefix:?} within {wait:?}");
+    }
+}
+
+impl Drop for EtcdctlLines {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
