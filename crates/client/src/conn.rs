@@ -715,6 +715,27 @@ fn server_deadline(remaining: Duration) -> Duration {
     remaining.saturating_sub(SERVER_DEADLINE_MARGIN_MAX.min(remaining / 5))
 }
 
+/// The shortest wait a Lock or Campaign asks the server for again after its previous call
+/// ran out of server time. Each call keeps [`server_deadline`]'s margin back, so asking again
+/// for what is left would shrink to calls of a millisecond or less; the client then drops
+/// such a call before the server answers, the server withdraws the dropped call's queue key
+/// while the next call has already found it, and that next call reports the key lost ("lease
+/// not found") instead of a timeout. Less than this left means the wait has timed out.
+pub(crate) const QUEUE_WAIT_SLICE_MIN: Duration = Duration::from_millis(250);
+
+/// How long the next Lock or Campaign call of a wait ending at `give_up` (if any) may last:
+/// `None` once what is left is under [`QUEUE_WAIT_SLICE_MIN`]; 30 s slices without one.
+pub(crate) fn queue_wait_slice(give_up: Option<Instant>, first: bool) -> Option<Duration> {
+    let Some(at) = give_up else {
+        return Some(Duration::from_secs(30));
+    };
+    let left = at.saturating_duration_since(Instant::now());
+    if left.is_zero() || (!first && left < QUEUE_WAIT_SLICE_MIN) {
+        return None;
+    }
+    Some(left)
+}
+
 /// The error of a call whose retries ran out of time: `no_leader` when the last attempt
 /// was refused for want of a leader, else a timeout that names the last failure.
 fn out_of_time(last_error: Option<Error>, timeout: Duration) -> Error {

@@ -13,7 +13,7 @@ use tokio::time::Instant;
 use tokio_stream::StreamExt;
 
 use crate::Client;
-use crate::conn::{Retry, Shared, request};
+use crate::conn::{Retry, Shared, queue_wait_slice, request};
 use crate::error::{Error, ErrorContext, Result};
 use crate::kv::{Compare, CompareOp};
 use crate::lease::{LeaseId, LeaseKeepAlive, LeaseState, keepalive_interval, wait_expired};
@@ -313,18 +313,16 @@ impl Election {
             wait: true,
         };
         let mut expired = Box::pin(keeper.expired());
+        let mut first = true;
         let elected = loop {
             // One blocking call at a time; the server answers by its own deadline, and
             // re-registering under the same lease changes nothing, so we simply ask again.
-            let slice = match give_up {
-                Some(at) => at.saturating_duration_since(Instant::now()),
-                None => Duration::from_secs(30),
-            };
-            if slice.is_zero() {
+            let Some(slice) = queue_wait_slice(give_up, first) else {
                 return Err(Error::Timeout(format!(
                     "not elected in group {group:?} within the campaign timeout"
                 )));
-            }
+            };
+            first = false;
             let call = self.inner().call_in_session(
                 Retry::Idempotent,
                 ErrorContext {

@@ -12,7 +12,7 @@ use conclave_proto::v3lockpb::lock_client::LockClient;
 use tokio::time::Instant;
 
 use crate::Client;
-use crate::conn::{Retry, request};
+use crate::conn::{Retry, queue_wait_slice, request};
 use crate::error::{Error, ErrorContext, Result};
 use crate::kv::{Compare, CompareOp, DeleteOptions, GetOptions, Op, Txn};
 use crate::lease::{LeaseId, LeaseKeepAlive};
@@ -69,16 +69,14 @@ impl Mutex {
             lease,
         };
         let mut expired = Box::pin(keeper.expired());
+        let mut first = true;
         let key = loop {
-            let slice = match give_up {
-                Some(at) => at.saturating_duration_since(Instant::now()),
-                None => Duration::from_secs(30),
-            };
-            if slice.is_zero() {
+            let Some(slice) = queue_wait_slice(give_up, first) else {
                 return Err(Error::Timeout(format!(
                     "lock {name:?} not acquired within the lock timeout"
                 )));
-            }
+            };
+            first = false;
             // Locking again with the same lease is idempotent (same key, same fence). Not in a
             // session: the server removes the queue key of a Lock call dropped while waiting,
             // and a retry must put it back, not replay the first answer.

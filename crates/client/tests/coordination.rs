@@ -180,18 +180,23 @@ async fn lock_is_exclusive_and_fenced() {
         .expect("task")
         .expect("lock");
     assert!(second.fence() > first_fence);
-    let timed_out = mutex
-        .lock(
-            "jobs",
-            LockOptions {
-                timeout: Some(Duration::from_secs(1)),
-                ..Default::default()
-            },
-        )
-        .await
-        .err()
-        .expect("held by the second");
-    assert_eq!(timed_out.code(), "timeout", "{timed_out}");
+    // A wait that runs out is a timeout, every time: the client once split the last moments
+    // of a wait into ever shorter calls, and a dropped one could withdraw the queue key the
+    // next had found, which then read as "lease not found" (lease_expired).
+    for timeout_ms in [1000, 300, 700, 250, 1000] {
+        let timed_out = mutex
+            .lock(
+                "jobs",
+                LockOptions {
+                    timeout: Some(Duration::from_millis(timeout_ms)),
+                    ..Default::default()
+                },
+            )
+            .await
+            .err()
+            .expect("held by the second");
+        assert_eq!(timed_out.code(), "timeout", "{timeout_ms} ms: {timed_out}");
+    }
     drop(second);
 }
 
