@@ -108,6 +108,13 @@ struct RunArgs {
     /// election-unfenced, lease-short-ttl, lease-fast-clock, topic-ack-unread.
     #[arg(long)]
     negative_control: Option<String>,
+    /// Turn TLS on everywhere: members serve clients over TLS and require a client certificate
+    /// (`--client-cert-auth`), members talk to each other over mutual TLS, and every client of
+    /// the harness (workloads, probes, the nemesis's membership calls) connects over TLS. The
+    /// certificates come from a throwaway CA made with `conclave certs` in the members'
+    /// directory.
+    #[arg(long)]
+    tls: bool,
 }
 
 fn main() -> ExitCode {
@@ -225,7 +232,14 @@ fn run(args: RunArgs) -> Result<u8, Error> {
         out.join("members"),
         args.election_timeout_ms,
         clock_rate,
+        args.tls,
     )?;
+    if args.tls {
+        println!(
+            "TLS on: client TLS with client certificates required, peer mutual TLS (certificates in {})",
+            out.join("members").join("tls").display()
+        );
+    }
     // Returning (also on a signal or a panic, which unwinds) drops the cluster and the
     // network: members are killed and the run's namespaces deleted.
     runtime.block_on(async move {
@@ -270,10 +284,14 @@ async fn run_async(
 ) -> Result<u8, Error> {
     let cluster = std::sync::Arc::new(tokio::sync::Mutex::new(cluster));
     wait_for_leader(&cluster).await?;
-    let endpoints = cluster.lock().await.client_endpoints();
+    let (endpoints, tls) = {
+        let cluster = cluster.lock().await;
+        (cluster.client_endpoints(), cluster.client_tls().cloned())
+    };
     let options = ClientOptions {
         request_timeout: workloads::REQUEST_TIMEOUT,
         connect_timeout: Duration::from_millis(500),
+        tls: tls.clone(),
         ..Default::default()
     };
     let client = Client::connect_with(&endpoints, options)
@@ -284,6 +302,7 @@ async fn run_async(
     let ctx = Ctx {
         client: client.clone(),
         endpoints: endpoints.clone(),
+        tls: tls.clone(),
         until,
         seed: args.seed,
     };
@@ -297,8 +316,8 @@ async fn run_async(
     .collect();
     let mut tasks = Vec::new();
     if has("register") || has("watch") {
-        let pinned =
-            (negative_name == Some("register-serializable")).then(|| PinnedReads::new(&endpoints));
+        let pinned = (negative_name == Some("register-serializable"))
+            .then(|| PinnedReads::new(&endpoints, tls.as_ref()));
         for process in 1..=5 {
             tasks.push(tokio::spawn(workloads::register(
                 ctx.clone(),
@@ -459,6 +478,14 @@ async fn run_async(
             .push(format!("member {id} exited by itself: {status}"));
     }
     report.print();
+    println!(
+        "TLS: {}",
+        if args.tls {
+            "on (every client and probe over TLS with a client certificate; members over mutual TLS)"
+        } else {
+            "off"
+        }
+    );
     println!("histories in {}", out.display());
     Ok(match negative {
         None => u8::from(report.total() > 0),
