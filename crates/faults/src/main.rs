@@ -8,7 +8,10 @@ use std::time::{Duration, Instant};
 use clap::{Parser, Subcommand};
 use conclave_client::{Client, ClientOptions, GetOptions};
 use conclave_faults::Error;
-use conclave_faults::checkers::{self, lease::LeaseBounds};
+use conclave_faults::checkers::{
+    self,
+    lease::{LeaseBounds, SlowClock},
+};
 use conclave_faults::cluster::Cluster;
 use conclave_faults::history::{self, Event, Kind, Recorder};
 use conclave_faults::nemesis::{self, Family};
@@ -288,6 +291,13 @@ async fn run_async(
         let cluster = cluster.lock().await;
         (cluster.client_endpoints(), cluster.client_tls().cloned())
     };
+    if let Some(tls) = &tls {
+        // Every member, so a member started without the flags cannot hide behind the others.
+        for endpoint in &endpoints {
+            conclave_faults::tls::verify_enforced(endpoint, tls).await?;
+        }
+        println!("TLS checked on every member: plaintext and certificate-less clients refused");
+    }
     let options = ClientOptions {
         request_timeout: workloads::REQUEST_TIMEOUT,
         connect_timeout: Duration::from_millis(500),
@@ -645,7 +655,8 @@ fn check_events(
             slack_us: LEASE_SLACK.as_micros() as u64,
             clock_drift_ppm: if skewed { SKEW_DRIFT_PPM } else { 0 },
         };
-        let found = checkers::lease::check(&ops, bounds, windows);
+        let slow_clocks = SlowClock::from_faults(&history::pair(get("faults")).unwrap_or_default());
+        let found = checkers::lease::check_with_slow_clocks(&ops, bounds, windows, &slow_clocks);
         report
             .anomalies
             .entry("lease".into())

@@ -9,6 +9,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use conclave_client::TlsOptions;
+use conclave_proto::etcdserverpb::StatusRequest;
+use conclave_proto::etcdserverpb::maintenance_client::MaintenanceClient;
 
 use crate::Error;
 
@@ -153,4 +155,57 @@ pub fn endpoint(client_addr: &str, tls: Option<&TlsOptions>) -> Option<tonic::tr
         None => format!("http://{client_addr}"),
     };
     conclave_client::endpoint(&url, tls).ok()
+}
+
+/// How long one refusal probe may take.
+const PROBE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Proves the member at `client_addr` enforces what `--tls` promises before the run counts on
+/// it: a plaintext Status call and a TLS one without a client certificate are both refused,
+/// and one with the harness's certificate is answered. An error names the check that failed.
+pub async fn verify_enforced(client_addr: &str, tls: &TlsOptions) -> Result<(), Error> {
+    async fn status(endpoint: Option<tonic::transport::Endpoint>) -> bool {
+        let Some(endpoint) = endpoint else {
+            return false;
+        };
+        let call = async {
+            let channel = endpoint.connect().await.ok()?;
+            MaintenanceClient::new(channel)
+                .status(StatusRequest {})
+                .await
+                .ok()
+        };
+        tokio::time::timeout(PROBE_TIMEOUT, call)
+            .await
+            .ok()
+            .flatten()
+            .is_some()
+    }
+    let without_certificate = TlsOptions {
+        client_certificate_pem: None,
+        client_key_pem: None,
+        ..tls.clone()
+    };
+    let checks = [
+        ("a plaintext client", endpoint(client_addr, None), false),
+        (
+            "a TLS client without a client certificate",
+            endpoint(client_addr, Some(&without_certificate)),
+            false,
+        ),
+        (
+            "the harness's TLS client with its certificate",
+            endpoint(client_addr, Some(tls)),
+            true,
+        ),
+    ];
+    for (who, endpoint, should_answer) in checks {
+        if status(endpoint).await != should_answer {
+            return Err(Error::Cluster(format!(
+                "TLS is not enforced as promised: member at {client_addr} {} {who}",
+                if should_answer { "refused" } else { "answered" }
+            )));
+        }
+    }
+    Ok(())
 }
