@@ -753,9 +753,10 @@ fn a_lease_stamped_by_a_slow_leader_may_end_early_by_its_lag_and_no_more() {
             .iter()
             .any(|a| a.starts_with("early-expiry")),
     );
-    // A slow clock that ended before the grant excuses nothing.
+    // A slow clock that ended before the grant was sent excuses nothing, though its lag
+    // (0.31 s) would cover this expiry.
     let over = lease::SlowClock {
-        end_us: 12_000_000,
+        end_us: 12_900_000,
         ..slow
     };
     assert!(
