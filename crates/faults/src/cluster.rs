@@ -10,6 +10,7 @@ use conclave_proto::etcdserverpb::maintenance_client::MaintenanceClient;
 
 use crate::Error;
 use crate::net::Net;
+use crate::tls::{self, RunTls};
 
 /// Peer secret every member of a run shares.
 const PEER_SECRET: &str = "conclave-faults-peer-secret-0123456789";
@@ -36,6 +37,8 @@ pub struct Cluster {
     binary: PathBuf,
     root: PathBuf,
     pub election_timeout_ms: u64,
+    /// Client TLS and peer mutual TLS on every member (`run --tls`).
+    pub tls: Option<RunTls>,
 }
 
 impl Cluster {
@@ -45,6 +48,7 @@ impl Cluster {
         root: PathBuf,
         election_timeout_ms: u64,
         clock_rate: Option<f64>,
+        with_tls: bool,
     ) -> Result<Cluster, Error> {
         std::fs::create_dir_all(&root).map_err(|source| Error::Io {
             what: format!("create {}", root.display()),
@@ -54,6 +58,12 @@ impl Cluster {
             what: "write the peer secret".into(),
             source,
         })?;
+        let tls = if with_tls {
+            let hosts: Vec<String> = net.places.iter().map(|p| p.host.clone()).collect();
+            Some(RunTls::create(&binary, root.join("tls"), &hosts)?)
+        } else {
+            None
+        };
         let members = (1..=net.places.len() as u64)
             .map(|id| Member {
                 id,
@@ -70,6 +80,7 @@ impl Cluster {
             binary,
             root,
             election_timeout_ms,
+            tls,
         };
         for index in 0..cluster.members.len() {
             cluster.spawn(index)?;
@@ -122,6 +133,10 @@ impl Cluster {
             what: "clone the log handle".into(),
             source,
         })?;
+        let tls_args = match &self.tls {
+            Some(tls) => tls.serve_args(index, id, &places[index].host)?,
+            None => Vec::new(),
+        };
         let mut command = self.net.command(index, &self.binary);
         if let Some(rate) = self.members[index].clock_rate {
             command.env("CONCLAVE_FAULTS_CLOCK_RATE", rate.to_string());
@@ -146,6 +161,7 @@ impl Cluster {
             ])
             .arg("--peer-secret-file")
             .arg(self.root.join("peer-secret"))
+            .args(&tls_args)
             .env("CONCLAVE_LOG", "info")
             .stdin(Stdio::null())
             .stdout(Stdio::from(log))
@@ -215,9 +231,7 @@ impl Cluster {
             if !self.is_up(index) || self.members[index].paused {
                 continue;
             }
-            let Ok(endpoint) =
-                tonic::transport::Endpoint::from_shared(format!("http://{}", place.client_addr))
-            else {
+            let Some(endpoint) = tls::endpoint(&place.client_addr, self.client_tls()) else {
                 continue;
             };
             let status = tokio::time::timeout(STATUS_TIMEOUT, async move {
@@ -249,6 +263,11 @@ impl Cluster {
         {
             eprintln!("nemesis: cannot clear {}: {error}", dir.display());
         }
+    }
+
+    /// What the harness's clients present and trust, when the run uses TLS.
+    pub fn client_tls(&self) -> Option<&conclave_client::TlsOptions> {
+        self.tls.as_ref().map(|t| &t.client)
     }
 
     pub fn log_dir(&self) -> &std::path::Path {

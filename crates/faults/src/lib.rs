@@ -9,6 +9,7 @@ pub mod history;
 pub mod nemesis;
 pub mod net;
 pub mod rng;
+pub mod tls;
 pub mod workloads;
 
 /// Errors of the harness itself (not anomalies: those are results).

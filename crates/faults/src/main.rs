@@ -8,7 +8,10 @@ use std::time::{Duration, Instant};
 use clap::{Parser, Subcommand};
 use conclave_client::{Client, ClientOptions, GetOptions};
 use conclave_faults::Error;
-use conclave_faults::checkers::{self, lease::LeaseBounds};
+use conclave_faults::checkers::{
+    self,
+    lease::{LeaseBounds, SlowClock},
+};
 use conclave_faults::cluster::Cluster;
 use conclave_faults::history::{self, Event, Kind, Recorder};
 use conclave_faults::nemesis::{self, Family};
@@ -108,6 +111,13 @@ struct RunArgs {
     /// election-unfenced, lease-short-ttl, lease-fast-clock, topic-ack-unread.
     #[arg(long)]
     negative_control: Option<String>,
+    /// Turn TLS on everywhere: members serve clients over TLS and require a client certificate
+    /// (`--client-cert-auth`), members talk to each other over mutual TLS, and every client of
+    /// the harness (workloads, probes, the nemesis's membership calls) connects over TLS. The
+    /// certificates come from a throwaway CA made with `conclave certs` in the members'
+    /// directory.
+    #[arg(long)]
+    tls: bool,
 }
 
 fn main() -> ExitCode {
@@ -225,7 +235,14 @@ fn run(args: RunArgs) -> Result<u8, Error> {
         out.join("members"),
         args.election_timeout_ms,
         clock_rate,
+        args.tls,
     )?;
+    if args.tls {
+        println!(
+            "TLS on: client TLS with client certificates required, peer mutual TLS (certificates in {})",
+            out.join("members").join("tls").display()
+        );
+    }
     // Returning (also on a signal or a panic, which unwinds) drops the cluster and the
     // network: members are killed and the run's namespaces deleted.
     runtime.block_on(async move {
@@ -270,10 +287,21 @@ async fn run_async(
 ) -> Result<u8, Error> {
     let cluster = std::sync::Arc::new(tokio::sync::Mutex::new(cluster));
     wait_for_leader(&cluster).await?;
-    let endpoints = cluster.lock().await.client_endpoints();
+    let (endpoints, tls) = {
+        let cluster = cluster.lock().await;
+        (cluster.client_endpoints(), cluster.client_tls().cloned())
+    };
+    if let Some(tls) = &tls {
+        // Every member, so a member started without the flags cannot hide behind the others.
+        for endpoint in &endpoints {
+            conclave_faults::tls::verify_enforced(endpoint, tls).await?;
+        }
+        println!("TLS checked on every member: plaintext and certificate-less clients refused");
+    }
     let options = ClientOptions {
         request_timeout: workloads::REQUEST_TIMEOUT,
         connect_timeout: Duration::from_millis(500),
+        tls: tls.clone(),
         ..Default::default()
     };
     let client = Client::connect_with(&endpoints, options)
@@ -284,6 +312,7 @@ async fn run_async(
     let ctx = Ctx {
         client: client.clone(),
         endpoints: endpoints.clone(),
+        tls: tls.clone(),
         until,
         seed: args.seed,
     };
@@ -297,8 +326,8 @@ async fn run_async(
     .collect();
     let mut tasks = Vec::new();
     if has("register") || has("watch") {
-        let pinned =
-            (negative_name == Some("register-serializable")).then(|| PinnedReads::new(&endpoints));
+        let pinned = (negative_name == Some("register-serializable"))
+            .then(|| PinnedReads::new(&endpoints, tls.as_ref()));
         for process in 1..=5 {
             tasks.push(tokio::spawn(workloads::register(
                 ctx.clone(),
@@ -459,6 +488,14 @@ async fn run_async(
             .push(format!("member {id} exited by itself: {status}"));
     }
     report.print();
+    println!(
+        "TLS: {}",
+        if args.tls {
+            "on (every client and probe over TLS with a client certificate; members over mutual TLS)"
+        } else {
+            "off"
+        }
+    );
     println!("histories in {}", out.display());
     Ok(match negative {
         None => u8::from(report.total() > 0),
@@ -618,7 +655,8 @@ fn check_events(
             slack_us: LEASE_SLACK.as_micros() as u64,
             clock_drift_ppm: if skewed { SKEW_DRIFT_PPM } else { 0 },
         };
-        let found = checkers::lease::check(&ops, bounds, windows);
+        let slow_clocks = SlowClock::from_faults(&history::pair(get("faults")).unwrap_or_default());
+        let found = checkers::lease::check_with_slow_clocks(&ops, bounds, windows, &slow_clocks);
         report
             .anomalies
             .entry("lease".into())

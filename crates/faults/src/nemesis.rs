@@ -303,9 +303,7 @@ where
         if !cluster.is_up(index) || cluster.members[index].paused {
             continue;
         }
-        let Ok(endpoint) =
-            tonic::transport::Endpoint::from_shared(format!("http://{}", place.client_addr))
-        else {
+        let Some(endpoint) = crate::tls::endpoint(&place.client_addr, cluster.client_tls()) else {
             continue;
         };
         let channel = endpoint.connect_timeout(MEMBERSHIP_CALL).connect_lazy();

@@ -35,6 +35,8 @@ pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(3);
 pub struct Ctx {
     pub client: Client,
     pub endpoints: Vec<String>,
+    /// The harness's client TLS, for the calls that dial one member themselves.
+    pub tls: Option<conclave_client::TlsOptions>,
     pub until: std::time::Instant,
     pub seed: u64,
 }
@@ -74,16 +76,14 @@ pub struct PinnedReads {
 }
 
 impl PinnedReads {
-    pub fn new(endpoints: &[String]) -> PinnedReads {
+    pub fn new(endpoints: &[String], tls: Option<&conclave_client::TlsOptions>) -> PinnedReads {
         let channels = endpoints
             .iter()
             .filter_map(|e| {
-                tonic::transport::Endpoint::from_shared(format!("http://{e}"))
-                    .ok()
-                    .map(|ep| {
-                        ep.connect_timeout(Duration::from_millis(500))
-                            .connect_lazy()
-                    })
+                crate::tls::endpoint(e, tls).map(|ep| {
+                    ep.connect_timeout(Duration::from_millis(500))
+                        .connect_lazy()
+                })
             })
             .collect();
         PinnedReads { channels }
@@ -347,7 +347,7 @@ pub async fn lock(
 ) {
     let mut rng = Rng::new(ctx.seed ^ (process * 0x51ed));
     let safety = LeaseSafety::default();
-    let channels = PinnedReads::new(&ctx.endpoints).channels;
+    let channels = PinnedReads::new(&ctx.endpoints, ctx.tls.as_ref()).channels;
     let name = "faults-lock";
     while ctx.running() {
         let Ok(grant) = ctx.client.lease_grant(HOLD_TTL).await else {

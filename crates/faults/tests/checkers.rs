@@ -702,3 +702,95 @@ fn topic_controls() {
     undrained.pop();
     assert_eq!(kinds(&topic::check(&undrained)), ["topic-undrained"]);
 }
+
+#[test]
+fn a_lease_stamped_by_a_slow_leader_may_end_early_by_its_lag_and_no_more() {
+    // The TLS run's case: a 2 s lease granted while a member ran at rate 0.9 (restarted 3 s
+    // before), gone 1.77 s after the grant's send once a member with a true clock led.
+    let grant = |invoke: u64| {
+        op(
+            1,
+            "grant",
+            "lease-1",
+            json!({"ttl_ms": 2000}),
+            Kind::Ok,
+            Value::Null,
+            invoke,
+            invoke + 1_000,
+        )
+    };
+    let gone_at = |at: u64| {
+        op(
+            1,
+            "probe",
+            "lease-1",
+            Value::Null,
+            Kind::Ok,
+            json!(false),
+            at - 1_000,
+            at,
+        )
+    };
+    let slow = lease::SlowClock {
+        start_us: 10_000_000,
+        end_us: 13_300_000,
+        rate: 0.9,
+    };
+    let ops = vec![grant(13_000_000), gone_at(14_770_000)];
+    // Without the slow clock it is an early expiry...
+    assert!(
+        lease::check(&ops, BOUNDS, &[])
+            .iter()
+            .any(|a| a.starts_with("early-expiry")),
+    );
+    // ...with it, within the 0.35 s the clock can have lagged (rate 0.9 for 3.3 s, plus the
+    // start margin).
+    assert!(lease::check_with_slow_clocks(&ops, BOUNDS, &[], &[slow]).is_empty());
+    // Earlier than the lag allows is still caught.
+    let too_early = vec![grant(13_000_000), gone_at(14_500_000)];
+    assert!(
+        lease::check_with_slow_clocks(&too_early, BOUNDS, &[], &[slow])
+            .iter()
+            .any(|a| a.starts_with("early-expiry")),
+    );
+    // A slow clock that ended before the grant was sent excuses nothing, though its lag
+    // (0.31 s) would cover this expiry.
+    let over = lease::SlowClock {
+        end_us: 12_900_000,
+        ..slow
+    };
+    assert!(
+        lease::check_with_slow_clocks(&ops, BOUNDS, &[], &[over])
+            .iter()
+            .any(|a| a.starts_with("early-expiry")),
+    );
+}
+
+#[test]
+fn slow_clocks_are_read_from_the_skew_faults() {
+    let fault = |key: &str, value: &str| {
+        op(
+            0,
+            "fault",
+            key,
+            json!(value),
+            Kind::Ok,
+            json!("healed"),
+            1_000,
+            2_000,
+        )
+    };
+    let faults = vec![
+        fault("member 1 restarted with its clock at rate 0.5", "skew"),
+        fault("member 2 restarted with its clock at rate 1.01", "skew"),
+        fault("kill -9 member 3", "kill"),
+    ];
+    assert_eq!(
+        lease::SlowClock::from_faults(&faults),
+        vec![lease::SlowClock {
+            start_us: 1_000,
+            end_us: 2_000,
+            rate: 0.5
+        }]
+    );
+}
