@@ -87,12 +87,26 @@ pub struct Lease {
 }
 
 /// The replicated lease table.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct LeaseTable {
     leases: BTreeMap<i64, Lease>,
     /// Next ID to try for grants that let the state machine choose. Invariant: > 0.
     next_id: i64,
+    /// Moves on every grant and removal, so the leader's [`LeaseKeeper::sync`] can tell a
+    /// batch that changed which leases exist (rare) from one that only renewed them (every
+    /// keepalive's checkpoint) without walking the table. Local bookkeeping, not replicated
+    /// state: not in snapshots and not compared.
+    #[serde(skip)]
+    generation: u64,
 }
+
+impl PartialEq for LeaseTable {
+    fn eq(&self, other: &Self) -> bool {
+        self.leases == other.leases && self.next_id == other.next_id
+    }
+}
+
+impl Eq for LeaseTable {}
 
 impl Default for LeaseTable {
     fn default() -> Self {
@@ -106,6 +120,7 @@ impl LeaseTable {
         LeaseTable {
             leases: BTreeMap::new(),
             next_id: 1,
+            generation: 0,
         }
     }
 
@@ -146,6 +161,7 @@ impl LeaseTable {
             candidates: BTreeSet::new(),
         };
         self.leases.insert(id, lease);
+        self.generation = self.generation.wrapping_add(1);
         Ok((id, ttl_ms))
     }
 
@@ -198,7 +214,16 @@ impl LeaseTable {
     }
 
     pub(crate) fn remove(&mut self, id: i64) -> Option<Lease> {
-        self.leases.remove(&id)
+        let removed = self.leases.remove(&id);
+        if removed.is_some() {
+            self.generation = self.generation.wrapping_add(1);
+        }
+        removed
+    }
+
+    /// Which leases exist changes this (see the field); nothing else does.
+    pub fn generation(&self) -> u64 {
+        self.generation
     }
 
     pub(crate) fn checkpoint(&mut self, checkpoint: &LeaseCheckpoint, now_ms: u64) {
@@ -280,6 +305,8 @@ pub struct LeaseKeeper {
     /// The last stamp handed out; never reset, so a stamp from an earlier leadership of this
     /// keeper can never match a later renewal.
     renewal_stamp: u64,
+    /// The table's [`LeaseTable::generation`] at the last full walk, while leading.
+    synced_generation: Option<u64>,
 }
 
 impl LeaseKeeper {
@@ -293,6 +320,7 @@ impl LeaseKeeper {
             promoted_at_ms: 0,
             last_renewals: BTreeMap::new(),
             renewal_stamp: 0,
+            synced_generation: None,
         }
     }
 
@@ -310,6 +338,7 @@ impl LeaseKeeper {
         self.deadlines.clear();
         self.floors.clear();
         self.last_renewals.clear();
+        self.synced_generation = Some(table.generation());
         self.promoted_at_ms = now_ms;
         let grace_until_ms = now_ms.saturating_add(self.election_timeout_ms);
         let mut checkpoints = Vec::with_capacity(table.len());
@@ -337,11 +366,21 @@ impl LeaseKeeper {
         self.deadlines.clear();
         self.floors.clear();
         self.last_renewals.clear();
+        self.synced_generation = None;
     }
 
     /// Call after applying committed commands: adopts newly granted leases at their recorded
-    /// bound and forgets revoked ones.
-    pub fn sync(&mut self, table: &LeaseTable) {
+    /// bound and forgets revoked ones. Answers whether it had to walk the table: batches that
+    /// granted or removed no lease (most of them, keepalive checkpoints) leave it alone, which
+    /// keeps a leader with 10,000 sessions from walking them all after every batch. The key
+    /// count is compared too, so a table replaced under the keeper (its generation starts
+    /// again from 0) is walked even if the counters happen to agree.
+    pub fn sync(&mut self, table: &LeaseTable) -> bool {
+        if self.synced_generation == Some(table.generation()) && self.deadlines.len() == table.len()
+        {
+            return false;
+        }
+        self.synced_generation = Some(table.generation());
         self.deadlines.retain(|id, _| table.get(*id).is_some());
         self.floors.retain(|id, _| table.get(*id).is_some());
         self.last_renewals.retain(|id, _| table.get(*id).is_some());
@@ -351,6 +390,7 @@ impl LeaseKeeper {
                 .promise_bound_ms(lease.ttl_ms, self.checkpoint_interval_ms);
             self.deadlines.entry(lease.id).or_insert(bound_ms);
         }
+        true
     }
 
     /// A keepalive at `now_ms`. Fails for leases that do not exist or are already past their
@@ -579,6 +619,46 @@ mod tests {
         keeper.renew(&table, id, 2000).expect("renew");
         assert_eq!(keeper.expired(13_999, 10), Vec::<i64>::new());
         assert_eq!(keeper.expired(14_000, 10), vec![id]);
+    }
+
+    #[test]
+    fn sync_walks_the_table_only_when_leases_came_or_went() {
+        let mut table = LeaseTable::new();
+        let mut keeper = LeaseKeeper::new(&config());
+        keeper.promote(&table, 0);
+        let (first, _) = table.grant(0, 3000, 0, &config()).expect("grant");
+        let (second, _) = table.grant(0, 3000, 0, &config()).expect("grant");
+        assert!(keeper.sync(&table), "two grants must be adopted");
+        assert_eq!(keeper.expired(3000, 10), vec![first, second]);
+        // Renewal records change no membership: nothing to walk, nothing lost.
+        for at_ms in [100, 200] {
+            table.checkpoint(
+                &LeaseCheckpoint {
+                    id: first,
+                    deadline_ms: None,
+                },
+                at_ms,
+            );
+            assert!(!keeper.sync(&table));
+        }
+        assert_eq!(keeper.remaining_ms(second, 0), Some(3000));
+        // A removal and a grant in one batch keep the count but move the generation.
+        table.remove(first).expect("present");
+        let (third, _) = table.grant(0, 3000, 0, &config()).expect("grant");
+        assert!(keeper.sync(&table));
+        assert_eq!(keeper.remaining_ms(first, 0), None);
+        assert_eq!(keeper.expired(3000, 10), vec![second, third]);
+        assert!(!keeper.sync(&table));
+        // A table restored from a snapshot starts its generation again from 0 (it is not
+        // replicated) but still compares equal; with a lease more than the keeper knows, it
+        // is walked although its generation could match an old one.
+        let bytes = postcard::to_allocvec(&table).expect("encode");
+        let mut restored: LeaseTable = postcard::from_bytes(&bytes).expect("decode");
+        assert_eq!(restored, table);
+        assert_eq!(restored.generation(), 0);
+        let (fourth, _) = restored.grant(0, 3000, 0, &config()).expect("grant");
+        assert!(keeper.sync(&restored));
+        assert_eq!(keeper.expired(3000, 10), vec![second, third, fourth]);
     }
 
     #[test]
