@@ -261,22 +261,32 @@ pub async fn run(ctx: &Ctx, args: ScaleArgs) -> CmdResult {
     let lease_ids: Arc<Vec<i64>> = Arc::new({
         let setup = setup.clone();
         for_each_bounded(sessions, move |i| {
-            let mut lease = LeaseClient::new(setup[i % setup.len()].clone());
+            let setup = setup.clone();
             async move {
-                let mut request = tonic::Request::new(LeaseGrantRequest { ttl: ttl_s, id: 0 });
-                request.set_timeout(timeout);
-                let answer = lease
-                    .lease_grant(request)
-                    .await
-                    .map_err(|s| status_failure("granting a session's lease", &s))?
-                    .into_inner();
-                if answer.id == 0 || !answer.error.is_empty() {
-                    return Err(Failure::new(
-                        "unavailable",
-                        format!("granting a session's lease: {}", answer.error),
-                    ));
+                // A member that does not answer (not up yet, or killed) is skipped for the next.
+                let mut last = None;
+                for attempt in 0..setup.len() {
+                    let mut lease = LeaseClient::new(setup[(i + attempt) % setup.len()].clone());
+                    let mut request = tonic::Request::new(LeaseGrantRequest { ttl: ttl_s, id: 0 });
+                    request.set_timeout(timeout);
+                    match lease.lease_grant(request).await {
+                        Ok(answer) => {
+                            let answer = answer.into_inner();
+                            if answer.id == 0 || !answer.error.is_empty() {
+                                return Err(Failure::new(
+                                    "unavailable",
+                                    format!("granting a session's lease: {}", answer.error),
+                                ));
+                            }
+                            return Ok(answer.id);
+                        }
+                        Err(status) => last = Some(status),
+                    }
                 }
-                Ok(answer.id)
+                Err(status_failure(
+                    "granting a session's lease",
+                    &last.unwrap_or_else(|| tonic::Status::unavailable("no member")),
+                ))
             }
         })
         .await?
@@ -319,7 +329,7 @@ pub async fn run(ctx: &Ctx, args: ScaleArgs) -> CmdResult {
         let lease_ids = lease_ids.clone();
         for_each_bounded(groups * CANDIDATES_PER_GROUP, move |i| {
             let (g, c) = (i / CANDIDATES_PER_GROUP, i % CANDIDATES_PER_GROUP);
-            let mut election = ElectionClient::new(setup[i % setup.len()].clone());
+            let setup = setup.clone();
             let request = CampaignRequest {
                 group: group_name(g),
                 candidate_id: format!("c{c}"),
@@ -330,13 +340,29 @@ pub async fn run(ctx: &Ctx, args: ScaleArgs) -> CmdResult {
                 wait: false,
             };
             async move {
-                let mut request = tonic::Request::new(request);
-                request.set_timeout(timeout);
-                election
-                    .campaign(request)
-                    .await
-                    .map_err(|s| status_failure("registering a candidate", &s))?;
-                Ok(())
+                // Campaign is idempotent for one candidate id, so a retry on the next member
+                // cannot register twice.
+                let mut last = None;
+                for attempt in 0..setup.len() {
+                    let channel = setup[(i + attempt) % setup.len()].clone();
+                    let mut call = tonic::Request::new(request.clone());
+                    call.set_timeout(timeout);
+                    match ElectionClient::new(channel).campaign(call).await {
+                        Ok(_) => return Ok(()),
+                        // A refusal (the lease is gone) is the answer, not a member's outage.
+                        Err(status) if status.code() != tonic::Code::Unavailable
+                            && status.code() != tonic::Code::DeadlineExceeded
+                            && status.code() != tonic::Code::Unknown =>
+                        {
+                            return Err(status_failure("registering a candidate", &status));
+                        }
+                        Err(status) => last = Some(status),
+                    }
+                }
+                Err(status_failure(
+                    "registering a candidate",
+                    &last.unwrap_or_else(|| tonic::Status::unavailable("no member")),
+                ))
             }
         })
         .await?;
