@@ -78,7 +78,10 @@ async fn bench_scale_holds_every_session_and_group_across_a_leader_kill() {
     // or change its leader (leases and elections are replicated state).
     let mut tool = start(&eps, "10s");
     let report = first_report(&tool);
-    assert!(report["keepalives_per_s"].as_f64().is_some_and(|r| r > 0.0), "{report}");
+    assert!(
+        report["keepalives_per_s"].as_f64().is_some_and(|r| r > 0.0),
+        "{report}"
+    );
     std::thread::sleep(Duration::from_secs(2));
     cluster.kill(leader);
     let done = summary(&mut tool);
@@ -86,7 +89,10 @@ async fn bench_scale_holds_every_session_and_group_across_a_leader_kill() {
     assert_eq!(done["groups"], GROUPS);
     // Generous: about SESSIONS per second are sent; a failover costs a second or two.
     let rate = done["keepalives_per_s"].as_f64().unwrap_or(0.0);
-    assert!(rate > SESSIONS as f64 / 3.0 && rate < SESSIONS as f64 * 2.0, "{done}");
+    assert!(
+        rate > SESSIONS as f64 / 3.0 && rate < SESSIONS as f64 * 2.0,
+        "{done}"
+    );
     assert_eq!(done["refused"], 0, "{done}");
     assert_eq!(done["leaderless"], 0, "{done}");
     assert_eq!(done["leader_failed"], 0, "{done}");
@@ -95,7 +101,12 @@ async fn bench_scale_holds_every_session_and_group_across_a_leader_kill() {
     assert!(sweeps.len() >= 2, "{done}");
     // No keepalive is answered between the kill and the next leader's election (at least one
     // 150 ms election timeout later): the gap is seen.
-    assert!(done["keepalive_gap_max_ms"].as_f64().is_some_and(|g| g > 100.0), "{done}");
+    assert!(
+        done["keepalive_gap_max_ms"]
+            .as_f64()
+            .is_some_and(|g| g > 100.0),
+        "{done}"
+    );
 
     // Phase 2 (negative control): the sessions are revoked under the tool; its keepalives
     // are refused and every group is left without a leader, and the report says so.

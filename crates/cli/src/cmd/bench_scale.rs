@@ -203,7 +203,7 @@ where
 pub async fn run(ctx: &Ctx, args: ScaleArgs) -> CmdResult {
     let sessions = args.sessions;
     let groups = args.groups.unwrap_or(sessions);
-    if sessions < CANDIDATES_PER_GROUP || sessions > SCALE_SESSIONS_MAX {
+    if !(CANDIDATES_PER_GROUP..=SCALE_SESSIONS_MAX).contains(&sessions) {
         return Err(Failure::invalid(format!(
             "--sessions must be between {CANDIDATES_PER_GROUP} and {SCALE_SESSIONS_MAX}"
         )));
@@ -350,9 +350,10 @@ pub async fn run(ctx: &Ctx, args: ScaleArgs) -> CmdResult {
                     match ElectionClient::new(channel).campaign(call).await {
                         Ok(_) => return Ok(()),
                         // A refusal (the lease is gone) is the answer, not a member's outage.
-                        Err(status) if status.code() != tonic::Code::Unavailable
-                            && status.code() != tonic::Code::DeadlineExceeded
-                            && status.code() != tonic::Code::Unknown =>
+                        Err(status)
+                            if status.code() != tonic::Code::Unavailable
+                                && status.code() != tonic::Code::DeadlineExceeded
+                                && status.code() != tonic::Code::Unknown =>
                         {
                             return Err(status_failure("registering a candidate", &status));
                         }
@@ -479,8 +480,17 @@ pub async fn run(ctx: &Ctx, args: ScaleArgs) -> CmdResult {
         let l = |k: &str| format!("{:.2}", summary["keepalive_ms"][k].as_f64().unwrap_or(0.0));
         ctx.out.table(
             &[
-                "SESSIONS", "GROUPS", "HELD S", "KEEPALIVES/S", "P50 MS", "P99 MS", "REFUSED",
-                "UNANSWERED", "LONGEST GAP MS", "LEADERLESS", "LEADERS CHANGED",
+                "SESSIONS",
+                "GROUPS",
+                "HELD S",
+                "KEEPALIVES/S",
+                "P50 MS",
+                "P99 MS",
+                "REFUSED",
+                "UNANSWERED",
+                "LONGEST GAP MS",
+                "LEADERLESS",
+                "LEADERS CHANGED",
             ],
             &[vec![
                 f("sessions"),
@@ -491,7 +501,10 @@ pub async fn run(ctx: &Ctx, args: ScaleArgs) -> CmdResult {
                 l("p99"),
                 f("refused"),
                 f("unanswered"),
-                format!("{:.0}", summary["keepalive_gap_max_ms"].as_f64().unwrap_or(0.0)),
+                format!(
+                    "{:.0}",
+                    summary["keepalive_gap_max_ms"].as_f64().unwrap_or(0.0)
+                ),
                 f("leaderless"),
                 f("leaders_changed"),
             ]],
