@@ -43,6 +43,14 @@ const LATENCY_MAX_US: u64 = 60_000_000;
 const KEEPALIVE_LEASE_TTL_S: i64 = 60;
 /// How long to wait for a connection or a watch's creation before giving up.
 const SETUP_TIMEOUT: Duration = Duration::from_secs(10);
+/// Most puts in one `fill` transaction: etcd's and Conclave's default `max-txn-ops`.
+const FILL_BATCH_MAX: usize = 128;
+/// Highest `--rate` of the watch writer, in puts per second.
+const WATCH_RATE_MAX: u64 = 100_000;
+/// How long watchers may still receive after the writer's last put, at most.
+const WATCH_DRAIN_MAX: Duration = Duration::from_secs(30);
+/// How often the drain checks whether every event has arrived.
+const WATCH_DRAIN_POLL: Duration = Duration::from_millis(20);
 /// Prefix of every key this tool writes.
 const KEY_PREFIX: &str = "etcd-bench/";
 
@@ -61,6 +69,10 @@ enum Op {
     /// Watch fan-out: --clients watchers on one prefix, one writer putting under it; the
     /// latency is from the put's send to each watcher's receipt, ops are delivered events.
     Watch,
+    /// Bulk load: writes keys 0..--key-space once each, --batch puts per Txn, --clients
+    /// transactions in flight; ends when every key is written (--duration is a cap). Ops are
+    /// keys written; latencies are per transaction.
+    Fill,
 }
 
 impl Op {
@@ -72,6 +84,7 @@ impl Op {
             Op::TxnCas => "txn-cas",
             Op::LeaseKeepalive => "lease-keepalive",
             Op::Watch => "watch",
+            Op::Fill => "fill",
         }
     }
 }
@@ -100,6 +113,12 @@ struct Args {
     /// Distinct keys used by put and get.
     #[arg(long, default_value_t = 1000)]
     key_space: u64,
+    /// watch: the writer's puts per second (0: one put in flight, as fast as answered).
+    #[arg(long, default_value_t = 0)]
+    rate: u64,
+    /// fill: puts per transaction.
+    #[arg(long, default_value_t = 100)]
+    batch: usize,
     /// gRPC connections (default: one per client, at most 16).
     #[arg(long)]
     connections: Option<usize>,
@@ -397,6 +416,7 @@ async fn run_client(
             Ok(tally)
         }
         Op::Watch => unreachable!("watch runs through run_watch"),
+        Op::Fill => unreachable!("fill runs through run_fill"),
     }
 }
 
@@ -412,6 +432,7 @@ async fn run_watch(
     let mut watchers = Vec::with_capacity(args.clients);
     let (ready_sender, mut ready) = mpsc::channel::<()>(args.clients);
     let stop = Arc::new(tokio::sync::Notify::new());
+    let delivered = Arc::new(std::sync::atomic::AtomicU64::new(0));
     for i in 0..args.clients {
         let mut client = WatchClient::new(channels[i % channels.len()].clone());
         let (sender, receiver) = mpsc::channel(1);
@@ -427,6 +448,7 @@ async fn run_watch(
             .map_err(|_| BenchError::Setup("watch request channel closed".into()))?;
         let ready_sender = ready_sender.clone();
         let stop = stop.clone();
+        let delivered = delivered.clone();
         watchers.push(tokio::spawn(async move {
             let _keep_open = sender;
             let mut tally = Tally::new();
@@ -448,6 +470,10 @@ async fn run_watch(
                                 let _ = ready_sender.send(()).await;
                             }
                             let now_us = epoch.elapsed().as_micros() as u64;
+                            delivered.fetch_add(
+                                answer.events.len() as u64,
+                                std::sync::atomic::Ordering::Relaxed,
+                            );
                             for event in answer.events {
                                 let sent = event.kv.as_ref().and_then(|kv| {
                                     kv.value.get(..8).map(|b| {
@@ -486,7 +512,14 @@ async fn run_watch(
     let mut puts = 0u64;
     let mut index = 0u64;
     let value_len = args.value_size.max(8);
+    let pace = (args.rate > 0).then(|| Duration::from_secs_f64(1.0 / args.rate as f64));
+    let writer_start = Instant::now();
     while Instant::now() < deadline {
+        if let Some(pace) = pace {
+            // Fixed rate: the n-th put leaves at n × pace, whatever the answers' latency.
+            let due = writer_start + pace * u32::try_from(puts).unwrap_or(u32::MAX);
+            tokio::time::sleep_until(due.into()).await;
+        }
         let mut value = vec![b'w'; value_len];
         value[..8].copy_from_slice(&(epoch.elapsed().as_micros() as u64).to_le_bytes());
         index = (index + 1) % args.key_space.max(1);
@@ -502,8 +535,14 @@ async fn run_watch(
             puts += 1;
         }
     }
-    // Let the last events arrive, then stop every watcher.
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Let the last events arrive (every watcher sees every put), then stop every watcher.
+    let expected = puts * args.clients as u64;
+    let drain_end = Instant::now() + WATCH_DRAIN_MAX;
+    while delivered.load(std::sync::atomic::Ordering::Relaxed) < expected
+        && Instant::now() < drain_end
+    {
+        tokio::time::sleep(WATCH_DRAIN_POLL).await;
+    }
     stop.notify_waiters();
     let mut tallies = Vec::with_capacity(watchers.len());
     for watcher in watchers {
@@ -514,6 +553,72 @@ async fn run_watch(
         );
     }
     Ok((tallies, puts))
+}
+
+/// Bulk load: every key of the key space written once, `--batch` puts per Txn, `--clients`
+/// transactions in flight. A tally's count is keys written; its latencies are per
+/// transaction (recorded once per key, so quantiles weigh every key alike).
+async fn run_fill(
+    channels: &[Channel],
+    args: Arc<Args>,
+    duration: Duration,
+) -> Result<Vec<Tally>, BenchError> {
+    if args.batch == 0 || args.batch > FILL_BATCH_MAX {
+        return Err(BenchError::Usage(format!(
+            "--batch must be 1 to {FILL_BATCH_MAX}"
+        )));
+    }
+    let deadline = Instant::now() + duration;
+    let next = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let mut tasks = Vec::with_capacity(args.clients);
+    for id in 0..args.clients {
+        let mut kv = KvClient::new(channels[id % channels.len()].clone());
+        let next = next.clone();
+        let args = args.clone();
+        tasks.push(tokio::spawn(async move {
+            let value: tonic::codegen::Bytes = vec![b'v'; args.value_size].into();
+            let mut tally = Tally::new();
+            while Instant::now() < deadline {
+                let first = next.fetch_add(args.batch as u64, std::sync::atomic::Ordering::Relaxed);
+                if first >= args.key_space {
+                    break;
+                }
+                let last = (first + args.batch as u64).min(args.key_space);
+                let success = (first..last)
+                    .map(|index| RequestOp {
+                        request: Some(RequestOpKind::RequestPut(PutRequest {
+                            key: key(index).into(),
+                            value: value.clone(),
+                            ..Default::default()
+                        })),
+                    })
+                    .collect();
+                let start = Instant::now();
+                let request = TxnRequest {
+                    compare: vec![],
+                    success,
+                    failure: vec![],
+                };
+                match kv.txn(request).await {
+                    Ok(_) => {
+                        let elapsed = start.elapsed();
+                        for _ in first..last {
+                            tally.record(elapsed);
+                        }
+                    }
+                    // A key range lost to an error stays unwritten: counted, not retried, so
+                    // the figure never hides a failure.
+                    Err(_) => tally.errors += last - first,
+                }
+            }
+            tally
+        }));
+    }
+    let mut tallies = Vec::with_capacity(tasks.len());
+    for task in tasks {
+        tallies.push(task.await.map_err(|e| BenchError::Setup(e.to_string()))?);
+    }
+    Ok(tallies)
 }
 
 fn prefix_end(prefix: &[u8]) -> Vec<u8> {
@@ -539,6 +644,11 @@ async fn run(args: Args) -> Result<(), BenchError> {
             "--value-size must be at most {VALUE_BYTES_MAX}"
         )));
     }
+    if args.rate > WATCH_RATE_MAX {
+        return Err(BenchError::Usage(format!(
+            "--rate must be at most {WATCH_RATE_MAX} puts per second"
+        )));
+    }
     let endpoints: Vec<String> = args
         .endpoints
         .split(',')
@@ -561,7 +671,9 @@ async fn run(args: Args) -> Result<(), BenchError> {
         fill_keys(&channels, &args).await?;
     }
     let started = Instant::now();
-    let (tallies, extra) = if args.op == Op::Watch {
+    let (tallies, extra) = if args.op == Op::Fill {
+        (run_fill(&channels, args.clone(), duration).await?, None)
+    } else if args.op == Op::Watch {
         let (tallies, puts) = run_watch(&channels, args.clone(), duration).await?;
         (tallies, Some(puts))
     } else {
@@ -613,6 +725,11 @@ async fn run(args: Args) -> Result<(), BenchError> {
         });
         if let Some(puts) = extra {
             out["writer_puts"] = json!(puts);
+            // Every watcher should have received every acknowledged put.
+            let expected = puts * args.clients as u64;
+            out["expected_deliveries"] = json!(expected);
+            out["missed"] = json!(expected.saturating_sub(ops));
+            out["writer_rate"] = json!(args.rate);
         }
         println!("{out}");
     } else {

@@ -46,6 +46,9 @@ pub enum BenchCommand {
     Lock(BenchArgs),
     /// Failover time: kill a leader's session, time the next candidate's election.
     Elect(ElectBenchArgs),
+    /// Scale run: N sessions kept alive once a second and N election groups of 3 candidates,
+    /// held for --duration, with keepalive rate and latency and leaderless groups reported.
+    Scale(super::bench_scale::ScaleArgs),
 }
 
 #[derive(Args, Debug)]
@@ -107,6 +110,7 @@ pub async fn run(ctx: &Ctx, command: BenchCommand) -> CmdResult {
         BenchCommand::Txn(args) => (Kind::Txn, args),
         BenchCommand::Lock(args) => (Kind::Lock, args),
         BenchCommand::Elect(args) => return elect(ctx, args).await,
+        BenchCommand::Scale(args) => return super::bench_scale::run(ctx, args).await,
     };
     if args.clients == 0 || args.clients > BENCH_CLIENTS_MAX {
         return Err(Failure::invalid(format!(

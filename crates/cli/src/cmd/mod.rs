@@ -7,6 +7,7 @@
 pub(crate) mod access;
 pub(crate) mod auth;
 mod bench;
+mod bench_scale;
 mod child;
 pub(crate) mod cluster;
 mod elect;
