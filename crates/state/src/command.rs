@@ -389,6 +389,17 @@ pub enum Request {
         /// The request.
         request: Box<Request>,
     },
+    /// Append to a topic, naming the sender ([`crate::topic::MESSAGE_FROM_BYTES_MAX`] bytes at
+    /// most). Members propose [`Request::Publish`] when there is no sender, so a publish
+    /// without one stays readable by builds that predate this variant.
+    PublishFrom {
+        /// The topic.
+        topic: String,
+        /// Payload.
+        data: Bytes,
+        /// The sender, as the publisher names itself.
+        from: String,
+    },
 }
 
 /// etcd Campaign / Lock outcome.

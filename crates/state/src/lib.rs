@@ -115,7 +115,7 @@ pub use mvcc::{
     range_answer_bytes,
 };
 pub use queue::{Job, JobClaim, JobPush, QueueCounters, QueueStats, WorkQueue};
-pub use topic::{Message, ReadBudget, Retention, TopicRead};
+pub use topic::{MESSAGE_FROM_BYTES_MAX, Message, ReadBudget, Retention, TopicRead};
 pub use txn::{
     Compare, CompareResult, CompareTarget, DeleteRangeRequest, DeleteRangeResponse, PutRequest,
     PutResponse, RequestOp, ResponseOp, TxnRequest, TxnResponse,

@@ -34,7 +34,7 @@ use crate::lease::{Lease, LeaseTable};
 use crate::mvcc::{KeyValue, KvStore, RangeRequest, RangeResponse, WatchEvent, prefix_end};
 use crate::queue::{QueueLimits, WorkQueue, WorkQueues};
 use crate::session::{SessionCheck, Sessions};
-use crate::topic::{ReadBudget, Retention, TopicRead, Topics};
+use crate::topic::{MESSAGE_FROM_BYTES_MAX, ReadBudget, Retention, TopicRead, Topics};
 use crate::txn::{
     self, DeleteRangeRequest, DeleteRangeResponse, PutRequest, PutResponse, RequestOp, ResponseOp,
     TxnPath, TxnRequest, TxnResponse,
@@ -421,7 +421,10 @@ impl StateMachine {
                 self.reconcile_group(group, events);
                 Ok(Response::Group(self.group_status(group)))
             }
-            Request::Publish { topic, data } => self.publish(topic, data, events),
+            Request::Publish { topic, data } => self.publish(topic, data, "", events),
+            Request::PublishFrom { topic, data, from } => {
+                self.publish(topic, data, from, events)
+            }
             Request::Ack {
                 consumer,
                 topic,
@@ -619,7 +622,9 @@ impl StateMachine {
             | Request::GroupConfigure { group, .. } => {
                 accesses.push(Access::write(name_key(group), Bytes::new()));
             }
-            Request::Publish { topic, .. } | Request::TopicConfigure { topic, .. } => {
+            Request::Publish { topic, .. }
+            | Request::PublishFrom { topic, .. }
+            | Request::TopicConfigure { topic, .. } => {
                 accesses.push(Access::write(name_key(topic), Bytes::new()));
             }
             Request::Ack { topic, .. } => {
@@ -1374,10 +1379,22 @@ impl StateMachine {
 
     // ---- topics and time -----------------------------------------------------------------
 
-    fn publish(&mut self, topic: &str, data: &Bytes, events: &mut Vec<Event>) -> Result<Response> {
+    fn publish(
+        &mut self,
+        topic: &str,
+        data: &Bytes,
+        from: &str,
+        events: &mut Vec<Event>,
+    ) -> Result<Response> {
         self.check_name("topic", topic)?;
         if data.len() > self.config.value_bytes_max {
             return Err(Error::RequestTooLarge);
+        }
+        if from.len() > MESSAGE_FROM_BYTES_MAX {
+            return Err(Error::InvalidArgument(format!(
+                "the sender is {} bytes; at most {MESSAGE_FROM_BYTES_MAX} are allowed",
+                from.len()
+            )));
         }
         // A publish is a write: it takes a store revision, so messages and KV changes are
         // totally ordered.
@@ -1388,6 +1405,7 @@ impl StateMachine {
         let message = self.state.topics.publish(
             topic,
             data.clone(),
+            from,
             revision,
             self.state.now_ms,
             messages_max,
@@ -1678,6 +1696,7 @@ fn request_payload_bytes(request: &Request) -> usize {
         } => group.len() + candidate.len() + value.len(),
         Request::GroupConfigure { group, .. } => group.len(),
         Request::Publish { topic, data } => topic.len() + data.len(),
+        Request::PublishFrom { topic, data, from } => topic.len() + data.len() + from.len(),
         Request::Ack {
             consumer, topic, ..
         } => consumer.len() + topic.len(),

@@ -98,6 +98,17 @@ fn command_encoding_is_stable() {
             ),
             "01001201740164",
         ),
+        (
+            Command::new(
+                1,
+                Request::PublishFrom {
+                    topic: "t".into(),
+                    data: Bytes::from_static(b"d"),
+                    from: "a".into(),
+                },
+            ),
+            "010021017401640161",
+        ),
         (Command::new(1, Request::Tick), "010017"),
     ];
     for (command, expected) in &cases {

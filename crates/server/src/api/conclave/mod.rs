@@ -131,6 +131,7 @@ pub(super) fn message_to_pb(message: Message) -> cv1::TopicMessage {
         data: message.data,
         revision: message.revision,
         published_unix_ms: i64::try_from(message.time_ms).unwrap_or(i64::MAX),
+        from: message.from,
     }
 }
 
