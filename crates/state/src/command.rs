@@ -8,7 +8,7 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
 use crate::auth::AuthRequest;
-use crate::election::{ElectionEvent, GroupPolicy, Seat};
+use crate::election::{ElectionEvent, GroupPolicy, PreemptPolicy, Seat};
 use crate::error::{Error, Result};
 use crate::lease::LeaseCheckpoint;
 use crate::mvcc::{KeyValue, RangeRequest, RangeResponse, WatchEvent};
@@ -399,6 +399,18 @@ pub enum Request {
         data: Bytes,
         /// The sender, as the publisher names itself.
         from: String,
+    },
+    /// Set a group's policy with its three-valued preempt policy (`policy.preempt` and
+    /// `policy.preempt_never` are set from `preempt_policy`). Members propose
+    /// [`Request::GroupConfigure`] for `higher` and `always`, so only `never` needs a build
+    /// that knows this variant.
+    GroupConfigurePreempt {
+        /// The group.
+        group: String,
+        /// New policy.
+        policy: GroupPolicy,
+        /// Who may displace a sitting leader.
+        preempt_policy: PreemptPolicy,
     },
 }
 

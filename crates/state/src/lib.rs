@@ -106,7 +106,7 @@ pub use command::{
     Response, SessionSeq,
 };
 pub use config::{Config, TXN_RANGE_BYTES_MAX};
-pub use election::{ElectionEvent, ElectionEventKind, GroupPolicy, Seat};
+pub use election::{ElectionEvent, ElectionEventKind, GroupPolicy, PreemptPolicy, Seat};
 pub use error::{Error, Result};
 pub use lease::{LeaseCheckpoint, LeaseKeeper, LeaseResume, Renewal};
 pub use machine::{QueueStatus, RESERVED_PREFIX, StateMachine, group_leader_key, queue_key};

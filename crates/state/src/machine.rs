@@ -27,7 +27,7 @@ use crate::command::{
 use crate::config::{Config, TXN_RANGE_BYTES_MAX};
 use crate::election::{
     Candidate, CandidateSummary, Decision, ElectionEvent, ElectionEventKind, Group, GroupPolicy,
-    Handoff, Seat,
+    Handoff, PreemptPolicy, Seat,
 };
 use crate::error::{Error, Result};
 use crate::lease::{Lease, LeaseTable};
@@ -410,17 +410,19 @@ impl StateMachine {
                 value,
             } => self.group_proclaim(group, candidate, *fence, value, events),
             Request::GroupConfigure { group, policy } => {
-                self.check_name("group", group)?;
-                if policy.handoff_timeout_ms == Some(0) || policy.settle_ms == Some(0) {
-                    return Err(Error::InvalidArgument(
-                        "handoff_timeout_ms and settle_ms must be > 0 when set".into(),
-                    ));
-                }
-                self.check_new_group(group)?;
-                self.state.groups.entry(group.clone()).or_default().policy = *policy;
-                self.reconcile_group(group, events);
-                Ok(Response::Group(self.group_status(group)))
+                // The older command encodes two of the three preempt policies.
+                let preempt_policy = if policy.preempt {
+                    PreemptPolicy::Always
+                } else {
+                    PreemptPolicy::Higher
+                };
+                self.group_configure(group, *policy, preempt_policy, events)
             }
+            Request::GroupConfigurePreempt {
+                group,
+                policy,
+                preempt_policy,
+            } => self.group_configure(group, *policy, *preempt_policy, events),
             Request::Publish { topic, data } => self.publish(topic, data, "", events),
             Request::PublishFrom { topic, data, from } => {
                 self.publish(topic, data, from, events)
@@ -619,7 +621,8 @@ impl StateMachine {
             }
             Request::GroupResign { group, .. }
             | Request::GroupProclaim { group, .. }
-            | Request::GroupConfigure { group, .. } => {
+            | Request::GroupConfigure { group, .. }
+            | Request::GroupConfigurePreempt { group, .. } => {
                 accesses.push(Access::write(name_key(group), Bytes::new()));
             }
             Request::Publish { topic, .. }
@@ -1038,6 +1041,26 @@ impl StateMachine {
             return Err(limit("topics", topics_max));
         }
         Ok(())
+    }
+
+    fn group_configure(
+        &mut self,
+        group: &String,
+        mut policy: GroupPolicy,
+        preempt_policy: PreemptPolicy,
+        events: &mut Vec<Event>,
+    ) -> Result<Response> {
+        self.check_name("group", group)?;
+        if policy.handoff_timeout_ms == Some(0) || policy.settle_ms == Some(0) {
+            return Err(Error::InvalidArgument(
+                "handoff_timeout_ms and settle_ms must be > 0 when set".into(),
+            ));
+        }
+        self.check_new_group(group)?;
+        policy.set_preempt_policy(preempt_policy);
+        self.state.groups.entry(group.clone()).or_default().policy = policy;
+        self.reconcile_group(group, events);
+        Ok(Response::Group(self.group_status(group)))
     }
 
     fn group_register(
@@ -1694,7 +1717,9 @@ fn request_payload_bytes(request: &Request) -> usize {
             value,
             ..
         } => group.len() + candidate.len() + value.len(),
-        Request::GroupConfigure { group, .. } => group.len(),
+        Request::GroupConfigure { group, .. } | Request::GroupConfigurePreempt { group, .. } => {
+            group.len()
+        }
         Request::Publish { topic, data } => topic.len() + data.len(),
         Request::PublishFrom { topic, data, from } => topic.len() + data.len() + from.len(),
         Request::Ack {

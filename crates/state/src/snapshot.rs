@@ -10,7 +10,8 @@
 //! history, leases, groups, topics, sessions, last applied index and clock, and from format 4
 //! the auth state at its end), then, from version 4 on, the work queues as a section of their
 //! own, then, from version 5 on, the senders of retained topic messages (topic, seq, sender
-//! for each message that names one). Frames let a
+//! for each message that names one) and the names of the election groups whose preempt policy
+//! is `never`. Frames let a
 //! receiver check each chunk as it arrives; the end frame catches lost or reordered frames.
 
 use std::io::{Read, Write};
@@ -29,7 +30,7 @@ pub const SNAPSHOT_FORMAT_VERSION: u32 = 5;
 /// The oldest format version this build reads: version 1 lacks session secrets, version 2
 /// the revision of each session's cached answer, version 3 the auth state (users, roles) and the
 /// work queues (both restored empty), version 4 the senders of topic messages (restored
-/// empty).
+/// empty) and the `never` preempt policy (no group has it).
 pub const SNAPSHOT_FORMAT_VERSION_MIN: u32 = 1;
 /// Payload bytes per frame when writing.
 const FRAME_BYTES: usize = 64 * 1024;
@@ -89,6 +90,17 @@ impl<W: Write> Write for FrameWriter<W> {
 }
 
 impl StateMachine {
+    /// The groups whose preempt policy is `never`, by name: the snapshot section that carries
+    /// what [`crate::GroupPolicy`]'s own encoding leaves out.
+    fn never_preempt_groups(&self) -> Vec<&str> {
+        self.state
+            .groups
+            .iter()
+            .filter(|(_, group)| group.policy.preempt_never)
+            .map(|(name, _)| name.as_str())
+            .collect()
+    }
+
     /// Writes a snapshot of the whole state to `writer`. Returns the writer.
     pub fn snapshot<W: Write>(&self, writer: W) -> Result<W> {
         self.check_invariants();
@@ -107,6 +119,8 @@ impl StateMachine {
         let frames = postcard::to_io(&self.queues, frames)
             .map_err(|error| Error::SnapshotIo(error.to_string()))?;
         let frames = postcard::to_io(&self.state.topics.senders(), frames)
+            .map_err(|error| Error::SnapshotIo(error.to_string()))?;
+        let frames = postcard::to_io(&self.never_preempt_groups(), frames)
             .map_err(|error| Error::SnapshotIo(error.to_string()))?;
         frames.finish().map_err(io_error)
     }
@@ -202,8 +216,24 @@ impl StateMachine {
         } else {
             (Vec::new(), rest)
         };
+        let (never_groups, rest) = if version >= 5 {
+            postcard::take_from_bytes::<Vec<String>>(rest).map_err(does_not_decode)?
+        } else {
+            (Vec::new(), rest)
+        };
         let mut state = state;
         state.topics.restore_senders(senders)?;
+        for name in never_groups {
+            let group = state.groups.get_mut(&name).ok_or_else(|| {
+                Error::SnapshotCorrupt(format!("preempt policy for unknown group {name:?}"))
+            })?;
+            if group.policy.preempt_never || group.policy.preempt {
+                return Err(Error::SnapshotCorrupt(format!(
+                    "group {name:?} has two preempt policies"
+                )));
+            }
+            group.policy.preempt_never = true;
+        }
         if !rest.is_empty() {
             return Err(Error::SnapshotCorrupt("trailing bytes after state".into()));
         }
@@ -349,6 +379,50 @@ mod tests {
         let error = StateMachine::restore(Config::default(), twice.as_slice())
             .expect_err("a sender named twice is refused");
         assert!(matches!(error, Error::SnapshotCorrupt(_)), "{error:?}");
+    }
+
+    #[test]
+    fn a_format_4_image_keeps_higher_and_always_and_the_never_section_is_checked() {
+        use crate::election::{GroupPolicy, PreemptPolicy};
+        let mut machine = StateMachine::new(Config::default());
+        for (index, (group, preempt)) in [("polite", false), ("eager", true)].iter().enumerate() {
+            let policy = GroupPolicy {
+                preempt: *preempt,
+                ..GroupPolicy::default()
+            };
+            let configure = Request::GroupConfigure {
+                group: (*group).into(),
+                policy,
+            };
+            machine.apply(index as u64 + 1, &Command::new(5, configure));
+        }
+        let old = StateMachine::restore(Config::default(), format_4_image(&machine).as_slice())
+            .expect("a format 4 image loads");
+        assert_eq!(old.group_policy("polite").preempt_policy(), PreemptPolicy::Higher);
+        assert_eq!(old.group_policy("eager").preempt_policy(), PreemptPolicy::Always);
+
+        // A `never` section naming a group that has no policy, or one already `always`, is
+        // corruption.
+        for named in ["missing", "eager"] {
+            let mut frames = FrameWriter {
+                inner: Vec::new(),
+                buffer: Vec::new(),
+                body_crc: 0,
+            };
+            frames.inner.extend_from_slice(SNAPSHOT_MAGIC);
+            frames
+                .inner
+                .extend_from_slice(&SNAPSHOT_FORMAT_VERSION.to_le_bytes());
+            let frames = postcard::to_io(&machine.state, frames).expect("in memory");
+            let frames = postcard::to_io(&machine.queues, frames).expect("in memory");
+            let frames =
+                postcard::to_io(&machine.state.topics.senders(), frames).expect("in memory");
+            let frames = postcard::to_io(&vec![named], frames).expect("in memory");
+            let image = frames.finish().expect("in memory");
+            let error = StateMachine::restore(Config::default(), image.as_slice())
+                .expect_err("refused");
+            assert!(matches!(error, Error::SnapshotCorrupt(_)), "{named}: {error:?}");
+        }
     }
 
     /// Snapshots are taken from a clone while the machine goes on applying (the clone is

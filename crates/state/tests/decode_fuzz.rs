@@ -8,7 +8,7 @@
 
 use bytes::Bytes;
 use conclave_state::{
-    Command, Config, PutRequest, RangeRequest, Request, Response, Retention, SessionSeq,
+    Command, Config, GroupPolicy, PreemptPolicy, PutRequest, RangeRequest, Request, Response, Retention, SessionSeq,
     StateMachine, TxnRequest, command::SECRET_COMMAND_PREFIX,
 };
 use proptest::prelude::*;
@@ -36,6 +36,15 @@ fn request() -> impl Strategy<Value = Request> {
         (any::<i64>(), any::<u64>()).prop_map(|(id, ttl_ms)| Request::LeaseGrant { id, ttl_ms }),
         proptest::collection::vec(any::<i64>(), 0..4).prop_map(|ids| Request::LeaseExpire { ids }),
         (text, bytes.clone()).prop_map(|(topic, data)| Request::Publish { topic, data }),
+        (text, 0u8..3).prop_map(|(group, policy)| Request::GroupConfigurePreempt {
+            group,
+            policy: GroupPolicy::default(),
+            preempt_policy: [
+                PreemptPolicy::Higher,
+                PreemptPolicy::Always,
+                PreemptPolicy::Never
+            ][usize::from(policy)],
+        }),
         (text, bytes.clone(), text).prop_map(|(topic, data, from)| Request::PublishFrom {
             topic,
             data,
@@ -291,14 +300,14 @@ fn a_foreign_secret_neither_reads_the_cached_answer_nor_blocks_the_owner() {
 
 /// Bytes of the work queues' section of a snapshot without queues.
 const EMPTY_QUEUES_BYTES: usize = 4;
-/// Bytes of the message senders' section of a snapshot without senders.
-const EMPTY_SENDERS_BYTES: usize = 1;
+/// Bytes of format 5's sections (message senders, `never` groups) when both are empty.
+const EMPTY_SENDERS_BYTES: usize = 2;
 
 #[test]
 fn a_format_1_snapshot_still_restores() {
     // Without sessions, formats 1, 2 and 3 encode the state alike; only the version differs.
     // Format 4 appends the auth state (37 bytes when empty) and then the work queues' section
-    // (EMPTY_QUEUES_BYTES when empty); format 5 the message senders (EMPTY_SENDERS_BYTES).
+    // (EMPTY_QUEUES_BYTES when empty); format 5 the message senders and `never` groups (EMPTY_SENDERS_BYTES).
     let mut machine = StateMachine::new(Config::default());
     machine.apply(1, &Command::new(1, Request::Put(PutRequest::new("k", "v"))));
     let image = machine.snapshot_to_vec();
