@@ -204,8 +204,11 @@ async fn election_lock_and_topic_commands_in_both_output_modes() {
     assert_eq!(inbox["messages"][1]["from"], "agent-b", "{inbox}");
     // A sender over the bound is refused before anything is published.
     let long = "x".repeat(257);
-    run(eps, &["publish", "news", "third", "--from", &long, "--json"])
-        .assert_error("invalid_argument", 2);
+    run(
+        eps,
+        &["publish", "news", "third", "--from", &long, "--json"],
+    )
+    .assert_error("invalid_argument", 2);
     let table = run(eps, &["inbox", "--consumer", "c1", "news", "--limit", "1"]);
     assert_eq!(table.ok(), "TOPIC  SEQ  DATA\nnews   1    first\n");
     let acked = run(eps, &["ack", "--consumer", "c1", "news", "1", "--json"]).data();

@@ -393,14 +393,18 @@ async fn the_never_policy_keeps_the_leader_until_it_resigns() {
     std::thread::sleep(Duration::from_millis(500));
     let leader = leader_of(eps, group).expect("a leader");
     assert_eq!(leader["leader"], "low", "never: the leader stays: {leader}");
-    assert_eq!(leader["handoff_to"], Value::Null, "no handoff asked: {leader}");
-    assert_eq!(leader["policy"]["preempt_policy"], "never", "{leader}");
-    assert_eq!(leader["fence"], first["fence"], "the same leadership: {leader}");
-
-    let resigned = run(
-        eps,
-        &["elect", "resign", group, "--id", "low", "--json"],
+    assert_eq!(
+        leader["handoff_to"],
+        Value::Null,
+        "no handoff asked: {leader}"
     );
+    assert_eq!(leader["policy"]["preempt_policy"], "never", "{leader}");
+    assert_eq!(
+        leader["fence"], first["fence"],
+        "the same leadership: {leader}"
+    );
+
+    let resigned = run(eps, &["elect", "resign", group, "--id", "low", "--json"]);
     assert_eq!(resigned.code, 0, "{resigned:?}");
     let start = Instant::now();
     let next = loop {
@@ -408,7 +412,10 @@ async fn the_never_policy_keeps_the_leader_until_it_resigns() {
         if leader["leader"] == "eager" {
             break leader;
         }
-        assert!(start.elapsed() < RETRY, "eager never took the seat: {leader}");
+        assert!(
+            start.elapsed() < RETRY,
+            "eager never took the seat: {leader}"
+        );
         std::thread::sleep(Duration::from_millis(50));
     };
     assert!(

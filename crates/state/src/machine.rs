@@ -424,9 +424,7 @@ impl StateMachine {
                 preempt_policy,
             } => self.group_configure(group, *policy, *preempt_policy, events),
             Request::Publish { topic, data } => self.publish(topic, data, "", events),
-            Request::PublishFrom { topic, data, from } => {
-                self.publish(topic, data, from, events)
-            }
+            Request::PublishFrom { topic, data, from } => self.publish(topic, data, from, events),
             Request::Ack {
                 consumer,
                 topic,
@@ -1045,7 +1043,7 @@ impl StateMachine {
 
     fn group_configure(
         &mut self,
-        group: &String,
+        group: &str,
         mut policy: GroupPolicy,
         preempt_policy: PreemptPolicy,
         events: &mut Vec<Event>,
@@ -1058,7 +1056,11 @@ impl StateMachine {
         }
         self.check_new_group(group)?;
         policy.set_preempt_policy(preempt_policy);
-        self.state.groups.entry(group.clone()).or_default().policy = policy;
+        self.state
+            .groups
+            .entry(group.to_owned())
+            .or_default()
+            .policy = policy;
         self.reconcile_group(group, events);
         Ok(Response::Group(self.group_status(group)))
     }

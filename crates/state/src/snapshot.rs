@@ -398,8 +398,14 @@ mod tests {
         }
         let old = StateMachine::restore(Config::default(), format_4_image(&machine).as_slice())
             .expect("a format 4 image loads");
-        assert_eq!(old.group_policy("polite").preempt_policy(), PreemptPolicy::Higher);
-        assert_eq!(old.group_policy("eager").preempt_policy(), PreemptPolicy::Always);
+        assert_eq!(
+            old.group_policy("polite").preempt_policy(),
+            PreemptPolicy::Higher
+        );
+        assert_eq!(
+            old.group_policy("eager").preempt_policy(),
+            PreemptPolicy::Always
+        );
 
         // A `never` section naming a group that has no policy, or one already `always`, is
         // corruption.
@@ -419,9 +425,12 @@ mod tests {
                 postcard::to_io(&machine.state.topics.senders(), frames).expect("in memory");
             let frames = postcard::to_io(&vec![named], frames).expect("in memory");
             let image = frames.finish().expect("in memory");
-            let error = StateMachine::restore(Config::default(), image.as_slice())
-                .expect_err("refused");
-            assert!(matches!(error, Error::SnapshotCorrupt(_)), "{named}: {error:?}");
+            let error =
+                StateMachine::restore(Config::default(), image.as_slice()).expect_err("refused");
+            assert!(
+                matches!(error, Error::SnapshotCorrupt(_)),
+                "{named}: {error:?}"
+            );
         }
     }
 

@@ -8,8 +8,8 @@
 
 use bytes::Bytes;
 use conclave_state::{
-    Command, Config, GroupPolicy, PreemptPolicy, PutRequest, RangeRequest, Request, Response, Retention, SessionSeq,
-    StateMachine, TxnRequest, command::SECRET_COMMAND_PREFIX,
+    Command, Config, GroupPolicy, PreemptPolicy, PutRequest, RangeRequest, Request, Response,
+    Retention, SessionSeq, StateMachine, TxnRequest, command::SECRET_COMMAND_PREFIX,
 };
 use proptest::prelude::*;
 

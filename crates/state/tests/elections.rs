@@ -548,12 +548,15 @@ fn never_keeps_the_leader_until_it_resigns_and_survives_a_snapshot() {
             .any(|kind| matches!(kind, ElectionEventKind::HandoffRequested { .. }));
         assert_eq!(asked, policy != PreemptPolicy::Never, "{policy:?}");
         let seat = driver.machine.group_leader("g").cloned().expect("seat");
-        assert_eq!(seat.leader, "low", "{policy:?}: the seat stays until a resign");
+        assert_eq!(
+            seat.leader, "low",
+            "{policy:?}: the seat stays until a resign"
+        );
         assert_eq!(seat.handoff.is_some(), policy != PreemptPolicy::Never);
 
         let image = driver.machine.snapshot_to_vec();
-        let mut restored = StateMachine::restore(Config::default(), image.as_slice())
-            .expect("the snapshot loads");
+        let mut restored =
+            StateMachine::restore(Config::default(), image.as_slice()).expect("the snapshot loads");
         assert_eq!(restored.group_policy("g").preempt_policy(), policy);
         assert_eq!(restored.snapshot_to_vec(), image);
 
@@ -589,14 +592,24 @@ fn never_keeps_the_leader_until_it_resigns_and_survives_a_snapshot() {
         lease_id: high,
         preempt: true,
     }));
-    assert!(driver.machine.group_leader("g").expect("seat").handoff.is_some());
+    assert!(
+        driver
+            .machine
+            .group_leader("g")
+            .expect("seat")
+            .handoff
+            .is_some()
+    );
     driver.ok(Request::GroupConfigurePreempt {
         group: "g".into(),
         policy: GroupPolicy::default(),
         preempt_policy: PreemptPolicy::Never,
     });
     let seat = driver.machine.group_leader("g").expect("seat");
-    assert_eq!((seat.leader.as_str(), seat.handoff.is_none()), ("low", true));
+    assert_eq!(
+        (seat.leader.as_str(), seat.handoff.is_none()),
+        ("low", true)
+    );
     // The older command can only say `higher` or `always`: it lifts `never`.
     driver.configure(
         "g",

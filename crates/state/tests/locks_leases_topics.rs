@@ -558,8 +558,15 @@ fn a_message_carries_its_sender_within_a_bounded_length() {
         "{:?}",
         refused.result
     );
-    assert_eq!(refused.result.unwrap_err().code(), Error::InvalidArgument(String::new()).code());
-    assert_eq!(driver.machine.revision(), before, "a refused publish writes nothing");
+    assert_eq!(
+        refused.result.unwrap_err().code(),
+        Error::InvalidArgument(String::new()).code()
+    );
+    assert_eq!(
+        driver.machine.revision(),
+        before,
+        "a refused publish writes nothing"
+    );
     let read = driver.machine.topic_read("election:g", 1, 0);
     let senders: Vec<&str> = read.messages.iter().map(|m| m.from.as_str()).collect();
     assert_eq!(senders, ["agent-7", "", longest.as_str()]);

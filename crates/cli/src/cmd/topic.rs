@@ -141,10 +141,10 @@ pub async fn publish(ctx: &Ctx, args: PublishArgs) -> CmdResult {
         .topics()
         .publish_from(&args.topic, data, &from)
         .await?;
-    ctx.out
-        .ok(json!({"topic": args.topic, "seq": seq, "from": from}), || {
-            format!("published {} #{seq}", args.topic)
-        });
+    ctx.out.ok(
+        json!({"topic": args.topic, "seq": seq, "from": from}),
+        || format!("published {} #{seq}", args.topic),
+    );
     Ok(0)
 }
 

@@ -7,7 +7,8 @@ use std::sync::Arc;
 use conclave_proto::conclave::v1::election_server::{Election, ElectionServer};
 use conclave_proto::conclave::v1::{self as cv1, election_client::ElectionClient};
 use conclave_state::{
-    ElectionEvent, ElectionEventKind, GroupPolicy, GroupRegister, PreemptPolicy, Request, Response, StateMachine,
+    ElectionEvent, ElectionEventKind, GroupPolicy, GroupRegister, PreemptPolicy, Request, Response,
+    StateMachine,
 };
 use tokio::sync::{broadcast, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
