@@ -80,9 +80,9 @@ for n in 1 2 3; do
     as_agent "$n" --json ack --consumer "$AGENT_ID" "$TOPIC" 0 \
         | check "agent $n follows $TOPIC" '.status == "ok"'
     # seed: pilotctl --json publish "$REGISTRY_HOST" "election:$ELECTION_GROUP" --data "{...}"
-    as_agent "$n" --json publish "$TOPIC" \
+    as_agent "$n" --json publish "$TOPIC" --from "$AGENT_ID" \
         --data "{\"type\":\"election\",\"candidate\":\"$AGENT_ID\",\"priority\":$PRIORITY,\"term\":0}" \
-        | check "agent $n announced its candidacy" '.status == "ok" and .data.seq >= 1'
+        | check "agent $n announced its candidacy" ".status == \"ok\" and .data.seq >= 1 and .data.from == \"$AGENT_ID\""
 done
 
 # The highest priority (ties to the smallest id), computed here to check both ways below.
@@ -99,6 +99,10 @@ HIGHEST=$(as_agent 1 --json inbox --consumer "$AGENT_ID_1" \
     | jq -r '[.data.messages[] | select(.topic == "election:'$ELECTION_GROUP'" and .data.type == "election")] | sort_by(.data.priority) | last | .data.candidate')
 [ "$HIGHEST" = "$EXPECTED" ] || fail "the inbox scan found $HIGHEST, expected $EXPECTED"
 printf '   ok: HIGHEST=%s\n' "$HIGHEST"
+# Every announcement carries its sender: the message's `from` is the candidate it names.
+as_agent 1 --json inbox --consumer "$AGENT_ID_1" \
+    | check "each election message's from is its sender" \
+        '[.data.messages[] | select(.data.type == "election")] | length >= 3 and all(.from == .data.candidate)'
 
 step "the same election decided by the server: a settle window instead of sleep 10"
 conclave --json elect configure "$ELECTION_GROUP" --settle 2s \
@@ -130,7 +134,7 @@ step "heartbeats"
 # seed: pilotctl --json publish ... --data "{\"type\":\"heartbeat\",...,\"timestamp\":\"$(date -u +%s)\"}"
 eval "LEASE=\$LEASE_$EXPECTED_N"
 printf '{"type":"heartbeat","leader":"%s","term":%s,"timestamp":"%s"}\n' "$EXPECTED" "$TERM_NOW" "$(date -u +%s)" \
-    | as_agent "$EXPECTED_N" --json publish "$TOPIC" \
+    | as_agent "$EXPECTED_N" --json publish "$TOPIC" --from "$EXPECTED" \
     | check "a heartbeat message published from stdin" '.status == "ok"'
 as_agent "$EXPECTED_N" --json lease keepalive "$LEASE" --once \
     | check "the leader's real heartbeat: its lease keepalive" '.data.ttl == 30'

@@ -184,19 +184,31 @@ async fn election_lock_and_topic_commands_in_both_output_modes() {
     // Topics.
     let published = run(eps, &["publish", "news", "first", "--json"]).data();
     assert_eq!(published["seq"], 1);
+    assert_eq!(published["from"], "", "no sender unless one is named");
     assert_eq!(
-        run(eps, &["publish", "news", "second"]).ok(),
+        run(eps, &["publish", "news", "second", "--from", "agent-b"]).ok(),
         "published news #2\n"
     );
+    // Every reader sees the sender the publisher named.
     let subscribe = Streaming::start(eps, &["subscribe", "news", "--from", "1", "--json"]);
-    for (seq, data) in [(1, "first"), (2, "second")] {
+    for (seq, data, from) in [(1, "first", ""), (2, "second", "agent-b")] {
         let (_, message) = subscribe.next_json(LINE_TIMEOUT).expect("a message");
         assert_eq!(message["data"]["seq"], seq);
         assert_eq!(message["data"]["data"], data);
+        assert_eq!(message["data"]["from"], from, "{message}");
     }
     drop(subscribe);
     let inbox = run(eps, &["inbox", "--consumer", "c1", "news", "--json"]).data();
     assert_eq!(inbox["messages"].as_array().map(Vec::len), Some(2));
+    assert_eq!(inbox["messages"][0]["from"], "", "{inbox}");
+    assert_eq!(inbox["messages"][1]["from"], "agent-b", "{inbox}");
+    // A sender over the bound is refused before anything is published.
+    let long = "x".repeat(257);
+    run(
+        eps,
+        &["publish", "news", "third", "--from", &long, "--json"],
+    )
+    .assert_error("invalid_argument", 2);
     let table = run(eps, &["inbox", "--consumer", "c1", "news", "--limit", "1"]);
     assert_eq!(table.ok(), "TOPIC  SEQ  DATA\nnews   1    first\n");
     let acked = run(eps, &["ack", "--consumer", "c1", "news", "1", "--json"]).data();

@@ -338,3 +338,88 @@ async fn the_higher_policy_hands_off_only_to_a_challenger_that_asks() {
     );
     assert_eq!(leader["handoff_to"], "eager", "{leader}");
 }
+
+/// The `never` policy through the server: a higher-priority candidate campaigning with
+/// `--preempt` neither displaces the sitting leader nor asks for its seat; it takes the seat
+/// when the leader resigns.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_never_policy_keeps_the_leader_until_it_resigns() {
+    let cluster = Cluster::start(3).await;
+    let eps = cluster.endpoints();
+    let eps = eps.as_str();
+    let group = "steadfast";
+    let configured = run_until_ok(
+        eps,
+        &[
+            "elect",
+            "configure",
+            group,
+            "--preempt-policy",
+            "never",
+            "--json",
+        ],
+        RETRY,
+    )
+    .data();
+    assert_eq!(configured["preempt_policy"], "never", "{configured}");
+    let register = |id: &str, priority: &str| {
+        let lease = run_until_ok(eps, &["lease", "grant", "120", "--json"], RETRY).data()["id"]
+            .as_str()
+            .expect("lease id")
+            .to_string();
+        let args = [
+            "elect",
+            "campaign",
+            group,
+            "--id",
+            id,
+            "--priority",
+            priority,
+            "--lease",
+            &lease,
+            "--no-wait",
+            "--preempt",
+            "--json",
+        ];
+        run(eps, &args).data()
+    };
+    let low = register("low", "1");
+    assert_eq!(low["elected"], true, "{low}");
+    let first = leader_of(eps, group).expect("a leader");
+    let eager = register("eager", "9");
+    assert_eq!(eager["elected"], false, "{eager}");
+    // Give a (wrongly) requested handoff every chance to show: the leader's timer and a
+    // few applied entries.
+    std::thread::sleep(Duration::from_millis(500));
+    let leader = leader_of(eps, group).expect("a leader");
+    assert_eq!(leader["leader"], "low", "never: the leader stays: {leader}");
+    assert_eq!(
+        leader["handoff_to"],
+        Value::Null,
+        "no handoff asked: {leader}"
+    );
+    assert_eq!(leader["policy"]["preempt_policy"], "never", "{leader}");
+    assert_eq!(
+        leader["fence"], first["fence"],
+        "the same leadership: {leader}"
+    );
+
+    let resigned = run(eps, &["elect", "resign", group, "--id", "low", "--json"]);
+    assert_eq!(resigned.code, 0, "{resigned:?}");
+    let start = Instant::now();
+    let next = loop {
+        let leader = wait_leader(eps, group, RETRY);
+        if leader["leader"] == "eager" {
+            break leader;
+        }
+        assert!(
+            start.elapsed() < RETRY,
+            "eager never took the seat: {leader}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(
+        next["fence"].as_i64() > first["fence"].as_i64(),
+        "a higher fence: {next} after {first}"
+    );
+}

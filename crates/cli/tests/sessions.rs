@@ -57,6 +57,7 @@ async fn publish(
             PublishRequest {
                 topic: topic.into(),
                 data: data.to_string().into(),
+                from: String::new(),
             },
             position,
         ))
@@ -182,6 +183,7 @@ async fn a_write_sent_twice_with_one_session_position_is_applied_once() {
             PublishRequest {
                 topic: "once".into(),
                 data: "late".into(),
+                from: String::new(),
             },
             Some((client, 1)),
         ))
@@ -206,6 +208,7 @@ async fn a_write_sent_twice_with_one_session_position_is_applied_once() {
             PublishRequest {
                 topic: "once".into(),
                 data: "after-close".into(),
+                from: String::new(),
             },
             Some((client, 4)),
         ))

@@ -58,6 +58,8 @@ pub enum PreemptPolicy {
     Higher,
     /// Every strictly higher-priority candidate, with or without `preempt`.
     Always,
+    /// No candidate: the leader keeps the seat until it resigns or its lease ends.
+    Never,
 }
 
 /// A group's policy ([`Election::configure`]).
@@ -81,6 +83,7 @@ impl From<cv1::GroupPolicy> for GroupPolicy {
             settle: (p.settle_ms > 0).then(|| Duration::from_millis(p.settle_ms)),
             preempt: match cv1::PreemptPolicy::try_from(p.preempt_policy) {
                 Ok(cv1::PreemptPolicy::Always) => PreemptPolicy::Always,
+                Ok(cv1::PreemptPolicy::Never) => PreemptPolicy::Never,
                 _ => PreemptPolicy::Higher,
             },
             handoff_timeout: (p.handoff_timeout_ms > 0)
@@ -96,6 +99,7 @@ impl From<GroupPolicy> for cv1::GroupPolicy {
             preempt_policy: match p.preempt {
                 PreemptPolicy::Higher => cv1::PreemptPolicy::Higher,
                 PreemptPolicy::Always => cv1::PreemptPolicy::Always,
+                PreemptPolicy::Never => cv1::PreemptPolicy::Never,
             } as i32,
             handoff_timeout_ms: millis(p.handoff_timeout),
         }

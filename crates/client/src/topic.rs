@@ -25,6 +25,8 @@ pub struct TopicMessage {
     pub revision: i64,
     /// The leader's clock at commit time.
     pub published_unix_ms: i64,
+    /// The sender the publisher named ([`Topics::publish_from`]); empty when none.
+    pub from: String,
 }
 
 impl From<cv1::TopicMessage> for TopicMessage {
@@ -35,6 +37,7 @@ impl From<cv1::TopicMessage> for TopicMessage {
             data: m.data.into(),
             revision: m.revision,
             published_unix_ms: m.published_unix_ms,
+            from: m.from,
         }
     }
 }
@@ -78,9 +81,22 @@ impl Topics {
     /// Appends a message and answers its sequence number. In an exactly-once session, so a
     /// retry after a leader change never publishes it twice.
     pub async fn publish(&self, topic: &str, data: impl Into<Vec<u8>>) -> Result<u64> {
+        self.publish_from(topic, data, "").await
+    }
+
+    /// [`Topics::publish`], naming the sender (an agent id, at most
+    /// 256 bytes, else `invalid_argument`; empty: none). Readers see it as
+    /// [`TopicMessage::from`]; the server stores it as given, without checking it.
+    pub async fn publish_from(
+        &self,
+        topic: &str,
+        data: impl Into<Vec<u8>>,
+        from: &str,
+    ) -> Result<u64> {
         let message = cv1::PublishRequest {
             topic: topic.to_string(),
             data: data.into().into(),
+            from: from.to_string(),
         };
         let answer = self
             .client

@@ -210,10 +210,21 @@ async fn topics_publish_read_subscribe_inbox_ack() {
         "conclave.v1.Topic/Publish",
     );
     assert_eq!(seq, 1);
-    topics.publish("t", "two").await.expect("publish");
+    topics
+        .publish_from("t", "two", "agent-2")
+        .await
+        .expect("publish");
     let read = topics.read("t", 0, 0).await.expect("read");
     assert_eq!(read.messages.len(), 2);
     assert_eq!(read.next_seq, 3);
+    let senders: Vec<&str> = read.messages.iter().map(|m| m.from.as_str()).collect();
+    assert_eq!(senders, ["", "agent-2"]);
+    let overlong = topics
+        .publish_from("t", "never", &"x".repeat(257))
+        .await
+        .expect_err("a sender over 256 bytes");
+    assert_eq!(overlong.code(), "invalid_argument", "{overlong}");
+    assert_eq!(topics.read("t", 0, 0).await.expect("read").next_seq, 3);
 
     let mut subscription = topics.subscribe("t", 1).await.expect("subscribe");
     topics.publish("t", "three").await.expect("publish");

@@ -703,6 +703,7 @@ async fn topics_publish_read_subscribe_inbox_ack_through_a_follower() {
             .publish(cv1::PublishRequest {
                 topic: "jobs".into(),
                 data: data.into(),
+                from: String::new(),
             })
             .await
             .expect("publish")
@@ -737,6 +738,7 @@ async fn topics_publish_read_subscribe_inbox_ack_through_a_follower() {
         .publish(cv1::PublishRequest {
             topic: "jobs".into(),
             data: "d".into(),
+            from: String::new(),
         })
         .await
         .expect("publish d");
@@ -798,6 +800,7 @@ async fn topics_publish_read_subscribe_inbox_ack_through_a_follower() {
         .publish(cv1::PublishRequest {
             topic: "jobs".into(),
             data: "e".into(),
+            from: String::new(),
         })
         .await
         .expect("publish e");

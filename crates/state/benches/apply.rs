@@ -160,6 +160,7 @@ fn bench_election_churn(rounds: u64) -> (f64, String) {
     let groups = 100u64;
     for group in 0..groups {
         let policy = GroupPolicy {
+            preempt_never: false,
             preempt: true,
             handoff_timeout_ms: None,
             settle_ms: None,

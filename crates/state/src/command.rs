@@ -8,7 +8,7 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
 use crate::auth::AuthRequest;
-use crate::election::{ElectionEvent, GroupPolicy, Seat};
+use crate::election::{ElectionEvent, GroupPolicy, PreemptPolicy, Seat};
 use crate::error::{Error, Result};
 use crate::lease::LeaseCheckpoint;
 use crate::mvcc::{KeyValue, RangeRequest, RangeResponse, WatchEvent};
@@ -388,6 +388,29 @@ pub enum Request {
         user: String,
         /// The request.
         request: Box<Request>,
+    },
+    /// Append to a topic, naming the sender ([`crate::topic::MESSAGE_FROM_BYTES_MAX`] bytes at
+    /// most). Members propose [`Request::Publish`] when there is no sender, so a publish
+    /// without one stays readable by builds that predate this variant.
+    PublishFrom {
+        /// The topic.
+        topic: String,
+        /// Payload.
+        data: Bytes,
+        /// The sender, as the publisher names itself.
+        from: String,
+    },
+    /// Set a group's policy with its three-valued preempt policy (`policy.preempt` and
+    /// `policy.preempt_never` are set from `preempt_policy`). Members propose
+    /// [`Request::GroupConfigure`] for `higher` and `always`, so only `never` needs a build
+    /// that knows this variant.
+    GroupConfigurePreempt {
+        /// The group.
+        group: String,
+        /// New policy.
+        policy: GroupPolicy,
+        /// Who may displace a sitting leader.
+        preempt_policy: PreemptPolicy,
     },
 }
 

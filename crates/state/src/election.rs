@@ -16,8 +16,9 @@
 //! - An empty seat goes to the live candidate with the highest priority; ties go to the smallest
 //!   candidate id (bytewise).
 //! - A sitting leader keeps the seat while it is registered (its lease lives).
-//! - A strictly higher-priority challenger, when the group or the challenger asks for
-//!   preemption, puts the seat into handoff. The seat moves when the incumbent resigns or its
+//! - A strictly higher-priority challenger, when the group (`always`) or the challenger
+//!   (`higher`, the default) asks for preemption, puts the seat into handoff; under `never`
+//!   no challenger does. The seat moves when the incumbent resigns or its
 //!   lease ends, or when the handoff timeout (if any) passes. There is one seat, so there are
 //!   never two leaders.
 
@@ -43,17 +44,56 @@ pub struct Candidate {
     pub registered_revision: i64,
 }
 
+/// Who may displace a sitting leader.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PreemptPolicy {
+    /// A strictly higher-priority challenger that registered with `preempt`.
+    #[default]
+    Higher,
+    /// Every strictly higher-priority challenger.
+    Always,
+    /// No challenger: the leader keeps its seat until it resigns or its lease ends, and a
+    /// pending handoff is cancelled when the group switches to it.
+    Never,
+}
+
 /// A group's policy.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct GroupPolicy {
-    /// Every strictly higher-priority challenger may request a handoff.
+    /// Every strictly higher-priority challenger may request a handoff
+    /// ([`PreemptPolicy::Always`]); ignored when `preempt_never` is set.
     pub preempt: bool,
+    /// No challenger may request a handoff ([`PreemptPolicy::Never`]), whatever `preempt`
+    /// and the challenger's own flag say. Kept out of this struct's encoding so that logs and
+    /// images written before it existed still decode: it travels in
+    /// [`crate::Request::GroupConfigurePreempt`] and in a snapshot section of its own.
+    #[serde(skip)]
+    pub preempt_never: bool,
     /// If set, a requested handoff completes after this long even if the incumbent stays.
     pub handoff_timeout_ms: Option<u64>,
     /// If set, an empty seat is filled this long after the first live candidate shows up, from
     /// everyone registered by then. Agents that start together then get the leader the rules
     /// predict, not whichever registered first.
     pub settle_ms: Option<u64>,
+}
+
+impl GroupPolicy {
+    /// The three-valued policy the two flags encode.
+    pub fn preempt_policy(&self) -> PreemptPolicy {
+        if self.preempt_never {
+            PreemptPolicy::Never
+        } else if self.preempt {
+            PreemptPolicy::Always
+        } else {
+            PreemptPolicy::Higher
+        }
+    }
+
+    /// Sets both flags from `policy`.
+    pub fn set_preempt_policy(&mut self, policy: PreemptPolicy) {
+        self.preempt = policy == PreemptPolicy::Always;
+        self.preempt_never = policy == PreemptPolicy::Never;
+    }
 }
 
 /// A pending handoff of the seat.
@@ -162,7 +202,12 @@ impl Group {
             };
         };
         let challenger = best.filter(|best| {
-            best.priority > leader.priority && (self.policy.preempt || best.preempt)
+            best.priority > leader.priority
+                && match self.policy.preempt_policy() {
+                    PreemptPolicy::Never => false,
+                    PreemptPolicy::Always => true,
+                    PreemptPolicy::Higher => best.preempt,
+                }
         });
         match (challenger, &seat.handoff) {
             (Some(challenger), None) => Decision::RequestHandoff {
@@ -332,6 +377,7 @@ mod tests {
             preempt: true,
             handoff_timeout_ms: Some(100),
             settle_ms: None,
+            preempt_never: false,
         };
         assert_eq!(
             g.decide(10, &all_live),
@@ -340,5 +386,55 @@ mod tests {
                 deadline_ms: Some(110)
             }
         );
+    }
+
+    /// Each policy against a higher-priority challenger with and without its own `preempt`.
+    #[test]
+    fn each_preempt_policy_decides_who_may_ask_for_the_seat() {
+        let all_live = |_: i64| true;
+        let handoff = Decision::RequestHandoff {
+            challenger: "high".into(),
+            deadline_ms: None,
+        };
+        for (policy, plain, asking) in [
+            (PreemptPolicy::Higher, Decision::Keep, handoff.clone()),
+            (PreemptPolicy::Always, handoff.clone(), handoff.clone()),
+            (PreemptPolicy::Never, Decision::Keep, Decision::Keep),
+        ] {
+            for (asks, expected) in [(false, plain), (true, asking)] {
+                let mut high = candidate("high", 9, 2);
+                high.preempt = asks;
+                let mut g = group(&[candidate("low", 1, 1), high]);
+                g.policy.set_preempt_policy(policy);
+                assert_eq!(g.policy.preempt_policy(), policy);
+                g.seat = Some(Seat {
+                    leader: "low".into(),
+                    fence: 5,
+                    since_ms: 0,
+                    handoff: None,
+                });
+                assert_eq!(g.decide(0, &all_live), expected, "{policy:?}, asks {asks}");
+                // Under every policy the seat moves once the leader is gone.
+                g.candidates.remove("low");
+                assert_eq!(g.decide(0, &all_live), Decision::Elect("high".into()));
+            }
+        }
+        // A pending handoff is cancelled when the group switches to `never`.
+        let mut high = candidate("high", 9, 2);
+        high.preempt = true;
+        let mut g = group(&[candidate("low", 1, 1), high]);
+        g.seat = Some(Seat {
+            leader: "low".into(),
+            fence: 5,
+            since_ms: 0,
+            handoff: Some(Handoff {
+                challenger: "high".into(),
+                requested_ms: 0,
+                deadline_ms: None,
+            }),
+        });
+        assert_eq!(g.decide(0, &all_live), Decision::Keep);
+        g.policy.set_preempt_policy(PreemptPolicy::Never);
+        assert_eq!(g.decide(0, &all_live), Decision::CancelHandoff);
     }
 }

@@ -106,7 +106,7 @@ pub use command::{
     Response, SessionSeq,
 };
 pub use config::{Config, TXN_RANGE_BYTES_MAX};
-pub use election::{ElectionEvent, ElectionEventKind, GroupPolicy, Seat};
+pub use election::{ElectionEvent, ElectionEventKind, GroupPolicy, PreemptPolicy, Seat};
 pub use error::{Error, Result};
 pub use lease::{LeaseCheckpoint, LeaseKeeper, LeaseResume, Renewal};
 pub use machine::{QueueStatus, RESERVED_PREFIX, StateMachine, group_leader_key, queue_key};
@@ -115,7 +115,7 @@ pub use mvcc::{
     range_answer_bytes,
 };
 pub use queue::{Job, JobClaim, JobPush, QueueCounters, QueueStats, WorkQueue};
-pub use topic::{Message, ReadBudget, Retention, TopicRead};
+pub use topic::{MESSAGE_FROM_BYTES_MAX, Message, ReadBudget, Retention, TopicRead};
 pub use txn::{
     Compare, CompareResult, CompareTarget, DeleteRangeRequest, DeleteRangeResponse, PutRequest,
     PutResponse, RequestOp, ResponseOp, TxnRequest, TxnResponse,

@@ -27,14 +27,14 @@ use crate::command::{
 use crate::config::{Config, TXN_RANGE_BYTES_MAX};
 use crate::election::{
     Candidate, CandidateSummary, Decision, ElectionEvent, ElectionEventKind, Group, GroupPolicy,
-    Handoff, Seat,
+    Handoff, PreemptPolicy, Seat,
 };
 use crate::error::{Error, Result};
 use crate::lease::{Lease, LeaseTable};
 use crate::mvcc::{KeyValue, KvStore, RangeRequest, RangeResponse, WatchEvent, prefix_end};
 use crate::queue::{QueueLimits, WorkQueue, WorkQueues};
 use crate::session::{SessionCheck, Sessions};
-use crate::topic::{ReadBudget, Retention, TopicRead, Topics};
+use crate::topic::{MESSAGE_FROM_BYTES_MAX, ReadBudget, Retention, TopicRead, Topics};
 use crate::txn::{
     self, DeleteRangeRequest, DeleteRangeResponse, PutRequest, PutResponse, RequestOp, ResponseOp,
     TxnPath, TxnRequest, TxnResponse,
@@ -410,18 +410,21 @@ impl StateMachine {
                 value,
             } => self.group_proclaim(group, candidate, *fence, value, events),
             Request::GroupConfigure { group, policy } => {
-                self.check_name("group", group)?;
-                if policy.handoff_timeout_ms == Some(0) || policy.settle_ms == Some(0) {
-                    return Err(Error::InvalidArgument(
-                        "handoff_timeout_ms and settle_ms must be > 0 when set".into(),
-                    ));
-                }
-                self.check_new_group(group)?;
-                self.state.groups.entry(group.clone()).or_default().policy = *policy;
-                self.reconcile_group(group, events);
-                Ok(Response::Group(self.group_status(group)))
+                // The older command encodes two of the three preempt policies.
+                let preempt_policy = if policy.preempt {
+                    PreemptPolicy::Always
+                } else {
+                    PreemptPolicy::Higher
+                };
+                self.group_configure(group, *policy, preempt_policy, events)
             }
-            Request::Publish { topic, data } => self.publish(topic, data, events),
+            Request::GroupConfigurePreempt {
+                group,
+                policy,
+                preempt_policy,
+            } => self.group_configure(group, *policy, *preempt_policy, events),
+            Request::Publish { topic, data } => self.publish(topic, data, "", events),
+            Request::PublishFrom { topic, data, from } => self.publish(topic, data, from, events),
             Request::Ack {
                 consumer,
                 topic,
@@ -616,10 +619,13 @@ impl StateMachine {
             }
             Request::GroupResign { group, .. }
             | Request::GroupProclaim { group, .. }
-            | Request::GroupConfigure { group, .. } => {
+            | Request::GroupConfigure { group, .. }
+            | Request::GroupConfigurePreempt { group, .. } => {
                 accesses.push(Access::write(name_key(group), Bytes::new()));
             }
-            Request::Publish { topic, .. } | Request::TopicConfigure { topic, .. } => {
+            Request::Publish { topic, .. }
+            | Request::PublishFrom { topic, .. }
+            | Request::TopicConfigure { topic, .. } => {
                 accesses.push(Access::write(name_key(topic), Bytes::new()));
             }
             Request::Ack { topic, .. } => {
@@ -1035,6 +1041,30 @@ impl StateMachine {
         Ok(())
     }
 
+    fn group_configure(
+        &mut self,
+        group: &str,
+        mut policy: GroupPolicy,
+        preempt_policy: PreemptPolicy,
+        events: &mut Vec<Event>,
+    ) -> Result<Response> {
+        self.check_name("group", group)?;
+        if policy.handoff_timeout_ms == Some(0) || policy.settle_ms == Some(0) {
+            return Err(Error::InvalidArgument(
+                "handoff_timeout_ms and settle_ms must be > 0 when set".into(),
+            ));
+        }
+        self.check_new_group(group)?;
+        policy.set_preempt_policy(preempt_policy);
+        self.state
+            .groups
+            .entry(group.to_owned())
+            .or_default()
+            .policy = policy;
+        self.reconcile_group(group, events);
+        Ok(Response::Group(self.group_status(group)))
+    }
+
     fn group_register(
         &mut self,
         register: &GroupRegister,
@@ -1374,10 +1404,22 @@ impl StateMachine {
 
     // ---- topics and time -----------------------------------------------------------------
 
-    fn publish(&mut self, topic: &str, data: &Bytes, events: &mut Vec<Event>) -> Result<Response> {
+    fn publish(
+        &mut self,
+        topic: &str,
+        data: &Bytes,
+        from: &str,
+        events: &mut Vec<Event>,
+    ) -> Result<Response> {
         self.check_name("topic", topic)?;
         if data.len() > self.config.value_bytes_max {
             return Err(Error::RequestTooLarge);
+        }
+        if from.len() > MESSAGE_FROM_BYTES_MAX {
+            return Err(Error::InvalidArgument(format!(
+                "the sender is {} bytes; at most {MESSAGE_FROM_BYTES_MAX} are allowed",
+                from.len()
+            )));
         }
         // A publish is a write: it takes a store revision, so messages and KV changes are
         // totally ordered.
@@ -1388,6 +1430,7 @@ impl StateMachine {
         let message = self.state.topics.publish(
             topic,
             data.clone(),
+            from,
             revision,
             self.state.now_ms,
             messages_max,
@@ -1676,8 +1719,11 @@ fn request_payload_bytes(request: &Request) -> usize {
             value,
             ..
         } => group.len() + candidate.len() + value.len(),
-        Request::GroupConfigure { group, .. } => group.len(),
+        Request::GroupConfigure { group, .. } | Request::GroupConfigurePreempt { group, .. } => {
+            group.len()
+        }
         Request::Publish { topic, data } => topic.len() + data.len(),
+        Request::PublishFrom { topic, data, from } => topic.len() + data.len() + from.len(),
         Request::Ack {
             consumer, topic, ..
         } => consumer.len() + topic.len(),

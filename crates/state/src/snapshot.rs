@@ -9,7 +9,9 @@
 //! The payloads, concatenated, are the postcard encoding of the state (KV with its retained
 //! history, leases, groups, topics, sessions, last applied index and clock, and from format 4
 //! the auth state at its end), then, from version 4 on, the work queues as a section of their
-//! own. Frames let a
+//! own, then, from version 5 on, the senders of retained topic messages (topic, seq, sender
+//! for each message that names one) and the names of the election groups whose preempt policy
+//! is `never`. Frames let a
 //! receiver check each chunk as it arrives; the end frame catches lost or reordered frames.
 
 use std::io::{Read, Write};
@@ -18,15 +20,17 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::machine::{State, StateMachine, StateV1, StateV2, StateV3};
 use crate::queue::WorkQueues;
+use crate::topic::MessageSender;
 
 /// Magic bytes at the start of every snapshot.
 pub const SNAPSHOT_MAGIC: &[u8; 8] = b"CNCLSTAT";
 /// The format version this build writes and reads. The body is the postcard encoding of the
 /// state types, so any change to them (a field added, a variant moved) must bump this.
-pub const SNAPSHOT_FORMAT_VERSION: u32 = 4;
+pub const SNAPSHOT_FORMAT_VERSION: u32 = 5;
 /// The oldest format version this build reads: version 1 lacks session secrets, version 2
 /// the revision of each session's cached answer, version 3 the auth state (users, roles) and the
-/// work queues (both restored empty).
+/// work queues (both restored empty), version 4 the senders of topic messages (restored
+/// empty) and the `never` preempt policy (no group has it).
 pub const SNAPSHOT_FORMAT_VERSION_MIN: u32 = 1;
 /// Payload bytes per frame when writing.
 const FRAME_BYTES: usize = 64 * 1024;
@@ -86,6 +90,17 @@ impl<W: Write> Write for FrameWriter<W> {
 }
 
 impl StateMachine {
+    /// The groups whose preempt policy is `never`, by name: the snapshot section that carries
+    /// what [`crate::GroupPolicy`]'s own encoding leaves out.
+    fn never_preempt_groups(&self) -> Vec<&str> {
+        self.state
+            .groups
+            .iter()
+            .filter(|(_, group)| group.policy.preempt_never)
+            .map(|(name, _)| name.as_str())
+            .collect()
+    }
+
     /// Writes a snapshot of the whole state to `writer`. Returns the writer.
     pub fn snapshot<W: Write>(&self, writer: W) -> Result<W> {
         self.check_invariants();
@@ -102,6 +117,10 @@ impl StateMachine {
         let frames = postcard::to_io(&self.state, frames)
             .map_err(|error| Error::SnapshotIo(error.to_string()))?;
         let frames = postcard::to_io(&self.queues, frames)
+            .map_err(|error| Error::SnapshotIo(error.to_string()))?;
+        let frames = postcard::to_io(&self.state.topics.senders(), frames)
+            .map_err(|error| Error::SnapshotIo(error.to_string()))?;
+        let frames = postcard::to_io(&self.never_preempt_groups(), frames)
             .map_err(|error| Error::SnapshotIo(error.to_string()))?;
         frames.finish().map_err(io_error)
     }
@@ -192,6 +211,29 @@ impl StateMachine {
         } else {
             (WorkQueues::default(), rest)
         };
+        let (senders, rest) = if version >= 5 {
+            postcard::take_from_bytes::<Vec<MessageSender>>(rest).map_err(does_not_decode)?
+        } else {
+            (Vec::new(), rest)
+        };
+        let (never_groups, rest) = if version >= 5 {
+            postcard::take_from_bytes::<Vec<String>>(rest).map_err(does_not_decode)?
+        } else {
+            (Vec::new(), rest)
+        };
+        let mut state = state;
+        state.topics.restore_senders(senders)?;
+        for name in never_groups {
+            let group = state.groups.get_mut(&name).ok_or_else(|| {
+                Error::SnapshotCorrupt(format!("preempt policy for unknown group {name:?}"))
+            })?;
+            if group.policy.preempt_never || group.policy.preempt {
+                return Err(Error::SnapshotCorrupt(format!(
+                    "group {name:?} has two preempt policies"
+                )));
+            }
+            group.policy.preempt_never = true;
+        }
         if !rest.is_empty() {
             return Err(Error::SnapshotCorrupt("trailing bytes after state".into()));
         }
@@ -257,6 +299,141 @@ mod tests {
         mislabelled[8..12].copy_from_slice(&3u32.to_le_bytes());
         assert!(StateMachine::restore(Config::default(), mislabelled.as_slice()).is_err());
     }
+
+    /// Writes the image a build of format 4 wrote: the state and the queues, no senders.
+    fn format_4_image(machine: &StateMachine) -> Vec<u8> {
+        let mut frames = FrameWriter {
+            inner: Vec::new(),
+            buffer: Vec::new(),
+            body_crc: 0,
+        };
+        frames.inner.extend_from_slice(SNAPSHOT_MAGIC);
+        frames.inner.extend_from_slice(&4u32.to_le_bytes());
+        let frames = postcard::to_io(&machine.state, frames).expect("in memory");
+        let frames = postcard::to_io(&machine.queues, frames).expect("in memory");
+        frames.finish().expect("in memory")
+    }
+
+    fn publish_from(topic: &str, data: &'static [u8], from: &str) -> Request {
+        Request::PublishFrom {
+            topic: topic.into(),
+            data: bytes::Bytes::from_static(data),
+            from: from.into(),
+        }
+    }
+
+    fn senders(machine: &StateMachine, topic: &str) -> Vec<String> {
+        let read = machine.topic_read(topic, 0, 0);
+        read.messages.into_iter().map(|m| m.from).collect()
+    }
+
+    #[test]
+    fn message_senders_survive_a_snapshot_and_a_format_4_image_loads_without_them() {
+        let mut machine = StateMachine::new(Config::default());
+        machine.apply(1, &Command::new(5, publish_from("t", b"a", "agent-1")));
+        let unnamed = Request::Publish {
+            topic: "t".into(),
+            data: bytes::Bytes::from_static(b"b"),
+        };
+        machine.apply(2, &Command::new(6, unnamed));
+        machine.apply(3, &Command::new(7, publish_from("u", b"c", "agent-2")));
+        assert_eq!(senders(&machine, "t"), ["agent-1", ""]);
+
+        let image = machine.snapshot_to_vec();
+        let restored = StateMachine::restore(Config::default(), image.as_slice()).expect("loads");
+        assert_eq!(senders(&restored, "t"), ["agent-1", ""]);
+        assert_eq!(senders(&restored, "u"), ["agent-2"]);
+        assert_eq!(restored.snapshot_to_vec(), image);
+
+        let old = StateMachine::restore(Config::default(), format_4_image(&machine).as_slice())
+            .expect("a format 4 image loads");
+        assert_eq!(senders(&old, "t"), ["", ""]);
+        assert_eq!(old.topic_read("t", 0, 0).messages.len(), 2);
+        assert_eq!(old.revision(), machine.revision());
+
+        // A format 5 body under a format 4 header has a trailing section: refused.
+        let mut mislabelled = image.clone();
+        mislabelled[8..12].copy_from_slice(&4u32.to_le_bytes());
+        assert!(StateMachine::restore(Config::default(), mislabelled.as_slice()).is_err());
+    }
+
+    #[test]
+    fn a_sender_section_naming_a_message_not_retained_is_corruption() {
+        let mut machine = StateMachine::new(Config::default());
+        machine.apply(1, &Command::new(5, publish_from("t", b"a", "agent-1")));
+        let mut frames = FrameWriter {
+            inner: Vec::new(),
+            buffer: Vec::new(),
+            body_crc: 0,
+        };
+        frames.inner.extend_from_slice(SNAPSHOT_MAGIC);
+        frames
+            .inner
+            .extend_from_slice(&SNAPSHOT_FORMAT_VERSION.to_le_bytes());
+        let frames = postcard::to_io(&machine.state, frames).expect("in memory");
+        let frames = postcard::to_io(&machine.queues, frames).expect("in memory");
+        let mut senders = machine.state.topics.senders();
+        senders.push(senders[0].clone());
+        let frames = postcard::to_io(&senders, frames).expect("in memory");
+        let twice = frames.finish().expect("in memory");
+        let error = StateMachine::restore(Config::default(), twice.as_slice())
+            .expect_err("a sender named twice is refused");
+        assert!(matches!(error, Error::SnapshotCorrupt(_)), "{error:?}");
+    }
+
+    #[test]
+    fn a_format_4_image_keeps_higher_and_always_and_the_never_section_is_checked() {
+        use crate::election::{GroupPolicy, PreemptPolicy};
+        let mut machine = StateMachine::new(Config::default());
+        for (index, (group, preempt)) in [("polite", false), ("eager", true)].iter().enumerate() {
+            let policy = GroupPolicy {
+                preempt: *preempt,
+                ..GroupPolicy::default()
+            };
+            let configure = Request::GroupConfigure {
+                group: (*group).into(),
+                policy,
+            };
+            machine.apply(index as u64 + 1, &Command::new(5, configure));
+        }
+        let old = StateMachine::restore(Config::default(), format_4_image(&machine).as_slice())
+            .expect("a format 4 image loads");
+        assert_eq!(
+            old.group_policy("polite").preempt_policy(),
+            PreemptPolicy::Higher
+        );
+        assert_eq!(
+            old.group_policy("eager").preempt_policy(),
+            PreemptPolicy::Always
+        );
+
+        // A `never` section naming a group that has no policy, or one already `always`, is
+        // corruption.
+        for named in ["missing", "eager"] {
+            let mut frames = FrameWriter {
+                inner: Vec::new(),
+                buffer: Vec::new(),
+                body_crc: 0,
+            };
+            frames.inner.extend_from_slice(SNAPSHOT_MAGIC);
+            frames
+                .inner
+                .extend_from_slice(&SNAPSHOT_FORMAT_VERSION.to_le_bytes());
+            let frames = postcard::to_io(&machine.state, frames).expect("in memory");
+            let frames = postcard::to_io(&machine.queues, frames).expect("in memory");
+            let frames =
+                postcard::to_io(&machine.state.topics.senders(), frames).expect("in memory");
+            let frames = postcard::to_io(&vec![named], frames).expect("in memory");
+            let image = frames.finish().expect("in memory");
+            let error =
+                StateMachine::restore(Config::default(), image.as_slice()).expect_err("refused");
+            assert!(
+                matches!(error, Error::SnapshotCorrupt(_)),
+                "{named}: {error:?}"
+            );
+        }
+    }
+
     /// Snapshots are taken from a clone while the machine goes on applying (the clone is
     /// O(1) for the key-value store, a persistent map): the clone taken at index N must encode
     /// to exactly the image an eager snapshot at N gives, however much is applied after.

@@ -14,6 +14,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 
+/// Longest sender (`Message::from`) a publish may name, in bytes; longer is refused as an
+/// invalid argument.
+pub const MESSAGE_FROM_BYTES_MAX: usize = 256;
+
 /// A published message.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Message {
@@ -27,6 +31,12 @@ pub struct Message {
     pub time_ms: u64,
     /// The payload.
     pub data: Bytes,
+    /// Who sent it, as the publisher named itself (not verified); empty when unnamed. Kept
+    /// out of this struct's encoding so that images written before senders existed still
+    /// decode: a snapshot carries the senders in a section of their own at its end
+    /// ([`Topics::senders`]).
+    #[serde(skip)]
+    pub from: String,
 }
 
 /// How much of a topic is kept. `None` means unbounded.
@@ -104,6 +114,7 @@ impl Topics {
         &mut self,
         topic: &str,
         data: Bytes,
+        from: &str,
         revision: i64,
         now_ms: u64,
         messages_max: u64,
@@ -116,6 +127,7 @@ impl Topics {
             revision,
             time_ms: now_ms,
             data,
+            from: from.to_owned(),
         };
         entry.messages.push_back(message.clone());
         entry.enforce_retention(now_ms, messages_max);
@@ -293,10 +305,71 @@ impl Topics {
     pub fn names(&self) -> impl Iterator<Item = &str> {
         self.topics.keys().map(String::as_str)
     }
+
+    /// The sender of every retained message that has one, in topic then seq order: the
+    /// snapshot section that carries what [`Message`]'s own encoding leaves out.
+    pub(crate) fn senders(&self) -> Vec<MessageSender> {
+        self.topics
+            .iter()
+            .flat_map(|(name, topic)| {
+                topic
+                    .messages
+                    .iter()
+                    .filter(|message| !message.from.is_empty())
+                    .map(|message| MessageSender {
+                        topic: name.clone(),
+                        seq: message.seq,
+                        from: message.from.clone(),
+                    })
+            })
+            .collect()
+    }
+
+    /// Puts back the senders [`Topics::senders`] listed. Refuses (as corruption) a sender of a
+    /// message that is not retained, an empty or overlong one, and one named twice.
+    pub(crate) fn restore_senders(&mut self, senders: Vec<MessageSender>) -> Result<()> {
+        for sender in senders {
+            if sender.from.is_empty() || sender.from.len() > MESSAGE_FROM_BYTES_MAX {
+                return Err(Error::SnapshotCorrupt(format!(
+                    "sender of {} bytes for {}#{}",
+                    sender.from.len(),
+                    sender.topic,
+                    sender.seq
+                )));
+            }
+            let message = self.topics.get_mut(&sender.topic).and_then(|topic| {
+                let first_seq = topic.first_seq();
+                let index = usize::try_from(sender.seq.checked_sub(first_seq)?).ok()?;
+                topic.messages.get_mut(index)
+            });
+            let Some(message) = message else {
+                return Err(Error::SnapshotCorrupt(format!(
+                    "sender for {}#{}, which is not retained",
+                    sender.topic, sender.seq
+                )));
+            };
+            if !message.from.is_empty() {
+                return Err(Error::SnapshotCorrupt(format!(
+                    "two senders for {}#{}",
+                    sender.topic, sender.seq
+                )));
+            }
+            message.from = sender.from;
+        }
+        Ok(())
+    }
+}
+
+/// One entry of the snapshot section of message senders.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct MessageSender {
+    topic: String,
+    seq: u64,
+    from: String,
 }
 
 /// What one answer may still copy out of the topics: a count of messages and a number of
-/// bytes (each message costs its data and its topic name). The first message is always taken
+/// bytes (each message costs its data, its topic name and its sender). The first message is always taken
 /// whatever its size, so a reader makes progress past a message bigger than the budget.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ReadBudget {
@@ -320,7 +393,11 @@ impl ReadBudget {
         if self.messages_left == 0 {
             return false;
         }
-        let cost = message.data.len().saturating_add(message.topic.len());
+        let cost = message
+            .data
+            .len()
+            .saturating_add(message.topic.len())
+            .saturating_add(message.from.len());
         if self.taken_any && cost > self.bytes_left {
             self.messages_left = 0;
             return false;
@@ -348,6 +425,7 @@ mod tests {
             let message = topics.publish(
                 "t",
                 Bytes::from(vec![i as u8]),
+                "",
                 10 + i as i64,
                 i * 100,
                 1000,
@@ -393,7 +471,7 @@ mod tests {
     fn an_inbox_reads_each_topic_once_within_one_budget() {
         let mut topics = Topics::default();
         for (i, topic) in ["a", "a", "a", "b", "b"].into_iter().enumerate() {
-            topics.publish(topic, Bytes::from(vec![0u8; 10]), i as i64, 0, 1000);
+            topics.publish(topic, Bytes::from(vec![0u8; 10]), "", i as i64, 0, 1000);
         }
         // The same topic named 30,000 times is one topic.
         let named = vec!["a".to_owned(); 30_000];

@@ -8,8 +8,8 @@
 
 use bytes::Bytes;
 use conclave_state::{
-    Command, Config, PutRequest, RangeRequest, Request, Response, Retention, SessionSeq,
-    StateMachine, TxnRequest, command::SECRET_COMMAND_PREFIX,
+    Command, Config, GroupPolicy, PreemptPolicy, PutRequest, RangeRequest, Request, Response,
+    Retention, SessionSeq, StateMachine, TxnRequest, command::SECRET_COMMAND_PREFIX,
 };
 use proptest::prelude::*;
 
@@ -36,6 +36,20 @@ fn request() -> impl Strategy<Value = Request> {
         (any::<i64>(), any::<u64>()).prop_map(|(id, ttl_ms)| Request::LeaseGrant { id, ttl_ms }),
         proptest::collection::vec(any::<i64>(), 0..4).prop_map(|ids| Request::LeaseExpire { ids }),
         (text, bytes.clone()).prop_map(|(topic, data)| Request::Publish { topic, data }),
+        (text, 0u8..3).prop_map(|(group, policy)| Request::GroupConfigurePreempt {
+            group,
+            policy: GroupPolicy::default(),
+            preempt_policy: [
+                PreemptPolicy::Higher,
+                PreemptPolicy::Always,
+                PreemptPolicy::Never
+            ][usize::from(policy)],
+        }),
+        (text, bytes.clone(), text).prop_map(|(topic, data, from)| Request::PublishFrom {
+            topic,
+            data,
+            from
+        }),
         (text, text, any::<u64>()).prop_map(|(consumer, topic, seq)| Request::Ack {
             consumer,
             topic,
@@ -113,6 +127,11 @@ fn populated_snapshot() -> Vec<u8> {
         Request::Publish {
             topic: "t".into(),
             data: Bytes::from_static(b"m"),
+        },
+        Request::PublishFrom {
+            topic: "t".into(),
+            data: Bytes::from_static(b"n"),
+            from: "agent".into(),
         },
         Request::OpenSessionWithSecret { secret: 99 },
         Request::OpenSession,
@@ -281,18 +300,20 @@ fn a_foreign_secret_neither_reads_the_cached_answer_nor_blocks_the_owner() {
 
 /// Bytes of the work queues' section of a snapshot without queues.
 const EMPTY_QUEUES_BYTES: usize = 4;
+/// Bytes of format 5's sections (message senders, `never` groups) when both are empty.
+const EMPTY_SENDERS_BYTES: usize = 2;
 
 #[test]
 fn a_format_1_snapshot_still_restores() {
     // Without sessions, formats 1, 2 and 3 encode the state alike; only the version differs.
     // Format 4 appends the auth state (37 bytes when empty) and then the work queues' section
-    // (EMPTY_QUEUES_BYTES when empty).
+    // (EMPTY_QUEUES_BYTES when empty); format 5 the message senders and `never` groups (EMPTY_SENDERS_BYTES).
     let mut machine = StateMachine::new(Config::default());
     machine.apply(1, &Command::new(1, Request::Put(PutRequest::new("k", "v"))));
     let image = machine.snapshot_to_vec();
-    assert_eq!(&image[8..12], &4u32.to_le_bytes());
+    assert_eq!(&image[8..12], &5u32.to_le_bytes());
     let length = usize::try_from(u32::from_le_bytes(image[12..16].try_into().unwrap())).unwrap();
-    let body = &image[20..20 + length - 37 - EMPTY_QUEUES_BYTES];
+    let body = &image[20..20 + length - 37 - EMPTY_QUEUES_BYTES - EMPTY_SENDERS_BYTES];
     let mut bytes = image[..8].to_vec();
     bytes.extend_from_slice(&3u32.to_le_bytes());
     bytes.extend_from_slice(&u32::try_from(body.len()).unwrap().to_le_bytes());
@@ -306,7 +327,7 @@ fn a_format_1_snapshot_still_restores() {
             .unwrap_or_else(|error| panic!("format {older}: {error}"));
         assert_eq!(restored.revision(), machine.revision());
     }
-    bytes[8..12].copy_from_slice(&5u32.to_le_bytes());
+    bytes[8..12].copy_from_slice(&6u32.to_le_bytes());
     assert!(matches!(
         StateMachine::restore(Config::default(), bytes.as_slice()),
         Err(conclave_state::Error::SnapshotVersion { .. })

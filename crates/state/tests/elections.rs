@@ -83,6 +83,7 @@ fn preemption_hands_off_only_when_the_incumbent_resigns() {
     driver.configure(
         "g",
         GroupPolicy {
+            preempt_never: false,
             preempt: true,
             handoff_timeout_ms: None,
             settle_ms: None,
@@ -124,6 +125,7 @@ fn handoff_timeout_moves_the_seat_on_tick() {
     driver.configure(
         "g",
         GroupPolicy {
+            preempt_never: false,
             preempt: true,
             handoff_timeout_ms: Some(500),
             settle_ms: None,
@@ -165,6 +167,7 @@ fn leader_lease_expiry_during_handoff_elects_the_challenger() {
     driver.configure(
         "g",
         GroupPolicy {
+            preempt_never: false,
             preempt: true,
             handoff_timeout_ms: Some(60_000),
             settle_ms: None,
@@ -306,6 +309,7 @@ fn a_deposed_leader_cannot_write_through_a_fenced_txn() {
     driver.configure(
         "g",
         GroupPolicy {
+            preempt_never: false,
             preempt: true,
             handoff_timeout_ms: Some(10),
             settle_ms: None,
@@ -447,6 +451,7 @@ fn settling_makes_the_first_leader_independent_of_arrival_order() {
     for order in [["b", "a", "c"], ["c", "b", "a"], ["a", "c", "b"]] {
         let mut driver = Driver::new();
         let policy = GroupPolicy {
+            preempt_never: false,
             preempt: false,
             handoff_timeout_ms: None,
             settle_ms: Some(200),
@@ -484,6 +489,7 @@ fn settling_makes_the_first_leader_independent_of_arrival_order() {
 fn settling_restarts_when_everyone_leaves() {
     let mut driver = Driver::new();
     let policy = GroupPolicy {
+        preempt_never: false,
         preempt: false,
         handoff_timeout_ms: None,
         settle_ms: Some(200),
@@ -506,4 +512,116 @@ fn settling_restarts_when_everyone_leaves() {
     driver.now_ms = 1200;
     driver.ok(Request::Tick);
     assert_eq!(driver.leader_of("g").as_deref(), Some("late"));
+}
+
+/// The three preempt policies through the machine: a higher-priority challenger that asks
+/// with its own `preempt` gets a handoff under `higher` and `always`, none under `never`,
+/// where it takes the seat only when the leader resigns. `never` survives a snapshot, and a
+/// group switched to it drops a pending handoff.
+#[test]
+fn never_keeps_the_leader_until_it_resigns_and_survives_a_snapshot() {
+    use conclave_state::{Config, GroupRegister, PreemptPolicy, StateMachine};
+    for policy in [
+        PreemptPolicy::Higher,
+        PreemptPolicy::Always,
+        PreemptPolicy::Never,
+    ] {
+        let mut driver = Driver::new();
+        driver.ok(Request::GroupConfigurePreempt {
+            group: "g".into(),
+            policy: GroupPolicy::default(),
+            preempt_policy: policy,
+        });
+        assert_eq!(driver.machine.group_policy("g").preempt_policy(), policy);
+        let (low, high) = (driver.grant(10_000), driver.grant(10_000));
+        driver.register("g", "low", 1, low);
+        let output = driver.apply(Request::GroupRegister(GroupRegister {
+            group: "g".into(),
+            candidate: "high".into(),
+            priority: 9,
+            value: Bytes::new(),
+            lease_id: high,
+            preempt: true,
+        }));
+        let asked = election_events(&output.events)
+            .iter()
+            .any(|kind| matches!(kind, ElectionEventKind::HandoffRequested { .. }));
+        assert_eq!(asked, policy != PreemptPolicy::Never, "{policy:?}");
+        let seat = driver.machine.group_leader("g").cloned().expect("seat");
+        assert_eq!(
+            seat.leader, "low",
+            "{policy:?}: the seat stays until a resign"
+        );
+        assert_eq!(seat.handoff.is_some(), policy != PreemptPolicy::Never);
+
+        let image = driver.machine.snapshot_to_vec();
+        let mut restored =
+            StateMachine::restore(Config::default(), image.as_slice()).expect("the snapshot loads");
+        assert_eq!(restored.group_policy("g").preempt_policy(), policy);
+        assert_eq!(restored.snapshot_to_vec(), image);
+
+        driver.ok(Request::GroupResign {
+            group: "g".into(),
+            candidate: "low".into(),
+            lease_id: low,
+        });
+        assert_eq!(driver.leader_of("g").as_deref(), Some("high"), "{policy:?}");
+        // The replica restored from the snapshot decides the same.
+        let resign = Request::GroupResign {
+            group: "g".into(),
+            candidate: "low".into(),
+            lease_id: low,
+        };
+        let index = driver.machine.last_applied() + 1;
+        restored.apply(index, &conclave_state::Command::new(driver.now_ms, resign));
+        assert_eq!(
+            restored.group_leader("g").map(|seat| seat.leader.as_str()),
+            Some("high")
+        );
+    }
+
+    // `higher` with a pending handoff, then `never`: the handoff is cancelled.
+    let mut driver = Driver::new();
+    let (low, high) = (driver.grant(10_000), driver.grant(10_000));
+    driver.register("g", "low", 1, low);
+    driver.apply(Request::GroupRegister(GroupRegister {
+        group: "g".into(),
+        candidate: "high".into(),
+        priority: 9,
+        value: Bytes::new(),
+        lease_id: high,
+        preempt: true,
+    }));
+    assert!(
+        driver
+            .machine
+            .group_leader("g")
+            .expect("seat")
+            .handoff
+            .is_some()
+    );
+    driver.ok(Request::GroupConfigurePreempt {
+        group: "g".into(),
+        policy: GroupPolicy::default(),
+        preempt_policy: PreemptPolicy::Never,
+    });
+    let seat = driver.machine.group_leader("g").expect("seat");
+    assert_eq!(
+        (seat.leader.as_str(), seat.handoff.is_none()),
+        ("low", true)
+    );
+    // The older command can only say `higher` or `always`: it lifts `never`.
+    driver.configure(
+        "g",
+        GroupPolicy {
+            preempt_never: true,
+            preempt: false,
+            handoff_timeout_ms: None,
+            settle_ms: None,
+        },
+    );
+    assert_eq!(
+        driver.machine.group_policy("g").preempt_policy(),
+        PreemptPolicy::Higher
+    );
 }

@@ -80,6 +80,7 @@ fn command_encoding_is_stable() {
                 Request::GroupConfigure {
                     group: "g".into(),
                     policy: GroupPolicy {
+                        preempt_never: false,
                         preempt: true,
                         handoff_timeout_ms: Some(10),
                         settle_ms: None,
@@ -97,6 +98,28 @@ fn command_encoding_is_stable() {
                 },
             ),
             "01001201740164",
+        ),
+        (
+            Command::new(
+                1,
+                Request::PublishFrom {
+                    topic: "t".into(),
+                    data: Bytes::from_static(b"d"),
+                    from: "a".into(),
+                },
+            ),
+            "010021017401640161",
+        ),
+        (
+            Command::new(
+                1,
+                Request::GroupConfigurePreempt {
+                    group: "g".into(),
+                    policy: GroupPolicy::default(),
+                    preempt_policy: conclave_state::PreemptPolicy::Never,
+                },
+            ),
+            "010022016700000002",
         ),
         (Command::new(1, Request::Tick), "010017"),
     ];

@@ -535,3 +535,48 @@ fn object_counts_are_bounded() {
         Err(Error::LimitReached { .. })
     ));
 }
+
+#[test]
+fn a_message_carries_its_sender_within_a_bounded_length() {
+    let mut driver = Driver::new();
+    let publish = |from: String| Request::PublishFrom {
+        topic: "election:g".into(),
+        data: Bytes::from_static(b"{}"),
+        from,
+    };
+    driver.ok(publish("agent-7".into()));
+    driver.ok(Request::Publish {
+        topic: "election:g".into(),
+        data: Bytes::from_static(b"{}"),
+    });
+    let longest = "x".repeat(conclave_state::MESSAGE_FROM_BYTES_MAX);
+    driver.ok(publish(longest.clone()));
+    let before = driver.machine.revision();
+    let refused = driver.apply(publish(format!("{longest}x")));
+    assert!(
+        matches!(&refused.result, Err(Error::InvalidArgument(why)) if why.contains("sender")),
+        "{:?}",
+        refused.result
+    );
+    assert_eq!(
+        refused.result.unwrap_err().code(),
+        Error::InvalidArgument(String::new()).code()
+    );
+    assert_eq!(
+        driver.machine.revision(),
+        before,
+        "a refused publish writes nothing"
+    );
+    let read = driver.machine.topic_read("election:g", 1, 0);
+    let senders: Vec<&str> = read.messages.iter().map(|m| m.from.as_str()).collect();
+    assert_eq!(senders, ["agent-7", "", longest.as_str()]);
+    // The published event carries the sender too (subscribers are fed from the log, but
+    // observers of events see the same message).
+    let output = driver.apply(publish("agent-8".into()));
+    assert!(
+        output
+            .events
+            .iter()
+            .any(|event| matches!(event, conclave_state::Event::Topic(m) if m.from == "agent-8"))
+    );
+}

@@ -246,6 +246,7 @@ impl Script {
             "configure" => self.apply(Request::GroupConfigure {
                 group: string("group"),
                 policy: GroupPolicy {
+                    preempt_never: false,
                     preempt: args.contains_key("preempt"),
                     handoff_timeout_ms: optional("handoff"),
                     settle_ms: optional("settle"),

@@ -117,6 +117,7 @@ fn request() -> impl Strategy<Value = Request> {
                 Request::GroupConfigure {
                     group,
                     policy: GroupPolicy {
+                        preempt_never: false,
                         preempt,
                         handoff_timeout_ms,
                         settle_ms,

@@ -39,7 +39,8 @@ pub struct ConfigureArgs {
     #[arg(long, value_name = "DURATION")]
     pub settle: Option<String>,
     /// Who may ask a sitting leader for its seat: `higher` (a higher-priority candidate that
-    /// campaigns with --preempt) or `always` (every higher-priority candidate).
+    /// campaigns with --preempt), `always` (every higher-priority candidate) or `never` (no
+    /// candidate: the seat moves only when the leader resigns or its lease ends).
     #[arg(long, value_enum, value_name = "POLICY")]
     pub preempt_policy: Option<PreemptPolicyArg>,
     /// A requested handoff completes after this long even if the leader has not resigned;
@@ -53,12 +54,14 @@ pub struct ConfigureArgs {
 pub enum PreemptPolicyArg {
     Higher,
     Always,
+    Never,
 }
 
 fn policy_name(policy: PreemptPolicy) -> &'static str {
     match policy {
         PreemptPolicy::Higher => "higher",
         PreemptPolicy::Always => "always",
+        PreemptPolicy::Never => "never",
     }
 }
 
@@ -360,6 +363,7 @@ async fn configure(ctx: &Ctx, args: ConfigureArgs) -> CmdResult {
         policy.preempt = match preempt {
             PreemptPolicyArg::Higher => PreemptPolicy::Higher,
             PreemptPolicyArg::Always => PreemptPolicy::Always,
+            PreemptPolicyArg::Never => PreemptPolicy::Never,
         };
     }
     let policy = election.configure(&args.group, policy).await?;

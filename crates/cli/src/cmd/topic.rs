@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use clap::{Args, Subcommand};
 use conclave_client::{InboxOptions, TopicMessage};
+use conclave_state::MESSAGE_FROM_BYTES_MAX;
 use serde_json::{Value, json};
 
 use super::output::{data_json, text};
@@ -22,6 +23,10 @@ pub struct PublishArgs {
     /// The message, as the flag form of DATA (`--data '{"type":"heartbeat"}'`).
     #[arg(long = "data", id = "data_flag", value_name = "DATA")]
     pub data_flag: Option<String>,
+    /// The sender readers see as the message's `from` (an agent id; at most 256 bytes);
+    /// not verified by the server. Default: none.
+    #[arg(long, env = "CONCLAVE_FROM", value_name = "ID")]
+    pub from: Option<String>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -84,6 +89,7 @@ fn message_json(m: &TopicMessage) -> Value {
         "data": data_json(&m.data),
         "revision": m.revision,
         "published_unix_ms": m.published_unix_ms,
+        "from": m.from,
     })
 }
 
@@ -122,12 +128,23 @@ async fn publish_data(args: &PublishArgs) -> CmdResult<Vec<u8>> {
 
 pub async fn publish(ctx: &Ctx, args: PublishArgs) -> CmdResult {
     check_topic(&args.topic)?;
+    let from = args.from.clone().unwrap_or_default();
+    if from.len() > MESSAGE_FROM_BYTES_MAX {
+        return Err(Failure::invalid(format!(
+            "--from is {} bytes; at most {MESSAGE_FROM_BYTES_MAX} are allowed",
+            from.len()
+        )));
+    }
     let data = publish_data(&args).await?;
     let client = ctx.connect().await?;
-    let seq = client.topics().publish(&args.topic, data).await?;
-    ctx.out.ok(json!({"topic": args.topic, "seq": seq}), || {
-        format!("published {} #{seq}", args.topic)
-    });
+    let seq = client
+        .topics()
+        .publish_from(&args.topic, data, &from)
+        .await?;
+    ctx.out.ok(
+        json!({"topic": args.topic, "seq": seq, "from": from}),
+        || format!("published {} #{seq}", args.topic),
+    );
     Ok(0)
 }
 

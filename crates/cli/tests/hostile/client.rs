@@ -215,6 +215,7 @@ async fn an_inbox_naming_one_topic_30000_times_copies_it_once() {
             .publish(PublishRequest {
                 topic: "t".into(),
                 data: vec![i as u8; 4096].into(),
+                from: String::new(),
             })
             .await
             .expect("publish");
@@ -573,6 +574,7 @@ async fn topic_subscriptions_beyond_the_cap_get_resource_exhausted() {
         .publish(PublishRequest {
             topic: "t".into(),
             data: "m".into(),
+            from: String::new(),
         })
         .await
         .expect("publish");

@@ -7,7 +7,8 @@ use std::sync::Arc;
 use conclave_proto::conclave::v1::election_server::{Election, ElectionServer};
 use conclave_proto::conclave::v1::{self as cv1, election_client::ElectionClient};
 use conclave_state::{
-    ElectionEvent, ElectionEventKind, GroupPolicy, GroupRegister, Request, Response, StateMachine,
+    ElectionEvent, ElectionEventKind, GroupPolicy, GroupRegister, PreemptPolicy, Request, Response,
+    StateMachine,
 };
 use tokio::sync::{broadcast, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
@@ -269,21 +270,34 @@ impl Election for ElectionService {
             return Err(invalid("the group name must not be empty"));
         }
         let wanted = message.policy.unwrap_or_default();
-        let preempt = match cv1::PreemptPolicy::try_from(wanted.preempt_policy) {
-            Ok(cv1::PreemptPolicy::Always) => true,
-            Ok(cv1::PreemptPolicy::Higher | cv1::PreemptPolicy::Unspecified) => false,
+        let preempt_policy = match cv1::PreemptPolicy::try_from(wanted.preempt_policy) {
+            Ok(cv1::PreemptPolicy::Always) => PreemptPolicy::Always,
+            Ok(cv1::PreemptPolicy::Higher | cv1::PreemptPolicy::Unspecified) => {
+                PreemptPolicy::Higher
+            }
+            Ok(cv1::PreemptPolicy::Never) => PreemptPolicy::Never,
             Err(_) => return Err(invalid("unknown preempt policy")),
         };
-        let policy = GroupPolicy {
-            preempt,
+        let mut policy = GroupPolicy {
+            preempt_never: false,
+            preempt: false,
             handoff_timeout_ms: (wanted.handoff_timeout_ms > 0)
                 .then_some(wanted.handoff_timeout_ms),
             settle_ms: (wanted.settle_ms > 0).then_some(wanted.settle_ms),
         };
+        policy.set_preempt_policy(preempt_policy);
         let api = &self.api;
-        let command = Request::GroupConfigure {
-            group: message.group.clone(),
-            policy,
+        // `higher` and `always` as the command older members know, byte for byte.
+        let command = match preempt_policy {
+            PreemptPolicy::Never => Request::GroupConfigurePreempt {
+                group: message.group.clone(),
+                policy,
+                preempt_policy,
+            },
+            PreemptPolicy::Higher | PreemptPolicy::Always => Request::GroupConfigure {
+                group: message.group.clone(),
+                policy,
+            },
         };
         api.write(
             &ctx,

@@ -108,9 +108,10 @@ pub(super) fn leadership_of(state: &StateMachine, group: &str, seat: &Seat) -> c
 
 /// A state-machine group policy as the API shows it.
 pub(super) fn policy_to_pb(policy: &conclave_state::GroupPolicy) -> cv1::GroupPolicy {
-    let preempt_policy = match policy.preempt {
-        true => cv1::PreemptPolicy::Always,
-        false => cv1::PreemptPolicy::Higher,
+    let preempt_policy = match policy.preempt_policy() {
+        conclave_state::PreemptPolicy::Always => cv1::PreemptPolicy::Always,
+        conclave_state::PreemptPolicy::Higher => cv1::PreemptPolicy::Higher,
+        conclave_state::PreemptPolicy::Never => cv1::PreemptPolicy::Never,
     };
     cv1::GroupPolicy {
         settle_ms: policy.settle_ms.unwrap_or(0),
@@ -131,6 +132,7 @@ pub(super) fn message_to_pb(message: Message) -> cv1::TopicMessage {
         data: message.data,
         revision: message.revision,
         published_unix_ms: i64::try_from(message.time_ms).unwrap_or(i64::MAX),
+        from: message.from,
     }
 }
 

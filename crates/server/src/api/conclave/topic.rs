@@ -5,7 +5,9 @@ use std::time::Duration;
 
 use conclave_proto::conclave::v1::topic_server::{Topic, TopicServer};
 use conclave_proto::conclave::v1::{self as cv1, topic_client::TopicClient};
-use conclave_state::{Event, Message, ReadBudget, Request, Response, StateMachine};
+use conclave_state::{
+    Event, MESSAGE_FROM_BYTES_MAX, Message, ReadBudget, Request, Response, StateMachine,
+};
 use tokio::sync::{broadcast, mpsc};
 use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
@@ -87,10 +89,25 @@ impl Topic for TopicService {
         if message.topic.is_empty() {
             return Err(invalid("topic name is empty"));
         }
+        if message.from.len() > MESSAGE_FROM_BYTES_MAX {
+            return Err(invalid(&format!(
+                "the sender is {} bytes; at most {MESSAGE_FROM_BYTES_MAX} are allowed",
+                message.from.len()
+            )));
+        }
         let api = &self.api;
-        let command = Request::Publish {
-            topic: message.topic.clone(),
-            data: message.data.clone(),
+        // Without a sender, the command older members know, byte for byte.
+        let command = if message.from.is_empty() {
+            Request::Publish {
+                topic: message.topic.clone(),
+                data: message.data.clone(),
+            }
+        } else {
+            Request::PublishFrom {
+                topic: message.topic.clone(),
+                data: message.data.clone(),
+                from: message.from.clone(),
+            }
         };
         api.write(
             &ctx,
