@@ -253,9 +253,8 @@ mod tests {
     use crate::command::{Command, Request};
     use crate::txn::PutRequest;
 
-    /// Writes the image a build of `version` 1 to 3 wrote: the state, and no queue section
-    /// (without sessions, formats 1 to 3 encode the state alike).
-    fn old_image(machine: &StateMachine, version: u32) -> Vec<u8> {
+    /// A frame writer holding the image's magic and `version`, as every format begins.
+    fn image_header(version: u32) -> FrameWriter<Vec<u8>> {
         let mut frames = FrameWriter {
             inner: Vec::new(),
             buffer: Vec::new(),
@@ -263,6 +262,13 @@ mod tests {
         };
         frames.inner.extend_from_slice(SNAPSHOT_MAGIC);
         frames.inner.extend_from_slice(&version.to_le_bytes());
+        frames
+    }
+
+    /// Writes the image a build of `version` 1 to 3 wrote: the state, and no queue section
+    /// (without sessions, formats 1 to 3 encode the state alike).
+    fn old_image(machine: &StateMachine, version: u32) -> Vec<u8> {
+        let mut frames = image_header(version);
         // Formats 1 to 3 end before the auth state; a default one encodes in 37 bytes.
         let mut state = postcard::to_allocvec(&machine.state).expect("in memory");
         assert!(
@@ -302,13 +308,7 @@ mod tests {
 
     /// Writes the image a build of format 4 wrote: the state and the queues, no senders.
     fn format_4_image(machine: &StateMachine) -> Vec<u8> {
-        let mut frames = FrameWriter {
-            inner: Vec::new(),
-            buffer: Vec::new(),
-            body_crc: 0,
-        };
-        frames.inner.extend_from_slice(SNAPSHOT_MAGIC);
-        frames.inner.extend_from_slice(&4u32.to_le_bytes());
+        let frames = image_header(4);
         let frames = postcard::to_io(&machine.state, frames).expect("in memory");
         let frames = postcard::to_io(&machine.queues, frames).expect("in memory");
         frames.finish().expect("in memory")
@@ -361,15 +361,7 @@ mod tests {
     fn a_sender_section_naming_a_message_not_retained_is_corruption() {
         let mut machine = StateMachine::new(Config::default());
         machine.apply(1, &Command::new(5, publish_from("t", b"a", "agent-1")));
-        let mut frames = FrameWriter {
-            inner: Vec::new(),
-            buffer: Vec::new(),
-            body_crc: 0,
-        };
-        frames.inner.extend_from_slice(SNAPSHOT_MAGIC);
-        frames
-            .inner
-            .extend_from_slice(&SNAPSHOT_FORMAT_VERSION.to_le_bytes());
+        let frames = image_header(SNAPSHOT_FORMAT_VERSION);
         let frames = postcard::to_io(&machine.state, frames).expect("in memory");
         let frames = postcard::to_io(&machine.queues, frames).expect("in memory");
         let mut senders = machine.state.topics.senders();
@@ -410,15 +402,7 @@ mod tests {
         // A `never` section naming a group that has no policy, or one already `always`, is
         // corruption.
         for named in ["missing", "eager"] {
-            let mut frames = FrameWriter {
-                inner: Vec::new(),
-                buffer: Vec::new(),
-                body_crc: 0,
-            };
-            frames.inner.extend_from_slice(SNAPSHOT_MAGIC);
-            frames
-                .inner
-                .extend_from_slice(&SNAPSHOT_FORMAT_VERSION.to_le_bytes());
+            let frames = image_header(SNAPSHOT_FORMAT_VERSION);
             let frames = postcard::to_io(&machine.state, frames).expect("in memory");
             let frames = postcard::to_io(&machine.queues, frames).expect("in memory");
             let frames =
