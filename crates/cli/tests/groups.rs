@@ -45,6 +45,51 @@ fn wait_leader(eps: &str, group: &str, timeout: Duration) -> Value {
     }
 }
 
+/// `elect configure GROUP --preempt-policy POLICY`, checked to echo the policy.
+fn configure_preempt_policy(eps: &str, group: &str, policy: &str) {
+    let configured = run_until_ok(
+        eps,
+        &[
+            "elect",
+            "configure",
+            group,
+            "--preempt-policy",
+            policy,
+            "--json",
+        ],
+        RETRY,
+    )
+    .data();
+    assert_eq!(configured["preempt_policy"], policy, "{configured}");
+}
+
+/// Registers candidate `id` in `group` under a fresh 120 s lease without waiting
+/// (`--no-wait`, so the candidacy outlives the command), with `--preempt` if asked; answers
+/// the campaign's JSON data.
+fn register_candidate(eps: &str, group: &str, id: &str, priority: &str, preempt: bool) -> Value {
+    let lease = run_until_ok(eps, &["lease", "grant", "120", "--json"], RETRY).data()["id"]
+        .as_str()
+        .expect("lease id")
+        .to_string();
+    let mut args = vec![
+        "elect",
+        "campaign",
+        group,
+        "--id",
+        id,
+        "--priority",
+        priority,
+        "--lease",
+        &lease,
+        "--no-wait",
+        "--json",
+    ];
+    if preempt {
+        args.push("--preempt");
+    }
+    run(eps, &args).data()
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn settled_groups_elect_the_smallest_id_whatever_the_start_order() {
     let cluster = Cluster::start(3).await;
@@ -277,42 +322,9 @@ async fn the_higher_policy_hands_off_only_to_a_challenger_that_asks() {
     let eps = cluster.endpoints();
     let eps = eps.as_str();
     let group = "polite";
-    let configured = run_until_ok(
-        eps,
-        &[
-            "elect",
-            "configure",
-            group,
-            "--preempt-policy",
-            "higher",
-            "--json",
-        ],
-        RETRY,
-    )
-    .data();
-    assert_eq!(configured["preempt_policy"], "higher", "{configured}");
+    configure_preempt_policy(eps, group, "higher");
     let register = |id: &str, priority: &str, preempt: bool| {
-        let lease = run_until_ok(eps, &["lease", "grant", "120", "--json"], RETRY).data()["id"]
-            .as_str()
-            .expect("lease id")
-            .to_string();
-        let mut args = vec![
-            "elect",
-            "campaign",
-            group,
-            "--id",
-            id,
-            "--priority",
-            priority,
-            "--lease",
-            &lease,
-            "--no-wait",
-            "--json",
-        ];
-        if preempt {
-            args.push("--preempt");
-        }
-        run(eps, &args).data()
+        register_candidate(eps, group, id, priority, preempt)
     };
     let low = register("low", "1", false);
     assert_eq!(low["elected"], true, "{low}");
@@ -348,41 +360,9 @@ async fn the_never_policy_keeps_the_leader_until_it_resigns() {
     let eps = cluster.endpoints();
     let eps = eps.as_str();
     let group = "steadfast";
-    let configured = run_until_ok(
-        eps,
-        &[
-            "elect",
-            "configure",
-            group,
-            "--preempt-policy",
-            "never",
-            "--json",
-        ],
-        RETRY,
-    )
-    .data();
-    assert_eq!(configured["preempt_policy"], "never", "{configured}");
-    let register = |id: &str, priority: &str| {
-        let lease = run_until_ok(eps, &["lease", "grant", "120", "--json"], RETRY).data()["id"]
-            .as_str()
-            .expect("lease id")
-            .to_string();
-        let args = [
-            "elect",
-            "campaign",
-            group,
-            "--id",
-            id,
-            "--priority",
-            priority,
-            "--lease",
-            &lease,
-            "--no-wait",
-            "--preempt",
-            "--json",
-        ];
-        run(eps, &args).data()
-    };
+    configure_preempt_policy(eps, group, "never");
+    // Every candidate asks for the seat; under `never` none may have it.
+    let register = |id: &str, priority: &str| register_candidate(eps, group, id, priority, true);
     let low = register("low", "1");
     assert_eq!(low["elected"], true, "{low}");
     let first = leader_of(eps, group).expect("a leader");
