@@ -472,3 +472,70 @@ async fn a_preempting_candidate_gets_the_seat_at_once_after_the_incumbent_stops_
     assert_eq!(ids, ["high"]);
     drop(high);
 }
+
+/// `elect observe` names the candidate that left (its `candidate_left` event once carried an
+/// empty candidate: no id, priority 0).
+#[tokio::test(flavor = "multi_thread")]
+async fn observe_names_the_candidate_that_left() {
+    let cluster = Cluster::start(3).await;
+    let eps = cluster.endpoints();
+    let eps = eps.as_str();
+    let observer = Streaming::start(eps, &["elect", "observe", "roster", "--json"]);
+    let start = |id: &str, priority: &str| {
+        Streaming::start(
+            eps,
+            &[
+                "elect",
+                "campaign",
+                "roster",
+                "--id",
+                id,
+                "--priority",
+                priority,
+                "--ttl",
+                "10s",
+                "--json",
+                "--",
+                "sh",
+                "-c",
+                "exec sleep 600",
+            ],
+        )
+    };
+    let mut leader = start("alpha", "5");
+    let (_, line) = leader.next_json(LINE_TIMEOUT).expect("alpha is elected");
+    assert_eq!(line["data"]["event"], "elected", "{line}");
+    let mut waiting = start("bravo", "2");
+    let began = Instant::now();
+    let mut events = Vec::new();
+    let mut next_event = |what: &str| -> Value {
+        loop {
+            let left = LINE_TIMEOUT.saturating_sub(began.elapsed());
+            let (_, line) = observer
+                .next_json(left)
+                .unwrap_or_else(|| panic!("no {what} event; saw {events:?}"));
+            assert_eq!(line["status"], "ok", "{line}");
+            let event = line["data"].clone();
+            events.push(event.clone());
+            if event["event"] == what {
+                return event;
+            }
+        }
+    };
+    let joined = next_event("candidate_joined");
+    // The leader may join first; wait for bravo's own.
+    let joined = if joined["candidate"]["id"] == "bravo" {
+        joined
+    } else {
+        next_event("candidate_joined")
+    };
+    assert_eq!(joined["candidate"]["id"], "bravo", "{joined}");
+
+    run(eps, &["elect", "resign", "roster", "--id", "bravo", "--json"]).ok();
+    let left = next_event("candidate_left");
+    assert_eq!(left["candidate"]["id"], "bravo", "{left}");
+    assert_eq!(left["candidate"]["priority"], 2, "{left}");
+    assert_eq!(left["leadership"]["leader"], "alpha", "{left}");
+    waiting.kill9();
+    leader.kill9();
+}
