@@ -452,3 +452,89 @@ async fn a_learner_is_promoted_only_once_it_has_caught_up() {
     .await;
     write_and_check(&cluster, "promoted", 10).await;
 }
+
+/// A learner joins while a steady write load makes the leader snapshot several times a second
+/// (`--snapshot-entries 50`) and the image takes many 1 MiB chunks: it must install a snapshot
+/// and then follow the log while the load goes on. Before, the leader restarted the transfer
+/// with each newer snapshot and the learner never applied anything.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_learner_catches_up_while_the_leader_snapshots_faster_than_it_can_send_one() {
+    /// Values of 1 MB each make the snapshot image about this many MiB (and chunks).
+    const IMAGE_MB: usize = 12;
+    /// The learner must apply writes made after it started, under load, within this.
+    const LOADED_CATCH_UP_TIMEOUT: Duration = Duration::from_secs(90);
+    let mut cluster = Cluster::start(3).await;
+    let leader = cluster.wait_for_leader(WRITE_TIMEOUT).await;
+    let big_value = "x".repeat(1_000_000);
+    for i in 0..IMAGE_MB {
+        cluster
+            .put_until_acked(leader, &format!("big-{i}"), &big_value, WRITE_TIMEOUT)
+            .await;
+    }
+
+    // The load: one small put after another through the leader, each counter value in turn.
+    let written = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let load = {
+        let (written, stop) = (written.clone(), stop.clone());
+        let mut client = cluster.kv(leader).await;
+        tokio::spawn(async move {
+            let mut counter = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                let mut request = tonic::Request::new(PutRequest {
+                    key: b"load".to_vec().into(),
+                    value: (counter + 1).to_string().into_bytes().into(),
+                    ..Default::default()
+                });
+                request.set_timeout(Duration::from_secs(2));
+                if client.put(request).await.is_ok() {
+                    counter += 1;
+                    written.store(counter, std::sync::atomic::Ordering::SeqCst);
+                } else {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            }
+        })
+    };
+    // Let the load make several snapshots before the learner asks for one.
+    while written.load(std::sync::atomic::Ordering::SeqCst) < 200 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    let via = if leader == 1 { 2 } else { 1 };
+    let id = add_and_start_learner(&mut cluster, via).await;
+    let started = Instant::now();
+    // Twice: the first wait sees a snapshot installed, the second that the log follows.
+    let mut waits_ms = Vec::new();
+    for _ in 0..2 {
+        let target = written.load(std::sync::atomic::Ordering::SeqCst);
+        let wait_start = Instant::now();
+        loop {
+            let applied = serializable_get(&cluster, id, "load")
+                .await
+                .and_then(|v| v.parse::<u64>().ok())
+                .unwrap_or(0);
+            if applied >= target {
+                break;
+            }
+            assert!(
+                started.elapsed() < LOADED_CATCH_UP_TIMEOUT,
+                "learner {id} applied load {applied}, not {target}, {} s after it started \
+                 ({} writes of load so far); logs in {}",
+                started.elapsed().as_secs(),
+                written.load(std::sync::atomic::Ordering::SeqCst),
+                cluster.root.display()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        waits_ms.push(wait_start.elapsed().as_millis());
+    }
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    load.await.expect("the load task");
+    println!(
+        "learner {id} under load: first caught up in {} ms, again in {} ms ({} writes)",
+        waits_ms[0],
+        waits_ms[1],
+        written.load(std::sync::atomic::Ordering::SeqCst)
+    );
+}

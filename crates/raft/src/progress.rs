@@ -2,6 +2,8 @@
 
 use std::collections::VecDeque;
 
+use bytes::Bytes;
+
 use crate::types::{Index, SnapshotMeta};
 
 /// How the leader is currently replicating to one follower.
@@ -17,6 +19,11 @@ pub enum ReplicationMode {
         next_offset: u64,
         /// crc32c of the whole image, computed once when the transfer starts.
         image_crc32c: u32,
+        /// The image being sent, held until the transfer ends: storage may record newer
+        /// snapshots meanwhile, and restarting with each of them would never finish while the
+        /// leader snapshots faster than it can send one. A clone of the storage's `Bytes`, so
+        /// it costs memory only once storage has moved on (at most one image per follower).
+        image: Bytes,
     },
 }
 
@@ -34,6 +41,9 @@ pub struct Progress {
     pub inflight: VecDeque<Index>,
     /// Heard from since the last CheckQuorum round.
     pub recent_active: bool,
+    /// The follower installed a snapshot from this leader and has not yet caught up with the
+    /// leader's applied index: it still needs the log from `match_index + 1`.
+    pub catching_up: bool,
 }
 
 impl Progress {
@@ -45,6 +55,7 @@ impl Progress {
             probe_sent: false,
             inflight: VecDeque::new(),
             recent_active: false,
+            catching_up: false,
         }
     }
 
@@ -66,14 +77,27 @@ impl Progress {
         self.inflight.clear();
     }
 
-    pub fn become_snapshot(&mut self, meta: SnapshotMeta, image_crc32c: u32) {
+    pub fn become_snapshot(&mut self, meta: SnapshotMeta, image: Bytes, image_crc32c: u32) {
         self.mode = ReplicationMode::Snapshot {
             meta,
             next_offset: 0,
             image_crc32c,
+            image,
         };
+        self.catching_up = false;
         self.probe_sent = false;
         self.inflight.clear();
+    }
+
+    /// The lowest index this follower still needs from the leader's log to catch up without
+    /// another snapshot: the index of the snapshot it is receiving, or, after installing one,
+    /// what it has matched so far. `None` for a follower replicating in step.
+    pub fn catch_up_floor(&self) -> Option<Index> {
+        match &self.mode {
+            ReplicationMode::Snapshot { meta, .. } => Some(meta.index),
+            _ if self.catching_up => Some(self.match_index),
+            _ => None,
+        }
     }
 
     /// Whether the leader should hold back further `Append`s to this follower.

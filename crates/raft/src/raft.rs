@@ -1094,6 +1094,9 @@ impl<S: Storage> Raft<S> {
             }
             return;
         }
+        if pr.catching_up && pr.match_index >= self.log.applied {
+            pr.catching_up = false;
+        }
         match pr.mode {
             ReplicationMode::Probe => pr.become_replicate(),
             ReplicationMode::Snapshot { ref meta, .. } if pr.match_index >= meta.index => {
@@ -1138,6 +1141,7 @@ impl<S: Storage> Raft<S> {
         if installed {
             pr.match_index = pr.match_index.max(snapshot_index);
             pr.become_probe();
+            pr.catching_up = pr.match_index < self.log.applied;
             self.send_append(from);
             return;
         }
@@ -1225,38 +1229,31 @@ impl<S: Storage> Raft<S> {
         );
         let image_crc32c = crc32c::crc32c(&snapshot.data);
         if let Some(pr) = self.progress.get_mut(&to) {
-            pr.become_snapshot(snapshot.meta, image_crc32c);
+            pr.become_snapshot(snapshot.meta, snapshot.data, image_crc32c);
         }
         self.send_snapshot_chunk(to);
     }
 
+    /// Sends the next chunk of the snapshot held for `to`. A transfer always finishes the
+    /// snapshot it began, even when storage has recorded newer ones since: once installed,
+    /// the follower continues from the log, or gets the newest snapshot if the entries after
+    /// the one it installed are gone.
     fn send_snapshot_chunk(&mut self, to: NodeId) {
         let Some(ReplicationMode::Snapshot {
             meta,
             next_offset,
             image_crc32c,
+            image,
         }) = self.progress.get(&to).map(|pr| pr.mode.clone())
         else {
             return;
         };
-        let snapshot = match self.log.snapshot() {
-            Ok(snapshot) => snapshot,
-            Err(_) => return,
-        };
-        if snapshot.meta != meta {
-            // The snapshot moved on since this transfer began: start over with the new one.
-            if let Some(pr) = self.progress.get_mut(&to) {
-                pr.become_probe();
-            }
-            self.send_append(to);
-            return;
-        }
-        let total = snapshot.data.len() as u64;
+        let total = image.len() as u64;
         let start = next_offset.min(total);
         let end = start
             .saturating_add(self.config.snapshot_chunk_bytes)
             .min(total);
-        let data = snapshot.data.slice(start as usize..end as usize);
+        let data = image.slice(start as usize..end as usize);
         let body = MessageBody::SnapshotChunk {
             meta,
             offset: start,

@@ -269,6 +269,24 @@ impl<S: Storage> RawNode<S> {
             .map(|pr| (pr.match_index, pr.next_index))
     }
 
+    /// On a leader, the lowest log index a follower being brought back by a snapshot still
+    /// needs (the index of the snapshot it is receiving, or what it matched since installing
+    /// one, until it reaches the applied index): a snapshot recorded
+    /// past it compacts entries that follower would need, and it would need another snapshot.
+    /// The application may postpone its snapshots while this is below the index it would
+    /// snapshot at. `None` on a follower or when no follower is catching up.
+    pub fn snapshot_catch_up_floor(&self) -> Option<Index> {
+        if self.raft.role != Role::Leader {
+            return None;
+        }
+        self.raft
+            .progress
+            .iter()
+            .filter(|(id, _)| **id != self.raft.id)
+            .filter_map(|(_, pr)| pr.catch_up_floor())
+            .min()
+    }
+
     /// The durable storage, for reading.
     pub fn store(&self) -> &S {
         &self.raft.log.store

@@ -574,3 +574,87 @@ fn leader_change_reasons_tell_elections_transfers_and_step_downs_apart() {
         "check-quorum step-down"
     );
 }
+
+/// A leader that records newer snapshots faster than it can send one still finishes the
+/// transfer it began; the follower then catches up (from the log, or from the newest snapshot
+/// once, since this storage compacts right up to each snapshot) instead of restarting forever.
+#[test]
+fn a_snapshot_transfer_finishes_while_the_leader_keeps_snapshotting() {
+    fn small_chunks(id: u64) -> Config {
+        let mut c = config(id);
+        c.snapshot_chunk_bytes = 10;
+        c
+    }
+    /// Rounds of message delivery the transfer gets; without holding the image it never ends.
+    const DELIVERY_ROUNDS_MAX: usize = 400;
+    /// The leader records a newer snapshot every this many chunks (a transfer is 5 chunks).
+    const CHUNKS_PER_SNAPSHOT: usize = 2;
+    let mut net = Net::with_config(3, small_chunks);
+    net.elect(1);
+    net.isolate(3);
+    for i in 0..20 {
+        net.node(1)
+            .propose(Bytes::from(format!("p{i}")))
+            .expect("accepted");
+        net.settle();
+    }
+    let first_index = net.node(1).applied_index();
+    let conf = net.node(1).conf_state().clone();
+    net.node(1)
+        .store_mut()
+        .create_snapshot(first_index, conf.clone(), Bytes::from(vec![1u8; 45]));
+    net.heal();
+
+    let mut snapshots_taken = 1u8;
+    let mut chunks_since_snapshot = 0;
+    let mut installed_first = None;
+    for round in 0..DELIVERY_ROUNDS_MAX {
+        if round % 3 == 0 {
+            for node in net.nodes.values_mut() {
+                node.tick();
+            }
+        }
+        net.node(1)
+            .propose(Bytes::from(format!("r{round}")))
+            .expect("accepted");
+        for m in net.collect() {
+            if m.to == 3 && matches!(m.body, MessageBody::SnapshotChunk { .. }) {
+                chunks_since_snapshot += 1;
+            }
+            if let Some(node) = net.nodes.get_mut(&m.to) {
+                let _ = node.step(m);
+            }
+        }
+        let installed = net.node(3).store().snapshot().map(|s| s.meta.index);
+        if let Ok(index) = installed
+            && index > 1
+        {
+            installed_first = Some(index);
+            break;
+        }
+        let applied = net.node(1).applied_index();
+        let stored = net.node(1).store().first_index().expect("first index") - 1;
+        if chunks_since_snapshot >= CHUNKS_PER_SNAPSHOT && applied > stored {
+            snapshots_taken = snapshots_taken.wrapping_add(1);
+            let data = Bytes::from(vec![snapshots_taken; 45]);
+            net.node(1)
+                .store_mut()
+                .create_snapshot(applied, conf.clone(), data);
+            chunks_since_snapshot = 0;
+        }
+    }
+    assert_eq!(
+        installed_first,
+        Some(first_index),
+        "the follower never installed the snapshot whose transfer began, within \
+         {DELIVERY_ROUNDS_MAX} rounds ({snapshots_taken} snapshots taken)"
+    );
+    assert!(
+        snapshots_taken >= 3,
+        "the leader took {snapshots_taken} snapshots: the transfer was never overtaken"
+    );
+    net.tick_all(20);
+    let leader_applied = net.node(1).applied_index();
+    assert_eq!(net.node(3).applied_index(), leader_applied);
+    assert_eq!(net.node(3).last_index(), net.node(1).last_index());
+}

@@ -28,6 +28,12 @@ use crate::machine::{FrozenImage, ReplicatedMachine};
 /// in between are only counted, and the next line says how many were not logged.
 const REFUSED_MESSAGE_WARN_INTERVAL_MS: u64 = 1_000;
 
+/// How many entries past `snapshot_entries` a leader lets its log grow before it snapshots
+/// anyway while a follower catching up from a snapshot still needs the log
+/// ([`NodeCore::snapshot_due`]). It bounds the log (on disk, and the replay at restart) when
+/// that follower is gone or too slow: 100,000 entries of the usual size are a few tens of MB.
+pub const SNAPSHOT_POSTPONE_MAX_ENTRIES: u64 = 100_000;
+
 /// A role's name for logs and metrics.
 pub fn role_name(role: Role) -> &'static str {
     match role {
@@ -1050,12 +1056,25 @@ impl<M: ReplicatedMachine, S: NodeStore> NodeCore<M, S> {
 
     /// Every `snapshot_entries` applied entries: the snapshot the shell should write now.
     /// Only one at a time; [`NodeCore::snapshot_written`] records it.
+    ///
+    /// A leader postpones it, by up to [`SNAPSHOT_POSTPONE_MAX_ENTRIES`] more entries, while a
+    /// follower being brought back by a snapshot still needs the log past that snapshot:
+    /// recording one compacts the log up to it, and that follower would then need yet another
+    /// snapshot, which a leader that snapshots faster than it can send one never finishes.
     pub fn snapshot_due(&mut self) -> Result<Option<SnapshotPlan>, Error> {
         let applied = self.raw.applied_index();
+        let due_at = self.snapshot_index + self.settings.snapshot_entries;
         if self.snapshot_pending.is_some()
             || self.settings.snapshot_entries == 0
-            || applied < self.snapshot_index + self.settings.snapshot_entries
+            || applied < due_at
         {
+            return Ok(None);
+        }
+        let follower_needs_log = self
+            .raw
+            .snapshot_catch_up_floor()
+            .is_some_and(|floor| floor < applied);
+        if follower_needs_log && applied < due_at.saturating_add(SNAPSHOT_POSTPONE_MAX_ENTRIES) {
             return Ok(None);
         }
         // Only the freezing happens here (for the coordination machine a clone of persistent

@@ -107,6 +107,64 @@ fn snapshots_lagging_follower_seed(seed: u64) {
 }
 
 #[test]
+fn snapshot_transfer_outlasts_newer_snapshots() {
+    for_each_seed(
+        "snapshot_transfer_outlasts_newer_snapshots",
+        75000,
+        30,
+        snapshot_transfer_outlasts_newer_snapshots_seed,
+    );
+}
+
+/// A follower behind a compacted log gets a snapshot while the leader records a newer one
+/// every few milliseconds, far faster than a transfer of 4-byte chunks (about 30 round trips)
+/// takes. Each transfer must finish the snapshot it began: restarting with every newer one,
+/// the follower never installed any.
+fn snapshot_transfer_outlasts_newer_snapshots_seed(seed: u64) {
+    /// Virtual ms the write load goes on after the follower reconnects.
+    const LOADED_MS: u64 = 3_000;
+    /// Virtual ms between two proposals of the load (a snapshot every 2 entries).
+    const PROPOSAL_PERIOD_MS: u64 = 5;
+    fn tiny_chunks(config: &mut Config) {
+        config.snapshot_chunk_bytes = 4;
+    }
+    let mut params = SwarmParams::reliable(3);
+    params.snapshot_every = 2;
+    let mut sim = Simulation::scenario(seed, params, Some(tiny_chunks));
+    let mut net = Net::all(&sim);
+    let leader = one_leader(&mut sim, &net.ids());
+    let lagging = leader % 3 + 1;
+    let peer = lagging % 3 + 1;
+    commit_at(&mut sim, leader, b"before".to_vec(), &[1, 2, 3]);
+    net.disconnect(&mut sim, lagging);
+    for i in 0..20 {
+        commit_at(&mut sim, leader, value("behind", i), &[leader, peer]);
+    }
+    net.connect(&mut sim, lagging);
+    let start = sim.now_ms;
+    let mut i = 0;
+    while sim.now_ms < start + LOADED_MS {
+        if sim.node(leader).is_some_and(|r| r.role() == Role::Leader) {
+            let _ = sim.propose(leader, Bytes::from(value("load", i)));
+            i += 1;
+        }
+        sim.run_for(PROPOSAL_PERIOD_MS);
+    }
+    let installed = sim.stats.snapshots_installed;
+    assert!(
+        installed > 0,
+        "follower {lagging} installed no snapshot in {LOADED_MS} ms of load ({i} proposals)\n{}",
+        sim.describe()
+    );
+    let applied = wait_all_agree(&mut sim, 3_000);
+    println!(
+        "snapshot_transfer_outlasts_newer_snapshots: {installed} installs under load \
+         ({i} proposals); all at {applied}"
+    );
+    assert_no_violations(&sim);
+}
+
+#[test]
 fn leadership_transfer() {
     for_each_seed("leadership_transfer", 80000, 50, leadership_transfer_seed);
 }
