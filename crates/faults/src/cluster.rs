@@ -113,9 +113,9 @@ impl Cluster {
             .enumerate()
             .map(|(i, p)| format!("{}={}", i + 1, p.client_addr))
             .collect::<Vec<_>>();
-        // MemberAdd may give a replacement the id of the founder it replaced (at the same
-        // address): the founding list already names it then.
-        if joined && !initial.iter().any(|e| e.starts_with(&format!("{id}="))) {
+        // MemberAdd never gives an id twice, so a replacement's id is never a founder's (were
+        // it one, the list would name it twice and `serve` would refuse to start, loudly).
+        if joined {
             initial.push(format!("{id}={}", places[index].peer_addr));
             clients.push(format!("{id}={}", places[index].client_addr));
         }
@@ -254,15 +254,12 @@ impl Cluster {
         None
     }
 
-    /// Deletes member `index`'s data directory, so a replacement joins empty even when
-    /// MemberAdd gave it the id of a removed member (ids are reused, see docs/faults.md).
-    pub fn clear_data_dir(&self, index: usize) {
-        let dir = self.root.join(format!("member{}", self.members[index].id));
-        if dir.exists()
-            && let Err(error) = std::fs::remove_dir_all(&dir)
-        {
-            eprintln!("nemesis: cannot clear {}: {error}", dir.display());
-        }
+    /// Whether member `index`'s data directory exists already. A replacement's id is new, so
+    /// its directory must not: one that does means MemberAdd gave an id twice.
+    pub fn has_data_dir(&self, index: usize) -> bool {
+        self.root
+            .join(format!("member{}", self.members[index].id))
+            .exists()
     }
 
     /// What the harness's clients present and trust, when the run uses TLS.

@@ -345,7 +345,11 @@ async fn add_learner(cluster: &mut Cluster, index: usize) -> Option<u64> {
     cluster.members[index].id = id;
     cluster.members[index].joined = true;
     cluster.members[index].learner = true;
-    cluster.clear_data_dir(index);
+    if cluster.has_data_dir(index) {
+        // Starting it would resume the removed member's log under the new member's name.
+        eprintln!("nemesis: MemberAdd gave id {id} again (its data directory exists); not started");
+        return None;
+    }
     if let Err(error) = cluster.spawn(index) {
         eprintln!("nemesis: start of learner {id} failed: {error}");
     }

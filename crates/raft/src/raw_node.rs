@@ -4,7 +4,7 @@
 use bytes::Bytes;
 
 use crate::config::Config;
-use crate::error::Error;
+use crate::error::{Error, StorageError};
 use crate::raft::{CampaignKind, Raft};
 use crate::storage::Storage;
 use crate::types::*;
@@ -249,6 +249,18 @@ impl<S: Storage> RawNode<S> {
 
     pub fn last_index(&self) -> Index {
         self.raft.log.last_index()
+    }
+
+    /// This node's log entries in `[low, high)`, persisted or not yet, at most `max_bytes` of
+    /// payload (but at least one); `high` may be at most `last_index() + 1`. Fails with
+    /// `Compacted` below the snapshot.
+    pub fn entries(
+        &self,
+        low: Index,
+        high: Index,
+        max_bytes: u64,
+    ) -> Result<Vec<Entry>, StorageError> {
+        self.raft.log.entries(low, high, max_bytes)
     }
 
     /// The membership as of the applied index (what a snapshot taken now must record).

@@ -45,7 +45,9 @@ const ERR_BAD_URLS: &str = "etcdserver: given member URLs are invalid";
 
 pub struct ClusterService {
     pub api: Arc<Api>,
-    /// Serializes this node's changes, so two MemberAdds cannot pick the same id.
+    /// Serializes this node's changes, so a check (a peer URL in use, a learner to promote)
+    /// sees the effect of the change before it. Ids need no lock: the core picks each one
+    /// above every id in the log, applied or not.
     changing: tokio::sync::Mutex<()>,
 }
 
@@ -113,27 +115,25 @@ impl ClusterService {
         if taken {
             return Err(Status::failed_precondition(ERR_PEER_URL_EXISTS));
         }
-        // Above every id ever recorded, so a record left by an interrupted add is not reused.
-        let id = status
-            .members
-            .iter()
-            .map(|m| m.id)
-            .chain(conf.members())
-            .max()
-            .unwrap_or(0)
-            + 1;
+        // The leader's core picks the id: above every id the cluster ever used, so a removed
+        // member's id (its process may still run) is never given again.
+        let record = self.api.node.add_member(peer_addr.clone());
+        let id = match tokio::time::timeout(ctx.remaining(), record).await {
+            Err(_) => return Err(to_status(Error::Timeout)),
+            Ok(Err(Error::Raft(conclave_raft::Error::InvalidConfChange(reason)))) => {
+                return Err(Status::failed_precondition(format!(
+                    "conclave: invalid membership change: {reason}"
+                )));
+            }
+            Ok(Err(error)) => return Err(to_status(error)),
+            Ok(Ok(id)) => id,
+        };
         let member = Member {
             id,
             name: String::new(),
             peer_addr,
             client_addr: String::new(),
         };
-        let record = self.api.node.propose_member(member.clone());
-        match tokio::time::timeout(ctx.remaining(), record).await {
-            Err(_) => return Err(to_status(Error::Timeout)),
-            Ok(Err(error)) => return Err(to_status(error)),
-            Ok(Ok(())) => {}
-        }
         let step = if request.is_learner {
             ConfChangeStep::AddLearner(id)
         } else {

@@ -180,10 +180,11 @@ impl NodeHandle {
             .await
     }
 
-    /// Replicates a member record (the membership table lives next to the state machine,
-    /// since users cannot write `/_conclave/` keys); answered once applied here. Leader only.
-    pub async fn propose_member(&self, member: Member) -> Result<(), Error> {
-        self.node.propose_member(member).await
+    /// Replicates the record of a new member at `peer_addr` (the membership table lives next
+    /// to the state machine, since users cannot write `/_conclave/` keys) under an id never
+    /// used before; answered with the id once applied here. Leader only.
+    pub async fn add_member(&self, peer_addr: String) -> Result<NodeId, Error> {
+        self.node.add_member(peer_addr).await
     }
 
     pub async fn update_member(&self, member: Member) -> Result<(), Error> {

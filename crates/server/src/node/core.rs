@@ -298,6 +298,7 @@ pub struct SnapshotPlan {
 /// of the snapshot's index. Encoding may run on another thread while the node goes on.
 #[derive(Debug)]
 pub struct SnapshotData {
+    member_id_high: NodeId,
     members: Vec<Member>,
     image: FrozenImage,
 }
@@ -306,8 +307,60 @@ impl SnapshotData {
     /// The snapshot's bytes (see `entries::snapshot_bytes`).
     pub fn encode(self) -> Bytes {
         let image = self.image.encode();
-        Bytes::from(entries::snapshot_bytes(self.members.iter(), &image))
+        Bytes::from(entries::snapshot_bytes(
+            self.member_id_high,
+            self.members.iter(),
+            &image,
+        ))
     }
+}
+
+/// The member table: the records and the highest id ever used. Both are replicated: every
+/// node derives them from the same snapshots and log entries.
+#[derive(Debug, Clone, Default)]
+pub struct MemberTable {
+    /// The member records, by id.
+    pub records: BTreeMap<NodeId, Member>,
+    /// The highest member id the cluster ever used, founders included: recorded in snapshots,
+    /// raised by every applied member record and configuration change that names a higher
+    /// one. A removed member's record goes, its id stays used, so MemberAdd never gives it
+    /// again (a removed node still running, or its messages in flight, would speak as the new
+    /// member).
+    pub id_high: NodeId,
+}
+
+/// What a snapshot restored about the members.
+#[derive(Debug)]
+pub(crate) struct RestoredMembers {
+    /// The snapshot's member records; `None` when it has none (then the founders' stand).
+    pub records: Option<Vec<Member>>,
+    /// The highest member id used up to the snapshot: the one it recorded, and every id its
+    /// configuration and records name (a bootstrap snapshot's configuration is the founders,
+    /// and an older snapshot recorded no highest id).
+    pub id_high: NodeId,
+}
+
+impl RestoredMembers {
+    /// The table a node opens with: the snapshot's records, or `founders` when it has none.
+    pub(crate) fn into_table(self, founders: Vec<Member>) -> MemberTable {
+        MemberTable {
+            records: self
+                .records
+                .unwrap_or(founders)
+                .into_iter()
+                .map(|m| (m.id, m))
+                .collect(),
+            id_high: self.id_high,
+        }
+    }
+}
+
+/// The member ids a configuration change adds (the ones it removes were added before).
+fn conf_change_added_ids(steps: &[ConfChangeStep]) -> impl Iterator<Item = NodeId> + '_ {
+    steps.iter().filter_map(|step| match step {
+        ConfChangeStep::AddVoter(id) | ConfChangeStep::AddLearner(id) => Some(*id),
+        _ => None,
+    })
 }
 
 /// The sans-IO node; see the module documentation.
@@ -337,6 +390,8 @@ pub struct NodeCore<M: ReplicatedMachine, S: NodeStore> {
     /// The replicated member records, by id: founding members or the snapshot's, then
     /// applied member entries.
     members: BTreeMap<NodeId, Member>,
+    /// See [`MemberTable::id_high`].
+    member_id_high: NodeId,
     /// Set when `members` changed; the shell re-dials its peers.
     members_changed: bool,
     /// Nodes a membership change removes; their records go once the configuration no longer
@@ -346,6 +401,24 @@ pub struct NodeCore<M: ReplicatedMachine, S: NodeStore> {
     outputs: Vec<Output<M::Output>>,
     #[cfg(feature = "negative-controls")]
     pub bugs: CoreBugs,
+}
+
+/// How many bytes of log entries [`NodeCore::next_member_id`] reads at a time.
+const MEMBER_ID_SCAN_BYTES_MAX: u64 = 1 << 20;
+
+/// The highest member id a log entry names (a member record or a configuration change that
+/// adds one); 0 for any other entry.
+fn entry_member_id_high(entry: &Entry) -> NodeId {
+    if entry.kind == EntryKind::ConfChange {
+        return match ConfChange::decode(&entry.data) {
+            Some(ConfChange::Enter(steps)) => conf_change_added_ids(&steps).max().unwrap_or(0),
+            _ => 0,
+        };
+    }
+    match entries::entry_body(&entry.data) {
+        EntryBody::Member(Some(member)) => member.id,
+        _ => 0,
+    }
 }
 
 /// The core's operating errors as the Raft core reports them.
@@ -370,31 +443,53 @@ fn clone_error(error: &Error) -> Error {
     }
 }
 
-/// Restores `machine` from a snapshot; returns the snapshot's member records, if it has them.
+/// Restores `machine` from a snapshot; returns what the snapshot says about the members.
 pub(crate) fn restore_machine<M: ReplicatedMachine>(
     machine: &mut M,
     snapshot: &Snapshot,
-) -> Result<Option<Vec<Member>>, Error> {
+) -> Result<RestoredMembers, Error> {
+    let conf_high = snapshot.meta.conf_state.members().into_iter().max();
     if snapshot.data.is_empty() {
         // The bootstrap snapshot carries membership only: the machine stays as it started.
-        return Ok(None);
+        return Ok(RestoredMembers {
+            records: None,
+            id_high: conf_high.unwrap_or(0),
+        });
     }
     let (members, image) = entries::split_snapshot(&snapshot.data[..])
         .ok_or_else(|| Error::StateRestore("malformed member records in the snapshot".into()))?;
     machine
         .restore(image)
         .map_err(|e| Error::StateRestore(e.to_string()))?;
-    Ok(members)
+    let Some(members) = members else {
+        return Ok(RestoredMembers {
+            records: None,
+            id_high: conf_high.unwrap_or(0),
+        });
+    };
+    let id_high = members
+        .records
+        .iter()
+        .map(|m| m.id)
+        .chain(conf_high)
+        .chain(members.member_id_high)
+        .max()
+        .unwrap_or(0);
+    Ok(RestoredMembers {
+        records: Some(members.records),
+        id_high,
+    })
 }
 
 impl<M: ReplicatedMachine, S: NodeStore> NodeCore<M, S> {
     /// A core over `raw`, whose storage holds a snapshot at `snapshot_index`; `machine` is
-    /// already restored from it and `members` are its member records (or the founders').
+    /// already restored from it and `members` is its member table (with the founders' records
+    /// when it has none).
     pub fn new(
         settings: CoreSettings,
         raw: RawNode<S>,
         machine: Arc<RwLock<M>>,
-        members: BTreeMap<NodeId, Member>,
+        members: MemberTable,
         snapshot_index: u64,
         now_ms: u64,
     ) -> Self {
@@ -413,7 +508,8 @@ impl<M: ReplicatedMachine, S: NodeStore> NodeCore<M, S> {
             next_read_context: 1,
             snapshot_index,
             snapshot_pending: None,
-            members,
+            members: members.records,
+            member_id_high: members.id_high,
             members_changed: true,
             removals: BTreeSet::new(),
             refused: RefusedMessages::default(),
@@ -436,11 +532,7 @@ impl<M: ReplicatedMachine, S: NodeStore> NodeCore<M, S> {
         let snapshot = store
             .snapshot()
             .map_err(|e| Error::StateRestore(e.to_string()))?;
-        let members = restore_machine(&mut machine, &snapshot)?
-            .unwrap_or(founders)
-            .into_iter()
-            .map(|m| (m.id, m))
-            .collect();
+        let members = restore_machine(&mut machine, &snapshot)?.into_table(founders);
         let snapshot_index = snapshot.meta.index;
         let raw = RawNode::new(raft_config, store).map_err(Error::RaftStart)?;
         Ok(NodeCore::new(
@@ -532,15 +624,67 @@ impl<M: ReplicatedMachine, S: NodeStore> NodeCore<M, S> {
         }
     }
 
-    /// Replicates a member record (`update`: a change to an existing one); settled once
-    /// applied here. Leader only.
-    pub fn propose_member(&mut self, member: &Member, update: bool) -> Result<Token, Error> {
-        let data = Bytes::from(if update {
-            entries::member_update_entry(member)
-        } else {
-            entries::member_entry(member)
-        });
+    /// Replicates the record of a new member at `peer_addr` under an id never used before
+    /// (see [`NodeCore::next_member_id`]); returns the token, settled once the record is
+    /// applied here, and the id. Leader only.
+    pub fn propose_new_member(&mut self, peer_addr: String) -> Result<(Token, NodeId), Error> {
+        if self.raw.role() != Role::Leader {
+            return Err(Error::NotLeader {
+                leader: self.raw.leader(),
+            });
+        }
+        let id = self.next_member_id()?;
+        let member = Member {
+            id,
+            name: String::new(),
+            peer_addr,
+            client_addr: String::new(),
+        };
+        let data = Bytes::from(entries::member_entry(&member));
+        let token = self.propose_tracked(Wants::Done, |raw| raw.propose(data))?;
+        Ok((token, id))
+    }
+
+    /// Replicates a change to an existing member record (ignored where its member is gone by
+    /// then); settled once applied here. Leader only.
+    pub fn propose_member_update(&mut self, member: &Member) -> Result<Token, Error> {
+        let data = Bytes::from(entries::member_update_entry(member));
         self.propose_tracked(Wants::Done, |raw| raw.propose(data))
+    }
+
+    /// The id the next new member gets, on the leader: one above the highest id the cluster
+    /// ever used, every record and configuration member, and every id a member record or
+    /// configuration change names in this node's log past what it applied. That tail holds
+    /// whatever may commit before a new entry: an earlier leader's entries a new leader has
+    /// not applied yet, and this leader's own records still in flight (a MemberAdd that gave
+    /// up waiting), so no id is given twice even before they apply.
+    pub fn next_member_id(&self) -> Result<NodeId, Error> {
+        let mut high = self
+            .members
+            .keys()
+            .copied()
+            .chain(self.raw.conf_state().members())
+            .fold(self.member_id_high, NodeId::max);
+        let last = self.raw.last_index();
+        let mut next = self.raw.applied_index() + 1;
+        while next <= last {
+            let batch = self
+                .raw
+                .entries(next, last + 1, MEMBER_ID_SCAN_BYTES_MAX)
+                .map_err(|e| Error::RaftStart(format!("reading the log past {next}: {e}")))?;
+            let Some(end) = batch.last().map(|e| e.index) else {
+                break;
+            };
+            for entry in &batch {
+                high = high.max(entry_member_id_high(entry));
+            }
+            next = end + 1;
+        }
+        high.checked_add(1).ok_or_else(|| {
+            Error::Raft(conclave_raft::Error::InvalidConfChange(format!(
+                "no member id is left above {high}"
+            )))
+        })
     }
 
     /// Proposes one membership change; settled once its entry is applied here. Leader only.
@@ -829,10 +973,13 @@ impl<M: ReplicatedMachine, S: NodeStore> NodeCore<M, S> {
         duties: &mut impl Duties<M, S>,
     ) -> Result<(), Error> {
         if let Some(snapshot) = &ready.snapshot {
-            let members = restore_machine(&mut *self.machine_mut(), snapshot)?;
+            let restored = restore_machine(&mut *self.machine_mut(), snapshot)?;
             duties.snapshot_installed(&self.machine());
-            if let Some(members) = members {
-                self.members = members.into_iter().map(|m| (m.id, m)).collect();
+            // The snapshot's highest id covers the log before it, which this node applied
+            // only a prefix of; an older snapshot may know less than this node did.
+            self.member_id_high = self.member_id_high.max(restored.id_high);
+            if let Some(records) = restored.records {
+                self.members = records.into_iter().map(|m| (m.id, m)).collect();
                 self.members_changed = true;
             }
             self.snapshot_index = snapshot.meta.index;
@@ -896,6 +1043,8 @@ impl<M: ReplicatedMachine, S: NodeStore> NodeCore<M, S> {
                 if entry.kind == EntryKind::ConfChange {
                     // The core applies it at advance; the shell follows with the peers.
                     if let Some(ConfChange::Enter(steps)) = ConfChange::decode(&entry.data) {
+                        self.member_id_high =
+                            conf_change_added_ids(&steps).fold(self.member_id_high, NodeId::max);
                         for step in steps {
                             if let ConfChangeStep::RemoveNode(id) = step {
                                 self.removals.insert(id);
@@ -917,6 +1066,7 @@ impl<M: ReplicatedMachine, S: NodeStore> NodeCore<M, S> {
                         continue;
                     }
                     EntryBody::Member(Some(member)) => {
+                        self.member_id_high = self.member_id_high.max(member.id);
                         self.members.insert(member.id, member);
                         self.members_changed = true;
                         Outcome::Done
@@ -1080,6 +1230,7 @@ impl<M: ReplicatedMachine, S: NodeStore> NodeCore<M, S> {
         // Only the freezing happens here (for the coordination machine a clone of persistent
         // maps); the encoding is the shell's, on whichever thread it likes.
         let data = SnapshotData {
+            member_id_high: self.member_id_high,
             members: self.members.values().cloned().collect(),
             image: self.machine().snapshot_frozen(),
         };
@@ -1191,6 +1342,11 @@ impl<M: ReplicatedMachine, S: NodeStore> NodeCore<M, S> {
         &self.members
     }
 
+    /// The highest member id the cluster ever used (see [`MemberTable::id_high`]).
+    pub fn member_id_high(&self) -> NodeId {
+        self.member_id_high
+    }
+
     /// Proposals waiting to be applied.
     pub fn proposals_waiting(&self) -> usize {
         self.proposals.len()
@@ -1212,5 +1368,177 @@ impl<M: ReplicatedMachine, S: NodeStore> NodeCore<M, S> {
         self.machine
             .write()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::{Path, PathBuf};
+
+    use conclave_storage::{OsDisk, StorageOptions};
+
+    use super::*;
+    use crate::machine::MachineError;
+
+    /// A machine with nothing to replicate: these tests are about the member table.
+    #[derive(Default)]
+    struct Nothing;
+
+    impl ReplicatedMachine for Nothing {
+        type Command = ();
+        type Output = ();
+        fn encode(_command: ()) -> Vec<u8> {
+            b"nothing".to_vec()
+        }
+        fn apply(&mut self, _index: u64, _entry: &[u8]) -> Result<(), MachineError> {
+            Ok(())
+        }
+        fn snapshot(&self) -> Vec<u8> {
+            b"nothing".to_vec()
+        }
+        fn restore(&mut self, _image: &[u8]) -> Result<(), MachineError> {
+            Ok(())
+        }
+    }
+
+    struct NoDuties;
+    impl<M: ReplicatedMachine, S: NodeStore> Duties<M, S> for NoDuties {}
+
+    /// A single voter has no peers to send to.
+    struct NoPeers;
+    impl ReadyIo for NoPeers {
+        fn send(&mut self, _message: Message) {}
+    }
+
+    type TestCore = NodeCore<Nothing, WalStorage>;
+
+    fn temp_dir(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("conclave-core-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("create the test directory");
+        dir
+    }
+
+    fn member(id: NodeId) -> Member {
+        Member {
+            id,
+            name: format!("n{id}"),
+            peer_addr: format!("127.0.0.1:{}", 7000 + id),
+            client_addr: String::new(),
+        }
+    }
+
+    /// Opens (bootstrapping on first use) a one-voter cluster of member 1 over `dir` and
+    /// runs it until it leads.
+    fn open_leader(dir: &Path) -> TestCore {
+        let mut store = WalStorage::open(Arc::new(OsDisk), dir, StorageOptions::default())
+            .expect("open the log");
+        if store.is_fresh() {
+            store
+                .bootstrap(ConfState::with_voters([1]))
+                .expect("bootstrap");
+        }
+        let settings = CoreSettings {
+            proposals_inflight_max: 100,
+            reads_inflight_max: 100,
+            snapshot_entries: 1,
+        };
+        let mut core = NodeCore::open(
+            settings,
+            conclave_raft::Config::new(1),
+            store,
+            Nothing,
+            vec![member(1)],
+            0,
+        )
+        .expect("open the core");
+        core.start(&mut NoDuties);
+        run(&mut core);
+        assert_eq!(core.role(), Role::Leader);
+        core
+    }
+
+    fn run(core: &mut TestCore) {
+        assert_eq!(
+            core.turn(&mut NoDuties, &mut NoPeers).expect("turn"),
+            TurnEnd::Done
+        );
+    }
+
+    /// Adds a learner through the core the way MemberAdd does; its id.
+    fn add_learner(core: &mut TestCore, peer_addr: &str) -> NodeId {
+        let (_, id) = core
+            .propose_new_member(peer_addr.to_string())
+            .expect("record proposed");
+        run(core);
+        change(core, ConfChangeStep::AddLearner(id));
+        id
+    }
+
+    fn change(core: &mut TestCore, step: ConfChangeStep) {
+        core.change_membership(vec![step]).expect("change proposed");
+        run(core);
+        assert!(!core.raw().conf_state().is_joint(), "left the joint phase");
+    }
+
+    fn take_snapshot(core: &mut TestCore) {
+        let plan = core.snapshot_due().expect("snapshot").expect("one is due");
+        let index = plan.meta.index;
+        let mut writer = core
+            .raw()
+            .store()
+            .begin_snapshot(plan.meta)
+            .expect("begin the snapshot");
+        let data = plan.data.encode();
+        writer.write_chunk(&data).expect("write the snapshot");
+        let file = writer.finish().expect("finish the snapshot");
+        let recorded = core
+            .snapshot_written(index, |store| {
+                Ok(store.record_created_snapshot_with_data(file, data)?)
+            })
+            .expect("record the snapshot");
+        assert!(recorded);
+    }
+
+    #[test]
+    fn a_removed_members_id_is_never_given_again_even_after_a_snapshot_and_a_restart() {
+        let dir = temp_dir("member-ids");
+        let mut core = open_leader(&dir);
+        assert_eq!(add_learner(&mut core, "127.0.0.1:7002"), 2);
+        assert_eq!(add_learner(&mut core, "127.0.0.1:7003"), 3);
+        // Removing the member with the highest id drops its record once the configuration no
+        // longer holds it: nothing but the high-water mark remembers id 3.
+        change(&mut core, ConfChangeStep::RemoveNode(3));
+        assert!(!core.members().contains_key(&3));
+        assert!(!core.raw().conf_state().contains(3));
+        assert_eq!(core.member_id_high(), 3);
+        assert_eq!(core.next_member_id().expect("an id"), 4, "id 3 was used");
+
+        // The snapshot covers every entry that named id 3; the log below it is dropped.
+        take_snapshot(&mut core);
+        drop(core);
+        let mut core = open_leader(&dir);
+        assert!(!core.members().contains_key(&3));
+        assert_eq!(core.member_id_high(), 3, "restored from the snapshot");
+        assert_eq!(add_learner(&mut core, "127.0.0.1:7004"), 4);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn records_proposed_but_not_applied_yet_take_their_ids() {
+        let dir = temp_dir("member-ids-in-flight");
+        let mut core = open_leader(&dir);
+        // Two adds whose records are both still in the log, unapplied (a MemberAdd that gave
+        // up waiting, then another; or a new leader's unapplied entries of its predecessor).
+        let (_, first) = core
+            .propose_new_member("127.0.0.1:7002".into())
+            .expect("first record");
+        let (_, second) = core
+            .propose_new_member("127.0.0.1:7003".into())
+            .expect("second record");
+        assert_eq!((first, second), (2, 3));
+        run(&mut core);
+        assert_eq!(core.member_id_high(), 3);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -7,7 +7,7 @@
 //! machine's lease duties and watch fan-out, an embedding program's role callbacks) plugs in
 //! through [`ShellDuties`].
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -20,8 +20,8 @@ use tokio::sync::{mpsc, oneshot, watch};
 
 pub use super::core::{Applied, NodeStatus, PeerMatch};
 use super::core::{
-    CoreSettings, Duties, NodeCore, Output, ReadyIo, ReadyPoint, SnapshotPlan, Token, TurnEnd,
-    restore_machine,
+    CoreSettings, Duties, MemberTable, NodeCore, Output, ReadyIo, ReadyPoint, SnapshotPlan, Token,
+    TurnEnd, restore_machine,
 };
 use crate::config::{Member, ServerConfig};
 use crate::error::Error;
@@ -58,12 +58,17 @@ pub(crate) enum NodeRequest<M: ReplicatedMachine, R> {
         target: NodeId,
         reply: oneshot::Sender<Result<(), Error>>,
     },
-    /// Replicate a member record (the membership table lives next to the machine); answered
-    /// once applied here. Leader only.
-    ProposeMember {
+    /// Replicate the record of a new member at `peer_addr` (the membership table lives next to
+    /// the machine) under an id the core picks, never used before; answered with the id once
+    /// applied here. Leader only.
+    AddMember {
+        peer_addr: String,
+        reply: oneshot::Sender<Result<NodeId, Error>>,
+    },
+    /// Replicate a change to an existing member record (ignored if its member is gone);
+    /// answered once applied here. Leader only.
+    UpdateMember {
         member: Member,
-        /// Changes an existing record (ignored if its member is gone) rather than creating one.
-        update: bool,
         reply: oneshot::Sender<Result<(), Error>>,
     },
     /// Propose one membership change; answered once its entry is applied here. Leader only.
@@ -102,10 +107,12 @@ pub(crate) trait ShellDuties<M: ReplicatedMachine>:
     );
 }
 
-/// Who waits for a settled proposal: a machine command wants its output; a member record or
-/// a membership change only that it was applied.
+/// Who waits for a settled proposal: a machine command wants its output; a new member's
+/// record the id it was given; a member record update or a membership change only that it
+/// was applied.
 enum Reply<O> {
     Command(ProposeReply<O>),
+    NewMember(NodeId, oneshot::Sender<Result<NodeId, Error>>),
     Done(oneshot::Sender<Result<(), Error>>),
 }
 
@@ -132,6 +139,15 @@ impl<O> Waiters<O> {
         self.proposals.insert(token, Reply::Done(reply));
     }
 
+    fn new_member(
+        &mut self,
+        token: Token,
+        id: NodeId,
+        reply: oneshot::Sender<Result<NodeId, Error>>,
+    ) {
+        self.proposals.insert(token, Reply::NewMember(id, reply));
+    }
+
     fn deliver(&mut self, output: Output<O>, metrics: &NodeMetrics) {
         match output {
             Output::Settled { token, result } => match self.proposals.remove(&token) {
@@ -143,6 +159,9 @@ impl<O> Waiters<O> {
                 Some(Reply::Command(reply)) => {
                     let result = result.and_then(|applied| applied.ok_or(Error::LeaderChanged));
                     let _ = reply.send(result);
+                }
+                Some(Reply::NewMember(id, reply)) => {
+                    let _ = reply.send(result.map(|_| id));
                 }
                 Some(Reply::Done(reply)) => {
                     let _ = reply.send(result.map(|_| ()));
@@ -239,24 +258,18 @@ impl<M: ReplicatedMachine, R> Handle<M, R> {
             .await
     }
 
-    pub async fn propose_member(&self, member: Member) -> Result<(), Error> {
-        self.ask(|reply| NodeRequest::ProposeMember {
-            member,
-            update: false,
-            reply,
-        })
-        .await
+    /// Records a new member at `peer_addr` under an id never used before; its id once the
+    /// record is applied here.
+    pub async fn add_member(&self, peer_addr: String) -> Result<NodeId, Error> {
+        self.ask(|reply| NodeRequest::AddMember { peer_addr, reply })
+            .await
     }
 
     /// Proposes a change to an existing member record; once applied, the record holds it
     /// unless the member was removed first.
     pub async fn update_member(&self, member: Member) -> Result<(), Error> {
-        self.ask(|reply| NodeRequest::ProposeMember {
-            member,
-            update: true,
-            reply,
-        })
-        .await
+        self.ask(|reply| NodeRequest::UpdateMember { member, reply })
+            .await
     }
 
     pub async fn change_membership(&self, steps: Vec<ConfChangeStep>) -> Result<(), Error> {
@@ -276,11 +289,12 @@ impl<M: ReplicatedMachine, R> Handle<M, R> {
 
 /// Opens the data directory (bootstrapping a fresh one with the founding members) and
 /// restores `machine` from the newest snapshot. The log after it is replayed by the core.
-/// Returns the member records too: the snapshot's, or the founding members.
+/// Returns the member table too: the snapshot's records (or the founding members) and the
+/// highest member id used up to it.
 pub(crate) fn open_storage<M: ReplicatedMachine>(
     config: &ServerConfig,
     mut machine: M,
-) -> Result<(WalStorage, M, BTreeMap<NodeId, Member>), Error> {
+) -> Result<(WalStorage, M, MemberTable), Error> {
     let mut store = WalStorage::open(
         Arc::new(OsDisk),
         &config.data_dir,
@@ -304,12 +318,7 @@ pub(crate) fn open_storage<M: ReplicatedMachine>(
     let snapshot = store
         .snapshot()
         .map_err(|e| Error::StateRestore(e.to_string()))?;
-    let members = restore_machine(&mut machine, &snapshot)?;
-    let members = members
-        .unwrap_or_else(|| config.members.clone())
-        .into_iter()
-        .map(|m| (m.id, m))
-        .collect();
+    let members = restore_machine(&mut machine, &snapshot)?.into_table(config.members.clone());
     Ok((store, machine, members))
 }
 
@@ -734,16 +743,22 @@ impl<M: ReplicatedMachine, D: ShellDuties<M>> Driver<M, D> {
             NodeRequest::TransferLeader { target, reply } => {
                 let _ = reply.send(core.transfer_leader(target));
             }
-            NodeRequest::ProposeMember {
-                member,
-                update,
-                reply,
-            } => match core.propose_member(&member, update) {
-                Ok(token) => waiters.done(token, reply),
-                Err(error) => {
-                    let _ = reply.send(Err(error));
+            NodeRequest::AddMember { peer_addr, reply } => {
+                match core.propose_new_member(peer_addr) {
+                    Ok((token, id)) => waiters.new_member(token, id, reply),
+                    Err(error) => {
+                        let _ = reply.send(Err(error));
+                    }
                 }
-            },
+            }
+            NodeRequest::UpdateMember { member, reply } => {
+                match core.propose_member_update(&member) {
+                    Ok(token) => waiters.done(token, reply),
+                    Err(error) => {
+                        let _ = reply.send(Err(error));
+                    }
+                }
+            }
             NodeRequest::ChangeMembership { steps, reply } => match core.change_membership(steps) {
                 Ok(token) => waiters.done(token, reply),
                 Err(error) => {

@@ -12,8 +12,12 @@
 //!   extra byte);
 //! - anything else: machine bytes as they are.
 //!
-//! A snapshot is [`SNAPSHOT_MEMBERS_MAGIC`], the member records, then the machine's image.
-//! Snapshots without the magic (taken before membership changes existed) are the image alone.
+//! A snapshot is [`SNAPSHOT_MEMBER_IDS_MAGIC`], the highest member id the cluster ever used,
+//! the member records, then the machine's image. Older snapshots still load: with
+//! [`SNAPSHOT_MEMBERS_MAGIC`] they carry the records without the highest id, and without
+//! either magic (taken before membership changes existed) they are the image alone.
+
+use conclave_raft::NodeId;
 
 use crate::config::Member;
 
@@ -27,8 +31,12 @@ pub(crate) const MEMBER_UPDATE_ENTRY_MAGIC: &[u8] = b"\x00conclave-member\x02";
 /// Starts a log entry whose remaining bytes go to the machine unchanged, used only when the
 /// machine's bytes could be mistaken for a no-op or another framed entry.
 pub(crate) const MACHINE_ENTRY_ESCAPE: &[u8] = b"\x00conclave-machine\x01";
-/// Starts a snapshot whose member records precede the state machine's image.
+/// Starts a snapshot whose member records precede the state machine's image (written before
+/// the highest member id was recorded; still read).
 pub(crate) const SNAPSHOT_MEMBERS_MAGIC: &[u8] = b"CNCLMEMB";
+/// Starts a snapshot whose highest member id ever used, then member records, precede the state
+/// machine's image: a removed member's record is gone, and its id must stay used.
+pub(crate) const SNAPSHOT_MEMBER_IDS_MAGIC: &[u8] = b"CNCLMID2";
 /// Bounds a member record's strings, so a corrupt length cannot ask for gigabytes.
 pub(crate) const MEMBER_FIELD_BYTES_MAX: usize = 4096;
 
@@ -119,13 +127,25 @@ fn decode_member(bytes: &mut &[u8]) -> Option<Member> {
     })
 }
 
-/// A snapshot's bytes: the member records, so a node that catches up by snapshot (a joining
-/// one above all) learns every member's address, then the machine's image.
+/// What a snapshot says about the members.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct SnapshotMembers {
+    pub records: Vec<Member>,
+    /// The highest member id the cluster used up to the snapshot; `None` in a snapshot written
+    /// before it was recorded.
+    pub member_id_high: Option<NodeId>,
+}
+
+/// A snapshot's bytes: the highest member id ever used and the member records, so a node that
+/// catches up by snapshot (a joining one above all) learns every member's address and which
+/// ids are taken, then the machine's image.
 pub(crate) fn snapshot_bytes<'a>(
+    member_id_high: NodeId,
     members: impl ExactSizeIterator<Item = &'a Member>,
     image: &[u8],
 ) -> Vec<u8> {
-    let mut framed = SNAPSHOT_MEMBERS_MAGIC.to_vec();
+    let mut framed = SNAPSHOT_MEMBER_IDS_MAGIC.to_vec();
+    framed.extend_from_slice(&member_id_high.to_be_bytes());
     framed.extend_from_slice(&(members.len() as u32).to_be_bytes());
     for member in members {
         encode_member_into(&mut framed, member);
@@ -134,19 +154,29 @@ pub(crate) fn snapshot_bytes<'a>(
     framed
 }
 
-/// Splits a snapshot into its member records (if it has them) and the machine's image;
-/// `None` when the member records are malformed.
-pub(crate) fn split_snapshot(data: &[u8]) -> Option<(Option<Vec<Member>>, &[u8])> {
-    let Some(mut rest) = data.strip_prefix(SNAPSHOT_MEMBERS_MAGIC) else {
-        return Some((None, data));
-    };
+/// Splits a snapshot into what it says about the members (if anything) and the machine's
+/// image; `None` when the member section is malformed.
+pub(crate) fn split_snapshot(data: &[u8]) -> Option<(Option<SnapshotMembers>, &[u8])> {
+    let (member_id_high, mut rest) =
+        if let Some(rest) = data.strip_prefix(SNAPSHOT_MEMBER_IDS_MAGIC) {
+            let high = u64::from_be_bytes(rest.get(..8)?.try_into().ok()?);
+            (Some(high), rest.get(8..)?)
+        } else if let Some(rest) = data.strip_prefix(SNAPSHOT_MEMBERS_MAGIC) {
+            (None, rest)
+        } else {
+            return Some((None, data));
+        };
     let count = u32::from_be_bytes(rest.get(..4)?.try_into().ok()?);
     rest = rest.get(4..)?;
     let mut members = Vec::new();
     for _ in 0..count {
         members.push(decode_member(&mut rest)?);
     }
-    Some((Some(members), rest))
+    let found = SnapshotMembers {
+        records: members,
+        member_id_high,
+    };
+    Some((Some(found), rest))
 }
 
 #[cfg(test)]
@@ -194,16 +224,46 @@ mod tests {
     }
 
     #[test]
-    fn snapshots_carry_members_before_the_image() {
+    fn snapshots_carry_the_highest_member_id_and_members_before_the_image() {
         let members = [member(1), member(2)];
-        let bytes = snapshot_bytes(members.iter(), b"image");
+        // Id 5 was used and removed: only the highest id remembers it.
+        let bytes = snapshot_bytes(5, members.iter(), b"image");
         let (found, image) = split_snapshot(&bytes).expect("well-formed");
-        assert_eq!(found.as_deref(), Some(&members[..]));
+        assert_eq!(
+            found,
+            Some(SnapshotMembers {
+                records: members.to_vec(),
+                member_id_high: Some(5),
+            })
+        );
         assert_eq!(image, b"image");
         assert_eq!(split_snapshot(b"legacy"), Some((None, &b"legacy"[..])));
+        for cut in [
+            SNAPSHOT_MEMBER_IDS_MAGIC.len() + 4,
+            SNAPSHOT_MEMBER_IDS_MAGIC.len() + 14,
+        ] {
+            assert_eq!(split_snapshot(&bytes[..cut]), None, "cut at {cut}");
+        }
+    }
+
+    #[test]
+    fn snapshots_with_member_records_but_no_highest_id_still_load() {
+        // The layout written before the highest id was recorded.
+        let members = [member(1), member(3)];
+        let mut bytes = SNAPSHOT_MEMBERS_MAGIC.to_vec();
+        bytes.extend_from_slice(&(members.len() as u32).to_be_bytes());
+        for m in &members {
+            encode_member_into(&mut bytes, m);
+        }
+        bytes.extend_from_slice(b"image");
+        let (found, image) = split_snapshot(&bytes).expect("well-formed");
         assert_eq!(
-            split_snapshot(&bytes[..SNAPSHOT_MEMBERS_MAGIC.len() + 6]),
-            None
+            found,
+            Some(SnapshotMembers {
+                records: members.to_vec(),
+                member_id_high: None,
+            })
         );
+        assert_eq!(image, b"image");
     }
 }
