@@ -705,9 +705,7 @@ impl Leadership {
             info.group.clone(),
             info.fence,
             info.elected_revision,
-            keeper.subscribe(),
-            keeper.give_up_handle(),
-            keeper.id(),
+            (keeper.subscribe(), keeper.give_up_handle(), keeper.id()),
             lost_tx.clone(),
             handoff_tx.clone(),
         ));
@@ -921,9 +919,8 @@ async fn monitor(
     group: String,
     fence: u64,
     elected_revision: i64,
-    mut lease: watch::Receiver<LeaseState>,
-    give_up: Arc<GiveUp>,
-    lease_id: LeaseId,
+    // The lease's state, what gives it up at its local deadline, and its id.
+    (mut lease, give_up, lease_id): (watch::Receiver<LeaseState>, Arc<GiveUp>, LeaseId),
     lost: watch::Sender<Option<LossReason>>,
     handoff: watch::Sender<Option<Candidate>>,
 ) {
