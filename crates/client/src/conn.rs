@@ -23,6 +23,7 @@ pub(crate) type Channel = InterceptedService<tonic::transport::Channel, TokenInt
 use crate::error::{Error, ErrorContext, Result};
 use crate::lease::LeaseSafety;
 use crate::session::{Position, Session, SessionPool, session_gone};
+use crate::socket::{Connector, Sockets};
 
 /// Exponential backoff with a cap and jitter, used between retries of one request and between
 /// reconnects of streams.
@@ -150,6 +151,8 @@ pub(crate) struct Inner {
     sessions: SessionPool,
     /// The credentials and the token every call carries.
     auth: Authenticator,
+    /// Every TCP connection made, so that giving a lease up can reset them all.
+    pub(crate) sockets: Arc<Sockets>,
 }
 
 /// Adds a scheme when the endpoint has none (`127.0.0.1:2379` as etcdctl accepts): `https://`
@@ -196,6 +199,7 @@ impl Inner {
             active: RwLock::new(None),
             reconnecting: tokio::sync::Mutex::new(0),
             sessions: SessionPool::default(),
+            sockets: Arc::new(Sockets::default()),
         })
     }
 
@@ -347,7 +351,10 @@ impl Inner {
             .http2_keep_alive_interval(Duration::from_secs(10))
             .keep_alive_timeout(Duration::from_secs(5))
             .keep_alive_while_idle(true);
-        match tokio::time::timeout(timeout, builder.connect()).await {
+        let connector = Connector {
+            sockets: self.sockets.clone(),
+        };
+        match tokio::time::timeout(timeout, builder.connect_with_connector(connector)).await {
             Ok(Ok(channel)) => Ok(channel),
             Ok(Err(e)) => Err(source_chain(&e)),
             Err(_) => Err(format!("no connection within {} ms", timeout.as_millis())),

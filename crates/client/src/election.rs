@@ -2,6 +2,7 @@
 //! token, and a `lost()` future that fires no later than the server could expire the lease.
 
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -16,7 +17,7 @@ use crate::Client;
 use crate::conn::{Retry, Shared, queue_wait_slice, request};
 use crate::error::{Error, ErrorContext, Result};
 use crate::kv::{Compare, CompareOp};
-use crate::lease::{LeaseId, LeaseKeepAlive, LeaseState, keepalive_interval, wait_expired};
+use crate::lease::{GiveUp, LeaseId, LeaseKeepAlive, LeaseState, keepalive_interval, wait_expired};
 
 /// The read-only key mirroring a group's seat; its `create_revision` is the current fence, so
 /// `Compare::create_revision(group_leader_key(g), Equal, fence)` fences a KV write.
@@ -704,7 +705,7 @@ impl Leadership {
             info.group.clone(),
             info.fence,
             info.elected_revision,
-            keeper.subscribe(),
+            (keeper.subscribe(), keeper.give_up_handle(), keeper.id()),
             lost_tx.clone(),
             handoff_tx.clone(),
         ));
@@ -775,12 +776,15 @@ impl Leadership {
     /// assumption). Safe to call many times; does not borrow `self`.
     pub fn lost(&self) -> impl Future<Output = LossReason> + Send + 'static {
         let mut lost = self.lost_tx.subscribe();
-        let mut lease = self.keeper.as_ref().map(LeaseKeepAlive::subscribe);
+        let mut lease = self
+            .keeper
+            .as_ref()
+            .map(|keeper| (keeper.subscribe(), keeper.give_up_handle(), keeper.id()));
         let has_lease = lease.is_some();
         async move {
             let lease_expired = async {
                 match lease.as_mut() {
-                    Some(state) => wait_expired(state).await,
+                    Some((state, give_up, id)) => wait_expired(state, give_up, *id).await,
                     None => std::future::pending().await,
                 }
             };
@@ -915,7 +919,8 @@ async fn monitor(
     group: String,
     fence: u64,
     elected_revision: i64,
-    mut lease: watch::Receiver<LeaseState>,
+    // The lease's state, what gives it up at its local deadline, and its id.
+    (mut lease, give_up, lease_id): (watch::Receiver<LeaseState>, Arc<GiveUp>, LeaseId),
     lost: watch::Sender<Option<LossReason>>,
     handoff: watch::Sender<Option<Candidate>>,
 ) {
@@ -973,7 +978,7 @@ async fn monitor(
     };
     let reason = tokio::select! {
         reason = observing => reason,
-        reason = wait_expired(&mut lease) => LossReason::LeaseExpired { reason },
+        reason = wait_expired(&mut lease, &give_up, lease_id) => LossReason::LeaseExpired { reason },
     };
     lost.send_if_modified(|slot| {
         if slot.is_none() {

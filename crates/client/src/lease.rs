@@ -18,7 +18,17 @@
 //! and the margin also covers the delay between the deadline passing and the holder's code
 //! noticing (a busy runtime). Past the deadline the client treats the lease as gone, even if
 //! the server has not expired it yet: early, never late.
+//!
+//! # Giving a lease up
+//!
+//! When the local deadline passes unacknowledged, the client gives the lease up: before
+//! anything reports it lost ([`LeaseKeepAlive::expired`], [`LeaseKeepAlive::state`], an
+//! election's or a lock's loss) it resets every connection it has ([`crate::socket`]), and it
+//! sends no keepalive for that lease again. A keepalive still queued in a connection cut by a
+//! partition is thrown away with it, so it cannot reach the leader later and renew the lease
+//! for one more TTL while its holder believes it gone.
 
+use std::sync::{Arc, Once};
 use std::time::Duration;
 
 use conclave_proto::etcdserverpb::lease_client::LeaseClient;
@@ -35,6 +45,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use crate::Client;
 use crate::conn::{Retry, Shared, request};
 use crate::error::{Error, ErrorContext, Result};
+use crate::socket::Sockets;
 
 /// An etcd lease id.
 pub type LeaseId = i64;
@@ -282,6 +293,7 @@ impl Client {
 pub struct LeaseKeepAlive {
     id: LeaseId,
     state: watch::Receiver<LeaseState>,
+    give_up: Arc<GiveUp>,
     task: JoinHandle<()>,
     revoke_on_drop: bool,
     inner: Shared,
@@ -290,10 +302,12 @@ pub struct LeaseKeepAlive {
 impl LeaseKeepAlive {
     fn start(inner: Shared, id: LeaseId, initial: LeaseState, revoke_on_drop: bool) -> Self {
         let (tx, rx) = watch::channel(initial);
-        let task = tokio::spawn(keep_alive_task(inner.clone(), id, tx));
+        let give_up = Arc::new(GiveUp::new(inner.sockets.clone()));
+        let task = tokio::spawn(keep_alive_task(inner.clone(), id, tx, give_up.clone()));
         LeaseKeepAlive {
             id,
             state: rx,
+            give_up,
             task,
             revoke_on_drop,
             inner,
@@ -309,6 +323,7 @@ impl LeaseKeepAlive {
         let state = self.state.borrow().clone();
         match state {
             LeaseState::Alive { deadline, .. } if Instant::now() >= deadline => {
+                self.give_up.now(self.id);
                 LeaseState::Expired {
                     reason: "no keepalive acknowledged in time (local deadline passed)".into(),
                 }
@@ -329,12 +344,19 @@ impl LeaseKeepAlive {
     /// deadline passed without a fresher acknowledgement. Returns the reason.
     pub fn expired(&self) -> impl Future<Output = String> + Send + 'static {
         let mut state = self.state.clone();
-        async move { wait_expired(&mut state).await }
+        let give_up = self.give_up.clone();
+        let id = self.id;
+        async move { wait_expired(&mut state, &give_up, id).await }
     }
 
     /// A receiver of state changes, for tasks that outlive a borrow of this handle.
     pub(crate) fn subscribe(&self) -> watch::Receiver<LeaseState> {
         self.state.clone()
+    }
+
+    /// What gives this lease up at its local deadline, for [`wait_expired`] elsewhere.
+    pub(crate) fn give_up_handle(&self) -> Arc<GiveUp> {
+        self.give_up.clone()
     }
 
     /// Stops the keepalives without revoking (the lease then expires after its TTL).
@@ -373,8 +395,42 @@ impl Drop for LeaseKeepAlive {
     }
 }
 
-/// Waits until `state` is expired (by the server's word or the local deadline).
-pub(crate) async fn wait_expired(state: &mut watch::Receiver<LeaseState>) -> String {
+/// Gives lease `id` up when its local deadline passed unacknowledged (see the module docs):
+/// the client's connections are reset, once, before anything reports the lease lost.
+pub(crate) struct GiveUp {
+    sockets: Arc<Sockets>,
+    done: Once,
+}
+
+impl GiveUp {
+    pub(crate) fn new(sockets: Arc<Sockets>) -> Self {
+        GiveUp {
+            sockets,
+            done: Once::new(),
+        }
+    }
+
+    /// Resets the client's connections the first time; later calls do nothing (connections
+    /// made since carry nothing of this lease).
+    pub(crate) fn now(&self, id: LeaseId) {
+        self.done.call_once(|| {
+            let reset = self.sockets.reset_all();
+            tracing::debug!(
+                lease = id,
+                connections = reset,
+                "lease given up at its local deadline; connections reset"
+            );
+        });
+    }
+}
+
+/// Waits until `state` is expired (by the server's word or the local deadline); a lease past
+/// its local deadline is given up through `give_up` before this returns.
+pub(crate) async fn wait_expired(
+    state: &mut watch::Receiver<LeaseState>,
+    give_up: &GiveUp,
+    id: LeaseId,
+) -> String {
     loop {
         let current = state.borrow_and_update().clone();
         match current {
@@ -388,6 +444,7 @@ pub(crate) async fn wait_expired(state: &mut watch::Receiver<LeaseState>) -> Str
                         {
                             continue;
                         }
+                        give_up.now(id);
                         return "no keepalive acknowledged in time (local deadline passed)".into();
                     }
                     changed = state.changed() => {
@@ -425,7 +482,36 @@ fn keepalive_may_retry(error: &Error) -> bool {
     error.is_transient() || matches!(error, Error::Timeout(_))
 }
 
-async fn keep_alive_task(inner: Shared, id: LeaseId, state: watch::Sender<LeaseState>) {
+/// Renews lease `id` until the server says it is gone or its local deadline passes; then
+/// the lease is given up and no further keepalive is sent, even one already on its way out
+/// of a reconnect.
+async fn keep_alive_task(
+    inner: Shared,
+    id: LeaseId,
+    state: watch::Sender<LeaseState>,
+    give_up: Arc<GiveUp>,
+) {
+    let mut watching = state.subscribe();
+    tokio::select! {
+        () = keep_alive_loop(inner, id, &state, &give_up) => {}
+        reason = wait_expired(&mut watching, &give_up, id) => {
+            state.send_if_modified(|current| match current {
+                LeaseState::Expired { .. } => false,
+                _ => {
+                    *current = LeaseState::Expired { reason };
+                    true
+                }
+            });
+        }
+    }
+}
+
+async fn keep_alive_loop(
+    inner: Shared,
+    id: LeaseId,
+    state: &watch::Sender<LeaseState>,
+    give_up: &GiveUp,
+) {
     let safety = inner.options.lease_safety;
     let mut failures = 0u32;
     let current_deadline = |state: &watch::Sender<LeaseState>| match &*state.borrow() {
@@ -433,9 +519,10 @@ async fn keep_alive_task(inner: Shared, id: LeaseId, state: watch::Sender<LeaseS
         _ => None,
     };
     'reconnect: loop {
-        if let Some(deadline) = current_deadline(&state)
+        if let Some(deadline) = current_deadline(state)
             && Instant::now() >= deadline
         {
+            give_up.now(id);
             let _ = state.send(LeaseState::Expired {
                 reason: "no keepalive acknowledged before the local deadline".into(),
             });
@@ -445,7 +532,7 @@ async fn keep_alive_task(inner: Shared, id: LeaseId, state: watch::Sender<LeaseS
             Ok(active) => active,
             Err(error) => {
                 tracing::debug!(%error, lease = id, "keepalive: no endpoint");
-                pause(&inner, &state, failures).await;
+                pause(&inner, state, failures).await;
                 failures = failures.saturating_add(1);
                 continue;
             }
@@ -473,7 +560,7 @@ async fn keep_alive_task(inner: Shared, id: LeaseId, state: watch::Sender<LeaseS
                     return;
                 }
                 inner.forget(active.generation);
-                pause(&inner, &state, failures).await;
+                pause(&inner, state, failures).await;
                 failures = failures.saturating_add(1);
                 continue;
             }
@@ -484,7 +571,7 @@ async fn keep_alive_task(inner: Shared, id: LeaseId, state: watch::Sender<LeaseS
                 continue 'reconnect;
             }
             // Wait no longer than the lease is known alive (or one request timeout).
-            let wait = current_deadline(&state)
+            let wait = current_deadline(state)
                 .map_or(inner.options.request_timeout, |d| {
                     d.saturating_duration_since(Instant::now())
                 })
@@ -521,14 +608,14 @@ async fn keep_alive_task(inner: Shared, id: LeaseId, state: watch::Sender<LeaseS
                         return;
                     }
                     inner.forget(active.generation);
-                    pause(&inner, &state, failures).await;
+                    pause(&inner, state, failures).await;
                     failures = failures.saturating_add(1);
                     continue 'reconnect;
                 }
                 // Stream closed or no answer in time: the member may be gone.
                 Ok(None) | Err(_) => {
                     inner.forget(active.generation);
-                    pause(&inner, &state, failures).await;
+                    pause(&inner, state, failures).await;
                     failures = failures.saturating_add(1);
                     continue 'reconnect;
                 }
@@ -638,7 +725,8 @@ mod tests {
             deadline: start + Duration::from_secs(2),
         });
         let mut waiter = rx.clone();
-        let handle = tokio::spawn(async move { wait_expired(&mut waiter).await });
+        let give_up = GiveUp::new(Arc::new(Sockets::default()));
+        let handle = tokio::spawn(async move { wait_expired(&mut waiter, &give_up, 1).await });
         tokio::time::sleep(Duration::from_secs(1)).await;
         // A renewal pushes the deadline out.
         let _ = tx.send(LeaseState::Alive {
@@ -655,7 +743,8 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn server_expiry_fires_at_once() {
         let (tx, mut rx) = watch::channel(LeaseState::Pending);
-        let handle = tokio::spawn(async move { wait_expired(&mut rx).await });
+        let give_up = GiveUp::new(Arc::new(Sockets::default()));
+        let handle = tokio::spawn(async move { wait_expired(&mut rx, &give_up, 1).await });
         let _ = tx.send(LeaseState::Expired {
             reason: "revoked".into(),
         });

@@ -33,6 +33,7 @@ mod lease;
 mod lock;
 mod queue;
 mod session;
+mod socket;
 mod tls;
 mod topic;
 mod watch;
