@@ -2,6 +2,7 @@
 //! backoff, and per-request deadlines.
 
 use std::future::Future;
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -153,6 +154,55 @@ pub(crate) struct Inner {
     auth: Authenticator,
     /// Every TCP connection made, so that giving a lease up can reset them all.
     pub(crate) sockets: Arc<Sockets>,
+    /// A revision the cluster is known to have reached (raised by watches, see
+    /// [`Inner::raise_revision_floor`]): a reconnect prefers members that have applied it.
+    revision_floor: AtomicI64,
+}
+
+/// How well a probed member would serve, best first (see [`standing`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum Standing {
+    /// Knows a leader and has applied the client's revision floor (or is, or led us to, the
+    /// leader).
+    KeepsUp,
+    /// Knows a leader but has not applied a revision the cluster is known to have: it may be
+    /// a learner that never catches up and only hears heartbeats (docs/faults.md, finding 7).
+    Behind,
+    /// Knows no leader: it may be cut off for good (docs/faults.md, finding 6).
+    Leaderless,
+}
+
+/// Where a probed member stands: `revision` is its applied revision, `None` when the probe
+/// reached the leader itself, which applies what it commits.
+pub(crate) fn standing(knows_leader: bool, revision: Option<i64>, floor: i64) -> Standing {
+    match (knows_leader, revision) {
+        (false, _) => Standing::Leaderless,
+        (true, Some(revision)) if revision < floor => Standing::Behind,
+        (true, _) => Standing::KeepsUp,
+    }
+}
+
+/// Orders fallback candidates, smallest best: by standing, then the most advanced revision.
+pub(crate) fn preference(standing: Standing, revision: i64) -> (Standing, std::cmp::Reverse<i64>) {
+    (standing, std::cmp::Reverse(revision))
+}
+
+/// A member's answer to Status, as a watch's silence check uses it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct MemberStatus {
+    /// The leader it knows; 0 for none.
+    pub leader: u64,
+    /// The revision of what it has applied.
+    pub revision: i64,
+}
+
+/// What probing one endpoint found.
+struct Probed {
+    channel: tonic::transport::Channel,
+    endpoint: String,
+    knows_leader: bool,
+    /// The member's applied revision; `None` when the probe moved on to the leader.
+    revision: Option<i64>,
 }
 
 /// Adds a scheme when the endpoint has none (`127.0.0.1:2379` as etcdctl accepts): `https://`
@@ -200,6 +250,7 @@ impl Inner {
             reconnecting: tokio::sync::Mutex::new(0),
             sessions: SessionPool::default(),
             sockets: Arc::new(Sockets::default()),
+            revision_floor: AtomicI64::new(0),
         })
     }
 
@@ -251,18 +302,30 @@ impl Inner {
         let mut tls_failures = Vec::new();
         // A member that knows no leader is taken only when none does: it may be cut off for
         // good (a removed or stranded member still serving), and a watch opened there is
-        // alive but silent (docs/faults.md, finding 6).
-        let mut leaderless = None;
+        // alive but silent (docs/faults.md, finding 6). A member behind the revision floor is
+        // taken only when none keeps up, the most advanced first (finding 7).
+        let floor = self.revision_floor();
+        let mut fallback: Option<(Standing, i64, Probed)> = None;
         for i in 0..endpoints.len() {
             let endpoint = &endpoints[(start + i) % endpoints.len()];
             match self.probe(endpoint).await {
-                Ok((channel, chosen, true)) => {
-                    return Ok(self.adopt(&mut generation, channel, chosen));
-                }
-                Ok((channel, chosen, false)) => {
-                    reasons.push(format!("{endpoint}: knows no leader"));
-                    if leaderless.is_none() {
-                        leaderless = Some((channel, chosen));
+                Ok(probed) => {
+                    let standing = standing(probed.knows_leader, probed.revision, floor);
+                    if standing == Standing::KeepsUp {
+                        return Ok(self.adopt(&mut generation, probed.channel, probed.endpoint));
+                    }
+                    let revision = probed.revision.unwrap_or(i64::MAX);
+                    reasons.push(match standing {
+                        Standing::Behind => {
+                            format!("{endpoint}: at revision {revision}, behind {floor}")
+                        }
+                        _ => format!("{endpoint}: knows no leader"),
+                    });
+                    let better = fallback.as_ref().is_none_or(|(s, r, _)| {
+                        preference(standing, revision) < preference(*s, *r)
+                    });
+                    if better {
+                        fallback = Some((standing, revision, probed));
                     }
                 }
                 Err(reason) => {
@@ -284,8 +347,9 @@ impl Inner {
                 }
             }
         }
-        if let Some((channel, chosen)) = leaderless {
-            return Ok(self.adopt(&mut generation, channel, chosen));
+        if let Some((standing, _, probed)) = fallback {
+            tracing::debug!(?standing, %probed.endpoint, "conclave client takes the best it found");
+            return Ok(self.adopt(&mut generation, probed.channel, probed.endpoint));
         }
         *self
             .active
@@ -363,12 +427,8 @@ impl Inner {
 
     /// Connects to `endpoint` and asks for its status; when it knows a leader other than
     /// itself, tries to connect to the leader instead (writes then skip a forwarding hop).
-    /// Learns the members' client URLs for later reconnects. The flag says whether the member
-    /// knows a leader.
-    async fn probe(
-        &self,
-        endpoint: &str,
-    ) -> std::result::Result<(tonic::transport::Channel, String, bool), String> {
+    /// Learns the members' client URLs for later reconnects.
+    async fn probe(&self, endpoint: &str) -> std::result::Result<Probed, String> {
         let channel = self.connect_channel(endpoint).await?;
         let timeout = self.options.connect_timeout;
         let status = MaintenanceClient::new(channel.clone())
@@ -377,6 +437,7 @@ impl Inner {
             .map_err(|s| format!("{}: {}", Error::status(&s), source_chain(&s)))?
             .into_inner();
         let member_id = status.header.map_or(0, |h| h.member_id);
+        let revision = status.header.map_or(0, |h| h.revision);
         let members = ClusterClient::new(channel.clone())
             .member_list(request(
                 MemberListRequest {
@@ -408,11 +469,22 @@ impl Inner {
             for url in leader_urls {
                 let url = normalize_endpoint(&url, self.options.tls.is_some());
                 if let Ok(leader_channel) = self.connect_channel(&url).await {
-                    return Ok((leader_channel, url, true));
+                    return Ok(Probed {
+                        channel: leader_channel,
+                        endpoint: url,
+                        knows_leader: true,
+                        revision: None,
+                    });
                 }
             }
         }
-        Ok((channel, endpoint.to_string(), status.leader != 0))
+        Ok(Probed {
+            channel,
+            endpoint: endpoint.to_string(),
+            knows_leader: status.leader != 0,
+            // The leader applies what it commits; judge only the others by their revision.
+            revision: (status.leader != member_id).then_some(revision),
+        })
     }
 
     /// Runs `call` until it succeeds, fails for good, or `timeout` passes; see [`Retry`].
@@ -680,20 +752,35 @@ impl Inner {
         Ok(())
     }
 
-    /// Whether the member behind `channel` knows a leader; an error when it does not answer
-    /// within the connect timeout.
-    pub(crate) async fn knows_leader(&self, channel: Channel) -> Result<bool> {
+    /// The leader the member behind `channel` knows and the revision it has applied; an
+    /// error when it does not answer within the connect timeout.
+    pub(crate) async fn member_status(&self, channel: Channel) -> Result<MemberStatus> {
         let timeout = self.options.connect_timeout;
         let mut maintenance = MaintenanceClient::new(channel);
         let status = maintenance.status(request(StatusRequest {}, timeout));
         match tokio::time::timeout(timeout, status).await {
-            Ok(Ok(status)) => Ok(status.into_inner().leader != 0),
+            Ok(Ok(status)) => {
+                let status = status.into_inner();
+                Ok(MemberStatus {
+                    leader: status.leader,
+                    revision: status.header.map_or(0, |h| h.revision),
+                })
+            }
             Ok(Err(status)) => Err(Error::status(&status)),
             Err(_) => Err(Error::Timeout(format!(
                 "no status within {} ms",
                 timeout.as_millis()
             ))),
         }
+    }
+
+    /// Records that the cluster has reached `revision`; never lowers what was recorded.
+    pub(crate) fn raise_revision_floor(&self, revision: i64) {
+        self.revision_floor.fetch_max(revision, Ordering::Relaxed);
+    }
+
+    fn revision_floor(&self) -> i64 {
+        self.revision_floor.load(Ordering::Relaxed)
     }
 
     /// Drops the connection of `generation` so the next call picks an endpoint afresh.
@@ -811,6 +898,22 @@ mod tests {
             let d = backoff.delay(attempt);
             assert!(d <= backoff.max && d >= backoff.initial / 2, "{d:?}");
         }
+    }
+
+    #[test]
+    fn a_reconnect_prefers_members_that_keep_up() {
+        // No floor yet (no watch has checked the cluster): any member that knows a leader.
+        assert_eq!(standing(true, Some(0), 0), Standing::KeepsUp);
+        // The leader itself (or a member that led the probe to it) keeps up by definition.
+        assert_eq!(standing(true, None, 900), Standing::KeepsUp);
+        assert_eq!(standing(true, Some(900), 900), Standing::KeepsUp);
+        // Names a leader but has not applied what the cluster is known to have.
+        assert_eq!(standing(true, Some(12), 900), Standing::Behind);
+        assert_eq!(standing(false, Some(950), 900), Standing::Leaderless);
+        // Behind beats leaderless; among the behind, the most advanced wins.
+        assert!(preference(Standing::Behind, 12) < preference(Standing::Leaderless, 950));
+        assert!(preference(Standing::Behind, 800) < preference(Standing::Behind, 12));
+        assert!(preference(Standing::KeepsUp, 0) < preference(Standing::Behind, 800));
     }
 
     #[test]

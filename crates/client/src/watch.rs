@@ -5,6 +5,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use conclave_proto::etcdserverpb as pb;
+use conclave_proto::etcdserverpb::kv_client::KvClient;
 use conclave_proto::etcdserverpb::watch_client::WatchClient;
 use conclave_proto::mvccpb;
 use tokio::sync::mpsc;
@@ -13,7 +14,7 @@ use tokio_stream::StreamExt;
 use tokio_stream::wrappers::ReceiverStream;
 
 use crate::Client;
-use crate::conn::{Retry, Shared};
+use crate::conn::{Retry, Shared, request};
 use crate::error::{Error, ErrorContext, Result};
 use crate::kv::{KeyValue, prefix_end};
 
@@ -129,11 +130,62 @@ impl Client {
     }
 }
 
-/// How long a stream may stay silent before the watch asks whether its member still knows a
-/// leader. A member cut off from the leader (partitioned, or removed and still running) keeps
-/// the stream open and answers HTTP/2 pings, but applies nothing, so the watch must leave it
-/// by itself (docs/faults.md, finding 6). Silence on a quiet key range costs one Status call.
+/// How long a stream may stay silent before the watch asks whether its member still keeps up.
+/// A member cut off from the leader (partitioned, or removed and still running) keeps the
+/// stream open and answers HTTP/2 pings, but applies nothing, so the watch must leave it by
+/// itself (docs/faults.md, finding 6); so must it leave a member that names a leader but does
+/// not apply what the cluster commits, such as a learner that cannot install the leader's
+/// snapshot (finding 7). A check costs one Status call and one linearizable read, and only
+/// a stream silent this long is checked.
 pub(crate) const SILENCE_CHECK: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Whether a member whose Status shows `member_revision` keeps up: it must have applied the
+/// revision the cluster had at the previous silence check (`cluster_revision_before`, `None`
+/// before the first check). A member slightly behind passes, since it had a whole check
+/// interval to get there; one that stays behind (a stale learner hearing only heartbeats)
+/// does not.
+pub(crate) fn keeps_up(cluster_revision_before: Option<i64>, member_revision: i64) -> bool {
+    cluster_revision_before.is_none_or(|cluster| member_revision >= cluster)
+}
+
+/// The revision the cluster has now, for the next silence check to hold the member to: the
+/// header of a linearizable (leader-confirmed) count-only read of the watched key (its first key alone,
+/// so the read stays cheap for a prefix), or — when
+/// that read fails, as it does through a member that cannot catch up — at least `known`, a
+/// revision the watch has seen the cluster reach. `None` when neither says anything.
+async fn cluster_revision(
+    inner: &Shared,
+    watched: &pb::WatchCreateRequest,
+    known: i64,
+) -> Option<i64> {
+    let message = pb::RangeRequest {
+        key: watched.key.clone(),
+        count_only: true,
+        ..Default::default()
+    };
+    // A short bound: the watch's stream is not read while this runs.
+    let read = inner
+        .call(
+            Retry::Idempotent,
+            ErrorContext::default(),
+            SILENCE_CHECK,
+            |channel, timeout| {
+                let message = message.clone();
+                async move {
+                    KvClient::new(channel)
+                        .range(request(message, timeout))
+                        .await
+                }
+            },
+        )
+        .await;
+    let read = read
+        .ok()
+        .and_then(|answer| answer.into_inner().header)
+        .map_or(0, |header| header.revision);
+    let revision = read.max(known);
+    (revision > 0).then_some(revision)
+}
 
 struct Open {
     /// Keeps the request side open; etcd ends a watch stream whose client half closes.
@@ -224,6 +276,9 @@ async fn watch_task(
     let mut last_seen = 0i64;
     let mut stream = Some(first);
     let mut failures = 0u32;
+    // The cluster's revision at the last silence check: a member must reach it by the next
+    // check. A fact about the cluster, so it holds across streams.
+    let mut cluster_revision_before: Option<i64> = None;
     loop {
         let mut current = match stream.take() {
             Some(open) => open,
@@ -255,10 +310,31 @@ async fn watch_task(
                 () = out.closed() => return,
                 () = tokio::time::sleep(SILENCE_CHECK) => {
                     // Silent for a while: carry on only if the member still knows a leader
-                    // (then it applies what the cluster commits); otherwise resume elsewhere.
-                    match inner.knows_leader(current.channel.clone()).await {
-                        Ok(true) => continue,
-                        Ok(false) | Err(_) => break,
+                    // and has applied what the cluster had at the previous check; otherwise
+                    // resume elsewhere.
+                    match inner.member_status(current.channel.clone()).await {
+                        Ok(status)
+                            if status.leader != 0
+                                && keeps_up(cluster_revision_before, status.revision) =>
+                        {
+                            let known = last_seen.max(created_at.unwrap_or(0));
+                            cluster_revision_before =
+                                cluster_revision(&inner, &create, known).await;
+                            if let Some(revision) = cluster_revision_before {
+                                inner.raise_revision_floor(revision);
+                            }
+                            continue;
+                        }
+                        Ok(status) => {
+                            tracing::debug!(
+                                leader = status.leader,
+                                revision = status.revision,
+                                ?cluster_revision_before,
+                                "conclave watch leaves a member that does not keep up"
+                            );
+                            break;
+                        }
+                        Err(_) => break,
                     }
                 }
             };
@@ -328,6 +404,19 @@ mod tests {
         // ...or for "from now", the revision after the one the first stream was created at.
         assert_eq!(resume_revision(0, Some(10), 0), 11);
         assert_eq!(resume_revision(0, None, 0), 0);
+    }
+
+    #[test]
+    fn a_member_keeps_up_when_it_reaches_what_the_cluster_had_one_check_before() {
+        // Nothing to hold it to before the first check.
+        assert!(keeps_up(None, 0));
+        // At or past the cluster's revision of the previous check: fine, even if the cluster
+        // has moved on since (a follower slightly behind under load).
+        assert!(keeps_up(Some(500), 500));
+        assert!(keeps_up(Some(500), 731));
+        // Still short of it a whole check later: a member that does not keep up.
+        assert!(!keeps_up(Some(500), 499));
+        assert!(!keeps_up(Some(500), 1));
     }
 
     #[test]
