@@ -531,7 +531,11 @@ async fn observe_names_the_candidate_that_left() {
     };
     assert_eq!(joined["candidate"]["id"], "bravo", "{joined}");
 
-    run(eps, &["elect", "resign", "roster", "--id", "bravo", "--json"]).ok();
+    run(
+        eps,
+        &["elect", "resign", "roster", "--id", "bravo", "--json"],
+    )
+    .ok();
     let left = next_event("candidate_left");
     assert_eq!(left["candidate"]["id"], "bravo", "{left}");
     assert_eq!(left["candidate"]["priority"], 2, "{left}");

@@ -198,7 +198,12 @@ impl Service<Uri> for Connector {
         let sockets = self.sockets.clone();
         Box::pin(async move {
             let (host, port) = host_and_port(&uri)?;
-            let stream = TcpStream::connect((host.as_str(), port)).await?;
+            // Worded as the transport's own connector words it, so errors read as before.
+            let stream = TcpStream::connect((host.as_str(), port))
+                .await
+                .map_err(|error| {
+                    io::Error::new(error.kind(), format!("tcp connect error: {error}"))
+                })?;
             stream.set_nodelay(true)?;
             let socket = sockets.register(&stream)?;
             Ok(TokioIo::new(ResettableStream { stream, socket }))
