@@ -64,12 +64,40 @@ impl Recorder {
 
     /// Appends an event stamped now; returns the stamp.
     pub fn record(&self, process: u64, kind: Kind, f: &str, key: &str, value: Value) -> u64 {
+        self.push(None, process, kind, f, key, value)
+    }
+
+    /// Appends an event stamped `time_us`, an earlier reading of [`Recorder::now_us`]: for a
+    /// history with one process (the nemesis's), whose start is known only once it is over.
+    /// The stamp never goes below the last event's, so the file stays in time order.
+    pub fn record_started(
+        &self,
+        time_us: u64,
+        process: u64,
+        kind: Kind,
+        f: &str,
+        key: &str,
+        value: Value,
+    ) -> u64 {
+        self.push(Some(time_us), process, kind, f, key, value)
+    }
+
+    fn push(
+        &self,
+        started_us: Option<u64>,
+        process: u64,
+        kind: Kind,
+        f: &str,
+        key: &str,
+        value: Value,
+    ) -> u64 {
         let mut events = self
             .events
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
         // Stamped under the lock so the file's order is the time order.
-        let time_us = self.now_us();
+        let floor_us = events.last().map_or(0, |last| last.time_us);
+        let time_us = started_us.unwrap_or_else(|| self.now_us()).max(floor_us);
         events.push(Event {
             process,
             kind,

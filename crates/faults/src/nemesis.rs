@@ -82,6 +82,9 @@ pub async fn run(
     tokio::time::sleep(between(&mut rng, QUIET_MS)).await;
     while Instant::now() < until {
         let family = families[rng.below(families.len() as u64) as usize];
+        // The fault starts when the nemesis starts acting: a member removal or a restart
+        // before the record can already hold up the cluster (a removed leader steps down).
+        let acting_from_us = history.now_us();
         let (what, undo) = {
             let mut cluster = cluster.lock().await;
             start_fault(&mut cluster, family, &mut rng).await
@@ -90,7 +93,8 @@ pub async fn run(
             tokio::time::sleep(Duration::from_millis(200)).await;
             continue;
         };
-        let start = history.record(
+        let start = history.record_started(
+            acting_from_us,
             0,
             Kind::Invoke,
             "fault",

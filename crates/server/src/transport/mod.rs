@@ -79,6 +79,12 @@ pub struct TransportConfig {
     /// The longest wait between connection attempts.
     pub reconnect_backoff_max_ms: u64,
     pub connect_timeout_ms: u64,
+    /// A dialed connection whose sent data stays unacknowledged this long is dropped by the
+    /// kernel (TCP_USER_TIMEOUT, Linux) and dialed again. Without it a connection cut by a
+    /// partition that drops packets stays open, and the kernel's retransmission backoff
+    /// (doubling up to two minutes) delays the first message after the partition heals by
+    /// seconds; a new connection starts with a fresh timer.
+    pub unacked_timeout_ms: u64,
     /// Time allowed for the whole authenticated Hello exchange on a new connection, in both
     /// directions; a connection that has not proved itself by then is closed.
     pub handshake_timeout_ms: u64,
@@ -121,6 +127,7 @@ impl TransportConfig {
             reconnect_backoff_initial_ms: 10,
             reconnect_backoff_max_ms: 500,
             connect_timeout_ms: 1000,
+            unacked_timeout_ms: 1000,
             handshake_timeout_ms: 2000,
             peer_connections_max: 64,
             peer_handshakes_max: 128,
@@ -154,8 +161,13 @@ impl TransportConfig {
         {
             return invalid("reconnect backoff must satisfy 0 < initial_ms <= max_ms");
         }
-        if self.connect_timeout_ms == 0 || self.handshake_timeout_ms == 0 {
-            return invalid("connect_timeout_ms and handshake_timeout_ms must be at least 1");
+        if self.connect_timeout_ms == 0
+            || self.handshake_timeout_ms == 0
+            || self.unacked_timeout_ms == 0
+        {
+            return invalid(
+                "connect_timeout_ms, handshake_timeout_ms and unacked_timeout_ms must be at least 1",
+            );
         }
         if self.peer_connections_max == 0 || self.peer_handshakes_max == 0 {
             return invalid("peer_connections_max and peer_handshakes_max must be at least 1");

@@ -313,6 +313,7 @@ impl PeerLink {
             })??;
         // We batch ourselves; Nagle would only add latency to heartbeats and votes.
         stream.set_nodelay(true)?;
+        set_unacked_timeout(&stream, self.config.unacked_timeout_ms)?;
         let handshake_timeout = Duration::from_millis(self.config.handshake_timeout_ms);
         let timed_out = |_| Error::HandshakeTimeout {
             timeout_ms: self.config.handshake_timeout_ms,
@@ -541,4 +542,17 @@ pub(super) fn frame_name(frame: &Frame) -> &'static str {
         Frame::HelloProof(_) => "HelloProof",
         Frame::Keepalive => "Keepalive",
     }
+}
+
+/// Bounds how long data sent on `stream` may stay unacknowledged before the kernel drops the
+/// connection (see `TransportConfig::unacked_timeout_ms`). Elsewhere than Linux the kernel's
+/// own retransmission limits apply.
+#[cfg(any(target_os = "linux", target_os = "android"))]
+fn set_unacked_timeout(stream: &TcpStream, timeout_ms: u64) -> std::io::Result<()> {
+    socket2::SockRef::from(stream).set_tcp_user_timeout(Some(Duration::from_millis(timeout_ms)))
+}
+
+#[cfg(not(any(target_os = "linux", target_os = "android")))]
+fn set_unacked_timeout(_stream: &TcpStream, _timeout_ms: u64) -> std::io::Result<()> {
+    Ok(())
 }
