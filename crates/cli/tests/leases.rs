@@ -1,9 +1,11 @@
 //! Leases over real `conclave serve` processes: grant/revoke/time-to-live through followers,
 //! keepalives that keep keys alive, expiry timing (never before the TTL, soon after it), the
-//! same across a SIGKILL of the leader, and etcdctl 3.4's lease commands.
+//! same across a SIGKILL of the leader, many keepalives in flight on one stream, and etcdctl
+//! 3.4's lease commands.
 
 mod common;
 
+use std::collections::BTreeMap;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -615,4 +617,126 @@ async fn a_continued_deposed_leader_does_not_answer_keepalives_itself() {
     let mut fresh = KeepAlive::new(&cluster, new);
     let (_, kept) = fresh.until_acked(lease, Duration::from_secs(5)).await;
     assert!(kept.ttl > 0, "lease lost across the pause: {kept:?}");
+}
+
+/// Distinct leases one stream renews back to back in the pipelining test.
+const BURST_LEASES: usize = 200;
+
+/// GET `url`'s body, `None` when it fails.
+async fn http_get(url: &str) -> Option<String> {
+    use http_body_util::{BodyExt, Empty};
+    use hyper_util::client::legacy::Client;
+    use hyper_util::rt::TokioExecutor;
+    let client = Client::builder(TokioExecutor::new()).build_http::<Empty<bytes::Bytes>>();
+    let uri: hyper::Uri = url.parse().ok()?;
+    let answer = tokio::time::timeout(Duration::from_secs(3), client.get(uri))
+        .await
+        .ok()?
+        .ok()?;
+    let body = answer.into_body().collect().await.ok()?.to_bytes();
+    Some(String::from_utf8_lossy(&body).into_owned())
+}
+
+/// How many WAL fsyncs member `id` has made (the count of its fsync histogram).
+async fn wal_fsyncs(cluster: &Cluster, id: u64) -> u64 {
+    const SAMPLE: &str = "etcd_disk_wal_fsync_duration_seconds_count ";
+    let url = format!("{}/metrics", cluster.metrics_url(id));
+    let scrape = http_get(&url).await.expect("metrics scrape");
+    scrape
+        .lines()
+        .find_map(|line| line.strip_prefix(SAMPLE)?.trim().parse::<f64>().ok())
+        .unwrap_or_else(|| panic!("no {SAMPLE}in member {id}'s metrics")) as u64
+}
+
+/// Sends a keepalive for each of `ids` (repeats allowed) back to back on one new stream
+/// through `via`, then half-closes it; returns the TTLs answered per lease id once the server
+/// has ended the stream.
+async fn keep_alive_burst(cluster: &Cluster, via: u64, ids: &[i64]) -> BTreeMap<i64, Vec<i64>> {
+    let (sender, receiver) = mpsc::channel(ids.len());
+    for &id in ids {
+        sender
+            .try_send(LeaseKeepAliveRequest { id })
+            .expect("room for every request");
+    }
+    let mut stream = lease_client(cluster, via)
+        .lease_keep_alive(ReceiverStream::new(receiver))
+        .await
+        .expect("keepalive stream")
+        .into_inner();
+    let mut answers: BTreeMap<i64, Vec<i64>> = BTreeMap::new();
+    let mut count = 0;
+    while count < ids.len() {
+        let answer = tokio::time::timeout(Duration::from_secs(30), stream.message())
+            .await
+            .unwrap_or_else(|_| panic!("{count} of {} keepalives answered in 30 s", ids.len()))
+            .unwrap_or_else(|status| panic!("after {count} answers: {status}"))
+            .unwrap_or_else(|| panic!("stream ended after {count} of {} answers", ids.len()));
+        answers.entry(answer.id).or_default().push(answer.ttl);
+        count += 1;
+    }
+    // The half-close ends the stream once nothing is in flight: no answer may follow.
+    drop(sender);
+    let rest = tokio::time::timeout(Duration::from_secs(10), stream.message())
+        .await
+        .expect("the stream ends after the half-close");
+    assert!(
+        matches!(rest, Ok(None)),
+        "more than one answer per keepalive: {rest:?}"
+    );
+    answers
+}
+
+/// One LeaseKeepAlive stream carries many keepalives at once, on the leader and through a
+/// follower. Every keepalive here needs a checkpoint record before its answer (the leases'
+/// records are older than the 500 ms checkpoint interval), so a member that handles a stream's
+/// keepalives one at a time waits for a commit per keepalive: at least one leader fsync each.
+/// Pipelined, the checkpoints of the keepalives in flight share appends, and the burst costs
+/// far fewer fsyncs than keepalives. Each keepalive still gets exactly one true answer.
+#[tokio::test(flavor = "multi_thread")]
+async fn one_stream_keeps_many_keepalives_in_flight_on_the_leader_and_through_a_follower() {
+    let cluster = Cluster::start(3).await;
+    let leader = cluster.wait_for_leader(Duration::from_secs(10)).await;
+    let follower = cluster
+        .live_ids()
+        .into_iter()
+        .find(|&id| id != leader)
+        .expect("a follower");
+    let mut leases = Vec::with_capacity(2 * BURST_LEASES);
+    for _ in 0..2 * BURST_LEASES {
+        leases.push(grant(&cluster, leader, 60).await);
+    }
+    // Past the checkpoint interval: every keepalive below needs a checkpoint first.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let (on_leader, via_follower) = leases.split_at(BURST_LEASES);
+    for (via, part) in [(leader, on_leader), (follower, via_follower)] {
+        // The first lease three times: keepalives of one lease in flight together are each
+        // answered too.
+        let mut ids = part.to_vec();
+        ids.extend([part[0], part[0]]);
+        let fsyncs_before = wal_fsyncs(&cluster, leader).await;
+        let started = Instant::now();
+        let answers = keep_alive_burst(&cluster, via, &ids).await;
+        let took = started.elapsed();
+        let fsyncs = wal_fsyncs(&cluster, leader).await - fsyncs_before;
+        println!(
+            "{} keepalives on one stream through member {via} (leader {leader}): \
+             answered in {took:?}, {fsyncs} leader fsyncs",
+            ids.len()
+        );
+        assert_eq!(answers.len(), part.len(), "every lease answered");
+        for &id in part {
+            let expected = if id == part[0] { 3 } else { 1 };
+            let ttls = answers.get(&id).map(Vec::as_slice).unwrap_or_default();
+            assert_eq!(ttls.len(), expected, "answers of lease {id:x}: {ttls:?}");
+            assert!(
+                ttls.iter().all(|&ttl| ttl > 0),
+                "lease {id:x} answered {ttls:?}"
+            );
+        }
+        assert!(
+            (fsyncs as usize) < ids.len() / 2,
+            "{} keepalives cost {fsyncs} leader fsyncs: they were not in flight together",
+            ids.len()
+        );
+    }
 }

@@ -2,11 +2,14 @@
 //!
 //! ```text
 //!  Grant / Revoke ─► Api::write (through the log; followers forward)
-//!  KeepAlive stream ─► leader: NodeHandle::lease_renew (LeaseKeeper, not the log; a checkpoint
+//!  KeepAlive stream ─► up to KEEPALIVE_STREAM_IN_FLIGHT_MAX keepalives at once, each answered
+//!                     as soon as it completes (etcd clients match answers by lease id):
+//!                   ─► leader: NodeHandle::lease_renew (LeaseKeeper, not the log; a checkpoint
 //!                      commits first when the keeper asks) ─► confirm_leadership (a
 //!                      ReadIndex round of the renewing term) ─► TTL
 //!                   └► follower: one upstream KeepAlive stream to the leader per client
-//!                      stream, re-opened on the new leader when leadership moves
+//!                      stream, carrying the same keepalives at once (answers matched by id),
+//!                      re-opened on the new leader when leadership moves
 //!  KeepAlive stream ends without a goodbye (the client's connection closed under it, not a
 //!  cancel or a half-close) ─► leader: LeaseKeeper::orphan for the leases this stream renewed
 //!                   last (lease ends LEASE_ORPHAN_GRACE_MS later unless renewed, checkpointed)
@@ -21,7 +24,7 @@
 //! below the minimum (1.5 × the election timeout) rounded up, as etcd does; remaining TTLs are
 //! truncated, as etcd reports them.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -30,7 +33,8 @@ use conclave_proto::etcdserverpb::{
 };
 use conclave_raft::NodeId;
 use conclave_state::{Request, Response};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::Instant;
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::ReceiverStream;
@@ -43,9 +47,20 @@ use crate::node::state_config;
 
 /// Keepalive answers queued for one client stream before we stop reading its requests.
 pub const KEEPALIVE_STREAM_RESPONSES_MAX: usize = 16;
-/// Keepalive requests queued for the upstream stream to the leader (one is in flight at a
-/// time; the slack lets a send never wait).
-const KEEPALIVE_UPSTREAM_REQUESTS_MAX: usize = 4;
+/// Keepalives of one client stream in flight at once; further requests are not read until one
+/// is answered. A keepalive that needs a checkpoint waits for that record to commit and for a
+/// ReadIndex round (a few milliseconds on a quiet cluster, tens under load), and those waits
+/// overlap: the driver puts every checkpoint proposed in one turn into one append and one
+/// ReadIndex round serves every read asked in one turn. With one keepalive at a time a stream
+/// carried about one keepalive per commit (about 250/s); 128 at once allow some 10,000/s per
+/// stream even at 10 ms a round, more than a member answers in all, while bounding what one
+/// stream can queue on the leader: 128 small tasks and at most 128 checkpoint proposals, about
+/// 1% of the driver's 10,000 in-flight proposals.
+pub const KEEPALIVE_STREAM_IN_FLIGHT_MAX: usize = 128;
+/// Keepalive requests queued for the upstream stream to the leader: a client stream has at
+/// most [`KEEPALIVE_STREAM_IN_FLIGHT_MAX`] in flight, and the slack lets the orphan mark in too,
+/// so a send never waits long.
+const KEEPALIVE_UPSTREAM_REQUESTS_MAX: usize = KEEPALIVE_STREAM_IN_FLIGHT_MAX + 4;
 const MS_PER_SECOND: u64 = 1000;
 /// Sent by a follower on its upstream keepalive stream, in place of a lease id, when the
 /// client behind it vanished (its connection closed without a goodbye); the leader's end of
@@ -65,8 +80,16 @@ const ORPHANED_STREAM_MARK_WAIT_MS: u64 = 1000;
 /// sent.
 const STREAM_END_PROBE_MS: u64 = 1000;
 
-/// Renewals made on this node as leader for one keepalive stream: lease -> stamp.
+/// Renewals made on this node as leader for one keepalive stream: lease -> stamp of the
+/// newest one.
 type StreamRenewals = Mutex<BTreeMap<i64, u64>>;
+
+/// One keepalive's answer.
+type KeepAliveAnswer = Result<pb::LeaseKeepAliveResponse, Status>;
+
+/// Keepalives a follower sent up its stream to the leader and not yet answered: lease id ->
+/// the callers waiting for an answer of that id, oldest first.
+type Waiting = BTreeMap<i64, VecDeque<oneshot::Sender<KeepAliveAnswer>>>;
 
 /// How a client's keepalive stream ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -122,11 +145,113 @@ struct Shared {
     api: Arc<Api>,
 }
 
-/// The leader's stream a follower forwards one client's keepalives on.
+/// The leader's stream a follower forwards one client's keepalives on, several at once. A
+/// reader task hands each answer to a keepalive of the same lease id still waiting: the leader
+/// answers different ids out of order, and it answers each keepalive of one id with the
+/// lease's granted TTL (or 0 once it is gone), so which of them gets which answer does not
+/// matter.
 struct Upstream {
     leader: NodeId,
     requests: mpsc::Sender<pb::LeaseKeepAliveRequest>,
-    responses: Streaming<pb::LeaseKeepAliveResponse>,
+    /// `None` once the stream ended or was given up: a stream that failed once is not trusted
+    /// again, and every keepalive still waiting on it failed with it.
+    waiting: Arc<Mutex<Option<Waiting>>>,
+    /// Reads the leader's answers; ends when the leader ends the stream.
+    reader: JoinHandle<()>,
+}
+
+impl Upstream {
+    fn new(
+        leader: NodeId,
+        requests: mpsc::Sender<pb::LeaseKeepAliveRequest>,
+        responses: Streaming<pb::LeaseKeepAliveResponse>,
+    ) -> Upstream {
+        let waiting = Arc::new(Mutex::new(Some(Waiting::new())));
+        let reader = tokio::spawn(read_upstream(responses, waiting.clone()));
+        Upstream {
+            leader,
+            requests,
+            waiting,
+            reader,
+        }
+    }
+
+    fn is_open(&self) -> bool {
+        self.waiting.lock().is_ok_and(|waiting| waiting.is_some())
+    }
+
+    /// Queues `waiter` for the next answer of lease `id`; false when the stream has ended.
+    fn wait_for(&self, id: i64, waiter: oneshot::Sender<KeepAliveAnswer>) -> bool {
+        let Ok(mut waiting) = self.waiting.lock() else {
+            return false;
+        };
+        let Some(waiting) = waiting.as_mut() else {
+            return false;
+        };
+        waiting.entry(id).or_default().push_back(waiter);
+        true
+    }
+}
+
+impl Drop for Upstream {
+    fn drop(&mut self) {
+        self.reader.abort();
+        // Dropping the waiters fails the keepalives still waiting: their routing loop retries
+        // them on a new stream while their deadline lasts.
+        if let Ok(mut waiting) = self.waiting.lock() {
+            waiting.take();
+        }
+    }
+}
+
+/// The reader of an [`Upstream`]: passes each answer to the oldest keepalive waiting for its
+/// lease id, and when the leader ends the stream fails every keepalive still waiting with
+/// that end (an error status, or a leader change when it ended cleanly: it stepped down).
+async fn read_upstream(
+    mut responses: Streaming<pb::LeaseKeepAliveResponse>,
+    waiting: Arc<Mutex<Option<Waiting>>>,
+) {
+    let ended = loop {
+        match responses.message().await {
+            Ok(Some(response)) => {
+                let Ok(mut guard) = waiting.lock() else {
+                    return;
+                };
+                let Some(waiting) = guard.as_mut() else {
+                    return;
+                };
+                let id = response.id;
+                let Some(queue) = waiting.get_mut(&id) else {
+                    // Nobody waits for it any more (it gave up at its deadline).
+                    continue;
+                };
+                let mut answer = Ok(response);
+                while let Some(waiter) = queue.pop_front() {
+                    // A waiter gone since (its deadline passed) passes the answer on.
+                    match waiter.send(answer) {
+                        Ok(()) => break,
+                        Err(back) => answer = back,
+                    }
+                }
+                if queue.is_empty() {
+                    waiting.remove(&id);
+                }
+            }
+            Ok(None) => break to_status(Error::LeaderChanged),
+            Err(status) => break status,
+        }
+    };
+    let Ok(mut guard) = waiting.lock() else {
+        return;
+    };
+    for waiter in guard
+        .take()
+        .into_iter()
+        .flat_map(BTreeMap::into_values)
+        .flatten()
+    {
+        let _ = waiter.send(Err(ended.clone()));
+    }
 }
 
 /// etcd's TTL seconds to the state machine's milliseconds: at least the minimum TTL rounded up
@@ -177,7 +302,10 @@ impl Shared {
         }
         self.confirm_leadership(ctx, renewal.term).await?;
         if let Ok(mut renewed) = renewed.lock() {
-            renewed.insert(id, renewal.stamp);
+            // Keepalives of one lease on one stream may finish out of order: the orphan logic
+            // needs the newest renewal (stamps grow with each renewal).
+            let newest = renewed.entry(id).or_insert(renewal.stamp);
+            *newest = (*newest).max(renewal.stamp);
         }
         Ok(pb::LeaseKeepAliveResponse {
             header: Some(self.api.read_header()),
@@ -208,7 +336,9 @@ impl Shared {
             .map_err(to_status)
     }
 
-    /// One keepalive through the leader's stream, opening it when needed.
+    /// One keepalive through the leader's stream, opening it when needed. Several keepalives
+    /// of one client stream share the upstream stream at once; the lock is held only to open
+    /// it and to queue for an answer, not across the leader's round trip.
     async fn renew_at(
         &self,
         ctx: &CallContext,
@@ -216,41 +346,60 @@ impl Shared {
         leader: NodeId,
         id: i64,
     ) -> Result<pb::LeaseKeepAliveResponse, Status> {
-        let mut upstream = upstream.lock().await;
-        if upstream.as_ref().is_none_or(|u| u.leader != leader) {
-            *upstream = None;
-            let (requests, outgoing) = mpsc::channel(KEEPALIVE_UPSTREAM_REQUESTS_MAX);
-            // No gRPC timeout: the stream lives as long as the client's.
-            let mut request = tonic::Request::new(ReceiverStream::new(outgoing));
-            mark_forwarded(&mut request, &self.api.forwarding_context(ctx));
-            let mut client = LeaseClient::new(self.api.channel(leader)?);
-            let opened = tokio::time::timeout(ctx.remaining(), client.lease_keep_alive(request))
-                .await
-                .map_err(|_| to_status(Error::Timeout))??;
-            *upstream = Some(Upstream {
-                leader,
-                requests,
-                responses: opened.into_inner(),
-            });
-        }
-        let Some(stream) = upstream.as_mut() else {
-            return Err(to_status(Error::LeaderChanged));
-        };
-        let sent = stream.requests.send(pb::LeaseKeepAliveRequest { id }).await;
-        let answer = match sent {
-            Err(_) => Err(to_status(Error::LeaderChanged)),
-            Ok(()) => match tokio::time::timeout(ctx.remaining(), stream.responses.message()).await
+        let (waiter, answer) = oneshot::channel();
+        let (requests, waiting) = {
+            let mut upstream = upstream.lock().await;
+            if upstream
+                .as_ref()
+                .is_none_or(|u| u.leader != leader || !u.is_open())
             {
-                Err(_) => Err(to_status(Error::Timeout)),
-                Ok(Ok(Some(response))) => Ok(response),
-                // The leader ended the stream: it stepped down or went away.
-                Ok(Ok(None)) => Err(to_status(Error::LeaderChanged)),
-                Ok(Err(status)) => Err(status),
-            },
+                *upstream = None;
+                let (requests, outgoing) = mpsc::channel(KEEPALIVE_UPSTREAM_REQUESTS_MAX);
+                // No gRPC timeout: the stream lives as long as the client's.
+                let mut request = tonic::Request::new(ReceiverStream::new(outgoing));
+                mark_forwarded(&mut request, &self.api.forwarding_context(ctx));
+                let mut client = LeaseClient::new(self.api.channel(leader)?);
+                let opened =
+                    tokio::time::timeout(ctx.remaining(), client.lease_keep_alive(request))
+                        .await
+                        .map_err(|_| to_status(Error::Timeout))??;
+                *upstream = Some(Upstream::new(leader, requests, opened.into_inner()));
+            }
+            let Some(stream) = upstream.as_ref() else {
+                return Err(to_status(Error::LeaderChanged));
+            };
+            // Queued before the request leaves, so that its answer always finds a waiter.
+            if !stream.wait_for(id, waiter) {
+                *upstream = None;
+                return Err(to_status(Error::LeaderChanged));
+            }
+            (stream.requests.clone(), stream.waiting.clone())
         };
+        let exchange = async {
+            if requests
+                .send(pb::LeaseKeepAliveRequest { id })
+                .await
+                .is_err()
+            {
+                return Err(to_status(Error::LeaderChanged));
+            }
+            // A dropped waiter: the stream was given up (by a keepalive that failed on it).
+            answer
+                .await
+                .unwrap_or_else(|_| Err(to_status(Error::LeaderChanged)))
+        };
+        let answer = tokio::time::timeout(ctx.remaining(), exchange)
+            .await
+            .unwrap_or_else(|_| Err(to_status(Error::Timeout)));
         if answer.is_err() {
-            // A stream that failed once is not trusted again.
-            *upstream = None;
+            // A stream that failed once is not trusted again, unless it was replaced already.
+            let mut upstream = upstream.lock().await;
+            if upstream
+                .as_ref()
+                .is_some_and(|u| Arc::ptr_eq(&u.waiting, &waiting))
+            {
+                *upstream = None;
+            }
         }
         answer
     }
@@ -279,9 +428,12 @@ impl Shared {
     async fn client_vanished(
         &self,
         upstream: &tokio::sync::Mutex<Option<Upstream>>,
-        renewed: StreamRenewals,
+        renewed: &StreamRenewals,
     ) {
-        let renewed = renewed.into_inner().unwrap_or_default();
+        let renewed = renewed
+            .lock()
+            .map(|mut renewed| std::mem::take(&mut *renewed))
+            .unwrap_or_default();
         for (id, stamp) in renewed {
             let shortened = self.api.node.lease_orphaned(id, stamp).await;
             tracing::debug!(
@@ -297,10 +449,10 @@ impl Shared {
             id: ORPHANED_STREAM_MARK_ID,
         };
         if stream.requests.send(mark).await.is_ok() {
-            // The leader ends the stream once it took the mark; dropping it sooner could
-            // reset the stream before the mark is read.
+            // The leader ends the stream once it took the mark (and the reader with it);
+            // dropping it sooner could reset the stream before the mark is read.
             let wait = Duration::from_millis(ORPHANED_STREAM_MARK_WAIT_MS);
-            let _ = tokio::time::timeout(wait, stream.responses.message()).await;
+            let _ = tokio::time::timeout(wait, &mut stream.reader).await;
         }
     }
 
@@ -351,6 +503,16 @@ impl Shared {
             },
         };
         Ok(response)
+    }
+}
+
+/// The client's side of a keepalive stream took no more answers: how it went (its request
+/// stream tells) says whether it said goodbye.
+async fn probe_end(incoming: &mut Streaming<pb::LeaseKeepAliveRequest>) -> StreamEnd {
+    let probe = Duration::from_millis(STREAM_END_PROBE_MS);
+    match tokio::time::timeout(probe, incoming.next()).await {
+        Ok(Some(Err(status))) => StreamEnd::of(&status),
+        _ => StreamEnd::Goodbye,
     }
 }
 
@@ -432,55 +594,111 @@ impl Lease for LeaseService {
         let shared = self.shared.clone();
         tokio::spawn(async move {
             let _slot = slot;
-            // Used by one keepalive at a time; the lock only lets the routing loop lend it out.
-            let upstream = tokio::sync::Mutex::new(None);
-            let renewed = StreamRenewals::default();
-            // Keepalives on one stream are answered in order, one at a time, as etcd does.
-            let end = loop {
-                let next = tokio::select! {
-                    next = incoming.next() => next,
+            // Shared by the keepalives in flight; the lock only lets them open it and queue.
+            let upstream = Arc::new(tokio::sync::Mutex::new(None));
+            let renewed = Arc::new(StreamRenewals::default());
+            // Up to KEEPALIVE_STREAM_IN_FLIGHT_MAX keepalives run at once, each answered when
+            // it completes: etcd's clients match answers by lease id. Keepalives of one lease
+            // may run together too: the keeper renews them one after the other, each answer
+            // is a TTL that renewal promised, and `renew_here` records the newest stamp.
+            let mut in_flight: JoinSet<KeepAliveAnswer> = JoinSet::new();
+            // How the client's side of the stream ended: a goodbye unless it says otherwise.
+            let mut end = StreamEnd::Goodbye;
+            // The requests ended (how: `end`); no more are read.
+            let mut input_done = false;
+            // The client's side takes answers; false once a send failed.
+            let mut answering = true;
+            // The first keepalive that failed. No more requests are read; the keepalives
+            // still in flight finish and are answered, then the stream ends with this error.
+            let mut failure: Option<Status> = None;
+            let draining = shared.api.draining();
+            tokio::pin!(draining);
+            loop {
+                let reading = !input_done && answering && failure.is_none();
+                if !reading && in_flight.is_empty() {
+                    break;
+                }
+                tokio::select! {
+                    // Shutdown first, then answers before new requests.
+                    biased;
                     // A member shutting down ends its streams itself: the clients are alive
-                    // and move to another member, so their leases keep the full TTL.
-                    () = shared.api.draining() => break StreamEnd::Goodbye,
-                };
-                let message = match next {
-                    Some(Ok(message)) => message,
-                    Some(Err(status)) => {
-                        tracing::debug!(?status, "keepalive stream failed");
-                        break StreamEnd::of(&status);
+                    // and move to another member, so their leases keep the full TTL. The
+                    // keepalives still in flight are abandoned unanswered (dropping the set
+                    // aborts them); the clients send them again on their new stream.
+                    () = &mut draining => break,
+                    Some(done) = in_flight.join_next(), if !in_flight.is_empty() => {
+                        // A keepalive task that panicked fails like any other keepalive.
+                        let answer = done.unwrap_or_else(|_| Err(to_status(Error::Stopped)));
+                        let response = match answer {
+                            Ok(response) => response,
+                            // A failed keepalive ends the stream with its error; clients open
+                            // a new one. Later failures add nothing to it.
+                            Err(status) => {
+                                failure.get_or_insert(status);
+                                continue;
+                            }
+                        };
+                        // Once the client's side is gone the remaining keepalives still run
+                        // to the end, so that every renewal they made is recorded for the
+                        // orphan logic below.
+                        if answering && responses.send(Ok(response)).await.is_err() {
+                            answering = false;
+                            if !input_done {
+                                input_done = true;
+                                end = probe_end(&mut incoming).await;
+                            }
+                        }
                     }
-                    None => break StreamEnd::Goodbye,
-                };
-                if forwarded && message.id == ORPHANED_STREAM_MARK_ID {
-                    break StreamEnd::Marked;
+                    // Backpressure: no request is read while the stream's keepalives in flight
+                    // are at the cap, or while an answer waits for room in the answers queue.
+                    next = incoming.next(),
+                        if reading && in_flight.len() < KEEPALIVE_STREAM_IN_FLIGHT_MAX =>
+                    {
+                        let message = match next {
+                            Some(Ok(message)) => message,
+                            Some(Err(status)) => {
+                                tracing::debug!(?status, "keepalive stream failed");
+                                end = StreamEnd::of(&status);
+                                input_done = true;
+                                continue;
+                            }
+                            None => {
+                                input_done = true;
+                                continue;
+                            }
+                        };
+                        if forwarded && message.id == ORPHANED_STREAM_MARK_ID {
+                            end = StreamEnd::Marked;
+                            input_done = true;
+                            continue;
+                        }
+                        // Each keepalive gets the request timeout; the stream itself has none.
+                        let ctx = CallContext {
+                            deadline: Instant::now()
+                                + Duration::from_millis(shared.api.config.request_timeout_ms),
+                            forwarded,
+                            session: None,
+                            fence: None,
+                            token: token.clone(),
+                            cert_user: cert_user.clone(),
+                        };
+                        let (keeper, upstream, renewed) =
+                            (shared.clone(), upstream.clone(), renewed.clone());
+                        in_flight.spawn(async move {
+                            keeper
+                                .keep_alive_once(&ctx, &upstream, &renewed, message.id)
+                                .await
+                        });
+                    }
                 }
-                // Each keepalive gets the request timeout; the stream itself has none.
-                let ctx = CallContext {
-                    deadline: Instant::now()
-                        + Duration::from_millis(shared.api.config.request_timeout_ms),
-                    forwarded,
-                    session: None,
-                    fence: None,
-                    token: token.clone(),
-                    cert_user: cert_user.clone(),
-                };
-                let answer = shared
-                    .keep_alive_once(&ctx, &upstream, &renewed, message.id)
-                    .await;
-                let failed = answer.is_err();
-                if responses.send(answer).await.is_err() {
-                    // The client's side is gone; how it went says whether it said goodbye.
-                    let probe = Duration::from_millis(STREAM_END_PROBE_MS);
-                    break match tokio::time::timeout(probe, incoming.next()).await {
-                        Ok(Some(Err(status))) => StreamEnd::of(&status),
-                        _ => StreamEnd::Goodbye,
-                    };
-                }
-                // A failed keepalive ends the stream with its error; clients open a new one.
-                if failed {
-                    break StreamEnd::Goodbye;
-                }
-            };
+            }
+            if let Some(status) = failure
+                && answering
+                && responses.send(Err(status)).await.is_err()
+                && !input_done
+            {
+                end = probe_end(&mut incoming).await;
+            }
             // A forwarded stream that broke lost a member, not the client: only the mark
             // speaks for a client behind a follower.
             let vanished = match end {
@@ -489,7 +707,7 @@ impl Lease for LeaseService {
                 StreamEnd::Goodbye => false,
             };
             if vanished {
-                shared.client_vanished(&upstream, renewed).await;
+                shared.client_vanished(&upstream, &renewed).await;
             }
         });
         Ok(tonic::Response::new(ReceiverStream::new(output)))
