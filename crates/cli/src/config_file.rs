@@ -16,6 +16,24 @@ use crate::{ClusterState, ServeCommandArgs};
 
 /// The contents of a config file. Every field is a serve flag under its long name; a key that
 /// is none of them is an error rather than silently ignored, so a typo cannot go unnoticed.
+/// `initial-cluster-id`: a cluster id in hex, checked as the flag checks it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(try_from = "String")]
+pub struct ClusterIdHex(pub u64);
+
+impl TryFrom<String> for ClusterIdHex {
+    type Error = String;
+    fn try_from(text: String) -> Result<Self, String> {
+        crate::parse_cluster_id(&text).map(ClusterIdHex)
+    }
+}
+
+impl From<ClusterIdHex> for Option<u64> {
+    fn from(id: ClusterIdHex) -> Option<u64> {
+        Some(id.0)
+    }
+}
+
 #[derive(Debug, Default, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
 pub struct ConfigFile {
@@ -27,6 +45,7 @@ pub struct ConfigFile {
     pub initial_cluster: Option<String>,
     pub initial_cluster_clients: Option<String>,
     pub initial_cluster_state: Option<ClusterState>,
+    pub initial_cluster_id: Option<ClusterIdHex>,
     pub snapshot_entries: Option<u64>,
     pub snapshot_bytes_max: Option<u64>,
     pub tick_ms: Option<u64>,
@@ -137,6 +156,7 @@ impl ServeCommandArgs {
             initial_cluster,
             initial_cluster_clients,
             initial_cluster_state,
+            initial_cluster_id,
             snapshot_entries,
             snapshot_bytes_max,
             tick_ms,
@@ -199,6 +219,7 @@ impl ServeCommandArgs {
         fill!(request_timeout_ms => serve.request_timeout_ms);
         fill!(peer_secret_file => serve.peer_secret_file);
         fill!(initial_cluster_state => self.initial_cluster_state);
+        fill!(initial_cluster_id => self.initial_cluster_id);
         fill!(auto_compaction_mode => serve.auto_compaction_mode);
         fill!(auto_compaction_retention => serve.auto_compaction_retention);
         fill!(auth_token => serve.auth.auth_token);
@@ -279,6 +300,7 @@ listen-peer = "10.0.0.1:2380"
 initial-cluster = "7=10.0.0.1:2380"
 initial-cluster-clients = "7=10.0.0.1:2379"
 initial-cluster-state = "existing"
+initial-cluster-id = "3f2a9c0d11b7e845"
 snapshot-entries = 500
 snapshot-bytes-max = 1073741824
 tick-ms = 5
@@ -392,6 +414,7 @@ bcrypt-cost = 12
             Some(std::path::Path::new("/etc/conclave/peer-secret"))
         );
         assert_eq!(args.initial_cluster_state, ClusterState::Existing);
+        assert_eq!(args.initial_cluster_id, Some(0x3f2a_9c0d_11b7_e845));
         assert!(s.tls.client_cert_auth);
         assert_eq!(
             s.tls.peer_cert_file.as_deref(),

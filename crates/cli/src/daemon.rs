@@ -67,6 +67,9 @@ impl ServeCommandArgs {
             "--initial-cluster-state".into(),
             self.initial_cluster_state.as_str().into(),
         ]);
+        if let Some(id) = self.initial_cluster_id {
+            args.extend(["--initial-cluster-id".into(), format!("{id:x}").into()]);
+        }
         args
     }
 }

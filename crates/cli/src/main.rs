@@ -108,6 +108,18 @@ impl ClusterState {
     }
 }
 
+/// A cluster id as etcd and `member add` print it: hex, with or without `0x`.
+pub fn parse_cluster_id(text: &str) -> Result<u64, String> {
+    let digits = text.trim().trim_start_matches("0x");
+    match u64::from_str_radix(digits, 16) {
+        Ok(0) => Err("a cluster id is never 0".into()),
+        Ok(id) => Ok(id),
+        Err(_) => Err(format!(
+            "{text:?} is not a cluster id in hex (like 3f2a9c0d11b7e845)"
+        )),
+    }
+}
+
 /// Everything `conclave serve` and `conclave daemon start` take: the node's flags
 /// (`ServeArgs`), plus how the node joins (`--initial-cluster-state`) and where a
 /// configuration file supplies the flags not given (`--config`).
@@ -125,6 +137,16 @@ pub struct ServeCommandArgs {
         default_value_t = ClusterState::New
     )]
     pub initial_cluster_state: ClusterState,
+    /// With `existing`: the id of the cluster to join, in hex, as `member add` prints it. With
+    /// it, --initial-cluster may list the current members (as `member add` prints them); without
+    /// it, the id is derived from --initial-cluster, which must then be the founding list.
+    #[arg(
+        long,
+        env = "CONCLAVE_INITIAL_CLUSTER_ID",
+        value_name = "HEX",
+        value_parser = parse_cluster_id
+    )]
+    pub initial_cluster_id: Option<u64>,
     /// TOML file of serve flags by their long names (`heartbeat-ms = 50`); a flag or its
     /// environment variable beats the file.
     #[arg(long, env = "CONCLAVE_CONFIG", value_name = "FILE")]
@@ -423,6 +445,7 @@ async fn serve(mut args: ServeCommandArgs, matches: &ArgMatches) -> Result<(), C
     args.apply_config_file(matches)?;
     let mut config = args.serve.to_config()?;
     config.join = args.initial_cluster_state == ClusterState::Existing;
+    config.cluster_id_given = args.initial_cluster_id;
     if !config.join
         && let Some(warning) = cluster_spec::even_cluster_warning(config.members.len())
     {

@@ -206,3 +206,79 @@ async fn member_add_never_reuses_the_id_of_a_removed_member() {
     }
     cluster.wait_caught_up(fifth, CATCH_UP_TIMEOUT).await;
 }
+
+/// After a founder left, the founding list is gone from the cluster, and the current members
+/// derive no longer to the cluster id. `conclave member add` prints the current members and
+/// the cluster id apart (`--initial-cluster-id`), and a member started with exactly those
+/// flags joins. Before, the printed list alone gave the new member another cluster id, and
+/// every peer refused it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_member_started_with_the_flags_member_add_printed_joins_after_a_founder_left() {
+    let mut cluster = Cluster::start(FOUNDERS).await;
+    write(&cluster, "founded").await;
+    remove(&mut cluster, 1, 2).await;
+    let eps = format!("{},{}", cluster.endpoint(2), cluster.endpoint(3));
+
+    let peer = format!("127.0.0.1:{}", common::free_port());
+    let added = Command::new(env!("CARGO_BIN_EXE_conclave"))
+        .args([
+            "--endpoints",
+            &eps,
+            "member",
+            "add",
+            "n4",
+            "--learner",
+            "--json",
+        ])
+        .args(["--peer-url", &format!("http://{peer}")])
+        .output()
+        .expect("run conclave member add");
+    assert!(added.status.success(), "member add failed: {added:?}");
+    let added: serde_json::Value =
+        serde_json::from_slice(&added.stdout).expect("member add prints JSON");
+    let flags: Vec<String> = added["data"]["serve_flags"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no serve_flags in {added}"))
+        .iter()
+        .filter_map(|flag| flag.as_str().map(str::to_string))
+        .collect();
+    let id: u64 = flags
+        .iter()
+        .position(|flag| flag == "--id")
+        .and_then(|at| flags.get(at + 1))
+        .and_then(|id| id.parse().ok())
+        .unwrap_or_else(|| panic!("no --id in {flags:?}"));
+    assert_eq!(cluster.nodes.len() as u64 + 1, id);
+
+    let node = Node {
+        id,
+        client: format!("127.0.0.1:{}", common::free_port()),
+        peer,
+        metrics: format!("127.0.0.1:{}", common::free_port()),
+        data_dir: cluster.root.join(format!("node{id}")),
+        child: None,
+    };
+    let log = std::fs::File::create(cluster.root.join(format!("node{id}.log")))
+        .expect("create the node log");
+    let log_err = log.try_clone().expect("clone the log handle");
+    let child = Command::new(env!("CARGO_BIN_EXE_conclave"))
+        .arg("serve")
+        .args(&flags)
+        .arg("--data-dir")
+        .arg(&node.data_dir)
+        .args(["--listen-client", &node.client])
+        .args(["--listen-metrics", &node.metrics])
+        .arg("--peer-secret-file")
+        .arg(cluster.peer_secret_file())
+        .env("CONCLAVE_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::from(log))
+        .stderr(Stdio::from(log_err))
+        .spawn()
+        .expect("start the new member with the printed flags");
+    cluster.nodes.push(Node {
+        child: Some(child),
+        ..node
+    });
+    cluster.wait_caught_up(id, CATCH_UP_TIMEOUT).await;
+}

@@ -39,6 +39,9 @@ pub struct Cluster {
     pub election_timeout_ms: u64,
     /// Client TLS and peer mutual TLS on every member (`run --tls`).
     pub tls: Option<RunTls>,
+    /// The cluster id from the first MemberAdd answer, which replacements join with
+    /// (`--initial-cluster-id`).
+    pub cluster_id: Option<u64>,
 }
 
 impl Cluster {
@@ -81,6 +84,7 @@ impl Cluster {
             root,
             election_timeout_ms,
             tls,
+            cluster_id: None,
         };
         for index in 0..cluster.members.len() {
             cluster.spawn(index)?;
@@ -101,25 +105,33 @@ impl Cluster {
         let places = &self.net.places;
         let id = self.members[index].id;
         let joined = self.members[index].joined;
-        // The founding list exactly as the founders were started (the cluster id derives
-        // from it); a replacement adds itself under its own id.
-        let mut initial = places
-            .iter()
-            .enumerate()
-            .map(|(i, p)| format!("{}={}", i + 1, p.peer_addr))
-            .collect::<Vec<_>>();
-        let mut clients = places
-            .iter()
-            .enumerate()
-            .map(|(i, p)| format!("{}={}", i + 1, p.client_addr))
-            .collect::<Vec<_>>();
-        // MemberAdd never gives an id twice, so a replacement's id is never a founder's (were
-        // it one, the list would name it twice and `serve` would refuse to start, loudly).
-        if joined {
-            initial.push(format!("{id}={}", places[index].peer_addr));
-            clients.push(format!("{id}={}", places[index].client_addr));
-        }
-        let (initial, clients) = (initial.join(","), clients.join(","));
+        // Founders get the founding list exactly as they were first started (the cluster id
+        // derives from it). A replacement gets the members as they are now, itself included,
+        // and the cluster id apart: with the founding list it could not answer a leader that
+        // joined after the founders (it would know that address under a founder's id) until a
+        // founder sent it a snapshot, so learners waited for a founder to lead.
+        let listed_id = |i: usize| {
+            if joined {
+                self.members[i].id
+            } else {
+                i as u64 + 1
+            }
+        };
+        let initial = (0..places.len())
+            .map(|i| format!("{}={}", listed_id(i), places[i].peer_addr))
+            .collect::<Vec<_>>()
+            .join(",");
+        let clients = (0..places.len())
+            .map(|i| format!("{}={}", listed_id(i), places[i].client_addr))
+            .collect::<Vec<_>>()
+            .join(",");
+        let join_args = match (joined, self.cluster_id) {
+            (true, Some(cluster_id)) => vec![
+                "--initial-cluster-id".to_string(),
+                format!("{cluster_id:x}"),
+            ],
+            _ => Vec::new(),
+        };
         let log_path = self.root.join(format!("member{id}.log"));
         let log = std::fs::OpenOptions::new()
             .create(true)
@@ -150,6 +162,7 @@ impl Cluster {
             .args(["--listen-peer", &places[index].peer_addr])
             .args(["--initial-cluster", &initial])
             .args(["--initial-cluster-clients", &clients])
+            .args(&join_args)
             .args(["--snapshot-entries", "500"])
             .args([
                 "--initial-cluster-state",

@@ -335,7 +335,11 @@ async fn add_learner(cluster: &mut Cluster, index: usize) -> Option<u64> {
                     is_learner: true,
                 })
                 .await
-                .map(|answer| answer.into_inner().member.map(|m| m.id))
+                .map(|answer| {
+                    let answer = answer.into_inner();
+                    let cluster_id = answer.header.map_or(0, |h| h.cluster_id);
+                    answer.member.map(|m| (m.id, cluster_id))
+                })
             }
         })
         .await
@@ -345,7 +349,10 @@ async fn add_learner(cluster: &mut Cluster, index: usize) -> Option<u64> {
         }
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
-    let id = added?;
+    let (id, cluster_id) = added?;
+    if cluster_id != 0 {
+        cluster.cluster_id = Some(cluster_id);
+    }
     cluster.members[index].id = id;
     cluster.members[index].joined = true;
     cluster.members[index].learner = true;

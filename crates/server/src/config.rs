@@ -71,6 +71,10 @@ pub struct ServerConfig {
     /// data directory is not bootstrapped, the leader sends a snapshot, and `members` is the
     /// founding list plus this node, which the cluster id leaves out.
     pub join: bool,
+    /// The id of the cluster a joining node joins (`--initial-cluster-id`, from `member add`).
+    /// When given, `members` may be the current members rather than the founding list; when
+    /// not, the id is derived from `members` as the founders derived it.
+    pub cluster_id_given: Option<u64>,
     /// The file holding the cluster's peer secret (`--peer-secret-file`), the same on every
     /// member. Without one, peers authenticate with a key derived from the cluster id, which
     /// anyone who can read a response header knows (see docs/security.md, The peer port).
@@ -290,6 +294,7 @@ impl ServerConfig {
             request_bytes_max: REQUEST_BYTES_MAX,
             shutdown_transfer_timeout_ms: 1_000,
             join: false,
+            cluster_id_given: None,
             peer_secret_file: None,
             client_tls: None,
             peer_tls: None,
@@ -320,6 +325,9 @@ impl ServerConfig {
     /// A cluster id every founding member derives alike: FNV-1a over the sorted
     /// `id=peer_addr` list. It keeps two clusters' peers from talking to each other.
     pub fn cluster_id(&self) -> u64 {
+        if let Some(given) = self.cluster_id_given {
+            return given;
+        }
         let mut members: Vec<_> = self
             .members
             .iter()
@@ -341,6 +349,16 @@ impl ServerConfig {
         let invalid = |reason: String| Err(Error::InvalidConfig { reason });
         if self.members.is_empty() {
             return invalid("the initial cluster lists no members".into());
+        }
+        match self.cluster_id_given {
+            Some(0) => return invalid("--initial-cluster-id must not be 0".into()),
+            Some(_) if !self.join => {
+                return invalid(
+                    "--initial-cluster-id is for a joining member (--initial-cluster-state existing); founders derive the id from --initial-cluster"
+                        .into(),
+                );
+            }
+            _ => {}
         }
         let mut ids = BTreeSet::new();
         let mut names = BTreeSet::new();

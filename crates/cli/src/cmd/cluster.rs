@@ -171,7 +171,16 @@ pub async fn member(ctx: &Ctx, command: MemberCommand) -> CmdResult {
             let added = answer.member.ok_or_else(|| {
                 Failure::new("unavailable", "the server did not say who it added")
             })?;
-            // How to start it: numeric keys, since names would be numbered in list order.
+            // How to start it: numeric keys, since names would be numbered in list order. The
+            // list is the current members, so the new one can reach whoever leads; the cluster
+            // id comes separately, as it is derived from the founding list, which may be gone.
+            let cluster_id = answer.header.as_ref().map_or(0, |h| h.cluster_id);
+            if cluster_id == 0 {
+                return Err(Failure::new(
+                    "unavailable",
+                    "the server did not say which cluster it is (no cluster id in its answer)",
+                ));
+            }
             let initial_cluster = answer
                 .members
                 .iter()
@@ -193,6 +202,8 @@ pub async fn member(ctx: &Ctx, command: MemberCommand) -> CmdResult {
                 initial_cluster,
                 "--initial-cluster-state".into(),
                 "existing".into(),
+                "--initial-cluster-id".into(),
+                format!("{cluster_id:x}"),
             ];
             ctx.out.ok(
                 json!({
