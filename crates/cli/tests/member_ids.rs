@@ -6,7 +6,7 @@
 
 mod common;
 
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::{Cluster, Node};
@@ -105,33 +105,21 @@ fn spawn_joined(cluster: &Cluster, node: &Node) -> std::process::Child {
         .map(|n| format!("{}={}", n.id, n.client))
         .chain(std::iter::once(format!("{}={}", node.id, node.client)))
         .collect();
-    let log_path = cluster.root.join(format!("node{}.log", node.id));
-    let log = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(&log_path)
-        .expect("open the node log");
-    let log_err = log.try_clone().expect("clone the log handle");
-    Command::new(env!("CARGO_BIN_EXE_conclave"))
-        .arg("serve")
-        .args(["--id", &node.id.to_string()])
-        .arg("--data-dir")
-        .arg(&node.data_dir)
-        .args(["--listen-client", &node.client])
-        .args(["--listen-peer", &node.peer])
-        .args(["--listen-metrics", &node.metrics])
-        .args(["--initial-cluster", &initial.join(",")])
-        .args(["--initial-cluster-clients", &clients.join(",")])
-        .args(["--initial-cluster-state", "existing"])
-        .args(["--snapshot-entries", "50"])
-        .arg("--peer-secret-file")
-        .arg(cluster.peer_secret_file())
-        .env("CONCLAVE_LOG", "info")
-        .stdin(Stdio::null())
-        .stdout(Stdio::from(log))
-        .stderr(Stdio::from(log_err))
-        .spawn()
-        .expect("start the joining member")
+    let args = [
+        "--id".to_string(),
+        node.id.to_string(),
+        "--listen-peer".into(),
+        node.peer.clone(),
+        "--initial-cluster".into(),
+        initial.join(","),
+        "--initial-cluster-clients".into(),
+        clients.join(","),
+        "--initial-cluster-state".into(),
+        "existing".into(),
+        "--snapshot-entries".into(),
+        "50".into(),
+    ];
+    cluster.spawn_serve(node, &args)
 }
 
 /// Adds a learner through `via`, checks its id was never used, starts it and waits until it
@@ -258,24 +246,7 @@ async fn a_member_started_with_the_flags_member_add_printed_joins_after_a_founde
         data_dir: cluster.root.join(format!("node{id}")),
         child: None,
     };
-    let log = std::fs::File::create(cluster.root.join(format!("node{id}.log")))
-        .expect("create the node log");
-    let log_err = log.try_clone().expect("clone the log handle");
-    let child = Command::new(env!("CARGO_BIN_EXE_conclave"))
-        .arg("serve")
-        .args(&flags)
-        .arg("--data-dir")
-        .arg(&node.data_dir)
-        .args(["--listen-client", &node.client])
-        .args(["--listen-metrics", &node.metrics])
-        .arg("--peer-secret-file")
-        .arg(cluster.peer_secret_file())
-        .env("CONCLAVE_LOG", "info")
-        .stdin(Stdio::null())
-        .stdout(Stdio::from(log))
-        .stderr(Stdio::from(log_err))
-        .spawn()
-        .expect("start the new member with the printed flags");
+    let child = cluster.spawn_serve(&node, &flags);
     cluster.nodes.push(Node {
         child: Some(child),
         ..node

@@ -343,6 +343,34 @@ impl Cluster {
         self.nodes[(id - 1) as usize].child = Some(child);
     }
 
+    /// Starts `conclave serve` for `node` (a member not started by the harness, such as one
+    /// added by MemberAdd) with its addresses, data directory, log and the cluster's peer
+    /// secret, plus `args` (its cluster flags).
+    pub fn spawn_serve(&self, node: &Node, args: &[String]) -> Child {
+        let log_path = self.root.join(format!("node{}.log", node.id));
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log_path)
+            .expect("open the node log");
+        let log_err = log.try_clone().expect("clone the log handle");
+        Command::new(env!("CARGO_BIN_EXE_conclave"))
+            .arg("serve")
+            .arg("--data-dir")
+            .arg(&node.data_dir)
+            .args(["--listen-client", &node.client])
+            .args(["--listen-metrics", &node.metrics])
+            .arg("--peer-secret-file")
+            .arg(self.peer_secret_file())
+            .args(args)
+            .env("CONCLAVE_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::from(log))
+            .stderr(Stdio::from(log_err))
+            .spawn()
+            .expect("start conclave serve")
+    }
+
     /// SIGKILL: no goodbye, no leadership transfer.
     pub fn kill(&mut self, id: u64) {
         if let Some(mut child) = self.nodes[(id - 1) as usize].child.take() {
