@@ -13,7 +13,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::Cluster;
+use common::{Cluster, http_get as get};
 use serde_json::{Value, json};
 
 /// How long the page may take to show the cluster elected a new group leader.
@@ -87,19 +87,6 @@ async fn group_leader(cluster: &Cluster) -> Option<String> {
         .find(|g| g["name"] == GROUP)?["leader"]
         .as_str()
         .map(str::to_owned)
-}
-
-async fn get(url: &str) -> Option<(u16, String)> {
-    use http_body_util::{BodyExt, Empty};
-    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-        .build_http::<Empty<bytes::Bytes>>();
-    let answer = tokio::time::timeout(Duration::from_secs(3), client.get(url.parse().ok()?))
-        .await
-        .ok()?
-        .ok()?;
-    let status = answer.status().as_u16();
-    let body = answer.into_body().collect().await.ok()?.to_bytes();
-    Some((status, String::from_utf8_lossy(&body).into_owned()))
 }
 
 async fn wait_group_leader(cluster: &Cluster, want: &str) -> Instant {

@@ -622,26 +622,11 @@ async fn a_continued_deposed_leader_does_not_answer_keepalives_itself() {
 /// Distinct leases one stream renews back to back in the pipelining test.
 const BURST_LEASES: usize = 200;
 
-/// GET `url`'s body, `None` when it fails.
-async fn http_get(url: &str) -> Option<String> {
-    use http_body_util::{BodyExt, Empty};
-    use hyper_util::client::legacy::Client;
-    use hyper_util::rt::TokioExecutor;
-    let client = Client::builder(TokioExecutor::new()).build_http::<Empty<bytes::Bytes>>();
-    let uri: hyper::Uri = url.parse().ok()?;
-    let answer = tokio::time::timeout(Duration::from_secs(3), client.get(uri))
-        .await
-        .ok()?
-        .ok()?;
-    let body = answer.into_body().collect().await.ok()?.to_bytes();
-    Some(String::from_utf8_lossy(&body).into_owned())
-}
-
 /// How many WAL fsyncs member `id` has made (the count of its fsync histogram).
 async fn wal_fsyncs(cluster: &Cluster, id: u64) -> u64 {
     const SAMPLE: &str = "etcd_disk_wal_fsync_duration_seconds_count ";
     let url = format!("{}/metrics", cluster.metrics_url(id));
-    let scrape = http_get(&url).await.expect("metrics scrape");
+    let (_, scrape) = common::http_get(&url).await.expect("metrics scrape");
     scrape
         .lines()
         .find_map(|line| line.strip_prefix(SAMPLE)?.trim().parse::<f64>().ok())

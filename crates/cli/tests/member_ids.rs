@@ -92,6 +92,18 @@ async fn add_learner(cluster: &Cluster, via: u64) -> (u64, String) {
     (added.member.expect("the added member").id, peer)
 }
 
+/// A member `id` not started yet, at peer address `peer`, with fresh client and metrics ports.
+fn fresh_node(cluster: &Cluster, id: u64, peer: String) -> Node {
+    Node {
+        id,
+        client: format!("127.0.0.1:{}", common::free_port()),
+        peer,
+        metrics: format!("127.0.0.1:{}", common::free_port()),
+        data_dir: cluster.root.join(format!("node{id}")),
+        child: None,
+    }
+}
+
 /// Starts (or restarts) the process of `node`, a member added by MemberAdd, joining with
 /// `--initial-cluster-state existing`: the founding list exactly as the founders were started,
 /// plus itself.
@@ -138,14 +150,7 @@ async fn add_and_join(cluster: &mut Cluster, via: u64, used: &[u64]) -> u64 {
     );
     // The tests' cluster finds member `id` at index `id - 1`.
     assert_eq!(cluster.nodes.len() as u64 + 1, id);
-    let mut node = Node {
-        id,
-        client: format!("127.0.0.1:{}", common::free_port()),
-        peer,
-        metrics: format!("127.0.0.1:{}", common::free_port()),
-        data_dir: cluster.root.join(format!("node{id}")),
-        child: None,
-    };
+    let mut node = fresh_node(cluster, id, peer);
     node.child = Some(spawn_joined(cluster, &node));
     cluster.nodes.push(node);
     cluster.wait_caught_up(id, CATCH_UP_TIMEOUT).await;
@@ -238,14 +243,7 @@ async fn a_member_started_with_the_flags_member_add_printed_joins_after_a_founde
         .unwrap_or_else(|| panic!("no --id in {flags:?}"));
     assert_eq!(cluster.nodes.len() as u64 + 1, id);
 
-    let node = Node {
-        id,
-        client: format!("127.0.0.1:{}", common::free_port()),
-        peer,
-        metrics: format!("127.0.0.1:{}", common::free_port()),
-        data_dir: cluster.root.join(format!("node{id}")),
-        child: None,
-    };
+    let node = fresh_node(&cluster, id, peer);
     let child = cluster.spawn_serve(&node, &flags);
     cluster.nodes.push(Node {
         child: Some(child),

@@ -6,11 +6,8 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::Cluster;
+use common::{Cluster, http_get as get};
 use conclave_proto::etcdserverpb::PutRequest;
-use http_body_util::{BodyExt, Empty};
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
 use tonic::transport::Channel;
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -21,19 +18,6 @@ const PUTS: u64 = 400;
 const WRITERS: u64 = 8;
 /// Generous bounds for a shared, noisy machine.
 const SETTLE: Duration = Duration::from_secs(20);
-
-/// GET `url`: (status, body).
-pub async fn get(url: &str) -> Option<(u16, String)> {
-    let client = Client::builder(TokioExecutor::new()).build_http::<Empty<bytes::Bytes>>();
-    let uri: hyper::Uri = url.parse().ok()?;
-    let answer = tokio::time::timeout(Duration::from_secs(3), client.get(uri))
-        .await
-        .ok()?
-        .ok()?;
-    let status = answer.status().as_u16();
-    let body = answer.into_body().collect().await.ok()?.to_bytes();
-    Some((status, String::from_utf8_lossy(&body).into_owned()))
-}
 
 /// The value of the sample named exactly `sample` (labels included) in a scrape.
 fn sample(scrape: &str, sample: &str) -> Option<f64> {

@@ -306,46 +306,31 @@ impl Cluster {
             .map(|n| format!("{}={}", n.id, n.client))
             .collect::<Vec<_>>()
             .join(",");
-        let log_path = self.root.join(format!("node{id}.log"));
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&log_path)
-            .expect("open the node log");
-        let log_err = log.try_clone().expect("clone the log handle");
         let node = &self.nodes[(id - 1) as usize];
-        let child = Command::new(env!("CARGO_BIN_EXE_conclave"))
-            .arg("serve")
-            .args(["--id", &id.to_string()])
-            .arg("--data-dir")
-            .arg(&node.data_dir)
-            .args(["--listen-client", &node.client])
-            .args(["--listen-peer", &node.peer])
-            .args(["--listen-metrics", &node.metrics])
-            .args(["--initial-cluster", &self.initial_cluster])
-            .args(["--initial-cluster-clients", &clients])
-            .args(["--snapshot-entries", "50"])
-            .arg("--peer-secret-file")
-            .arg(self.peer_secret_file())
-            .args(&self.extra_args)
-            .args(
-                self.tls
-                    .as_ref()
-                    .map(|tls| tls.serve_args(&format!("node{id}")))
-                    .unwrap_or_default(),
-            )
-            .env("CONCLAVE_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(Stdio::from(log))
-            .stderr(Stdio::from(log_err))
-            .spawn()
-            .expect("start conclave serve");
+        let mut args = vec![
+            "--id".to_string(),
+            id.to_string(),
+            "--listen-peer".into(),
+            node.peer.clone(),
+            "--initial-cluster".into(),
+            self.initial_cluster.clone(),
+            "--initial-cluster-clients".into(),
+            clients,
+            "--snapshot-entries".into(),
+            "50".into(),
+        ];
+        args.extend(self.extra_args.iter().cloned());
+        if let Some(tls) = &self.tls {
+            args.extend(tls.serve_args(&format!("node{id}")));
+        }
+        let child = self.spawn_serve(node, &args);
         self.nodes[(id - 1) as usize].child = Some(child);
     }
 
-    /// Starts `conclave serve` for `node` (a member not started by the harness, such as one
-    /// added by MemberAdd) with its addresses, data directory, log and the cluster's peer
-    /// secret, plus `args` (its cluster flags).
+    /// Starts `conclave serve` for `node` with its client and metrics addresses, data
+    /// directory, log and the cluster's peer secret, plus `args` (its id and cluster flags).
+    /// [`Cluster::spawn`] uses it for the harness's members; tests use it for members added
+    /// by MemberAdd.
     pub fn spawn_serve(&self, node: &Node, args: &[String]) -> Child {
         let log_path = self.root.join(format!("node{}.log", node.id));
         let log = std::fs::OpenOptions::new()
@@ -529,6 +514,23 @@ impl Cluster {
             }
         }
     }
+}
+
+/// GET `url` over plain HTTP/1 (the metrics listener): (status, body), `None` when it fails
+/// or takes over 3 s.
+pub async fn http_get(url: &str) -> Option<(u16, String)> {
+    use http_body_util::{BodyExt, Empty};
+    use hyper_util::client::legacy::Client;
+    use hyper_util::rt::TokioExecutor;
+    let client = Client::builder(TokioExecutor::new()).build_http::<Empty<bytes::Bytes>>();
+    let uri: hyper::Uri = url.parse().ok()?;
+    let answer = tokio::time::timeout(Duration::from_secs(3), client.get(uri))
+        .await
+        .ok()?
+        .ok()?;
+    let status = answer.status().as_u16();
+    let body = answer.into_body().collect().await.ok()?.to_bytes();
+    Some((status, String::from_utf8_lossy(&body).into_owned()))
 }
 
 /// Writes [`TEST_PEER_SECRET`] into `root/peer-secret`, readable by its owner only.
