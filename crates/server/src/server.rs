@@ -108,6 +108,11 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> Re
         },
     ));
 
+    let (calls_sender, calls_inbound) =
+        mpsc::channel(crate::api::peer_calls::PEER_CALLS_QUEUED_MAX);
+    listener_state.take_calls_into(calls_sender);
+    let peer_calls = transport.calls();
+
     let (stop_driver, driver_stopped) = oneshot::channel();
     let (handle, driver) = node::spawn(config.clone(), transport, inbound, driver_stopped)?;
     let mut driver = tokio::task::spawn_blocking(move || {
@@ -117,6 +122,12 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> Re
     });
 
     let api = Api::new(handle, config.clone());
+    api.use_peer_calls(peer_calls.clone());
+    tokio::spawn(crate::api::peer_calls::serve(
+        api.clone(),
+        peer_calls,
+        calls_inbound,
+    ));
     let decode_max = config.request_bytes_max + GRPC_DECODE_SLACK_BYTES;
     let kv = KvServer::new(KvService { api: api.clone() })
         .max_decoding_message_size(decode_max)

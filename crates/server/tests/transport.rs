@@ -9,8 +9,8 @@ use conclave_server::Error;
 use conclave_server::transport::auth::{self, PeerKey, Transcript};
 use conclave_server::transport::frame::{self, Frame, FrameReader, Hello, HelloProof};
 use conclave_server::transport::{
-    InboundMessage, MAX_PEER_FRAME_BYTES, PeerListenerState, PeerTransport, TransportConfig,
-    bind_peer_listener, serve_peers_with,
+    InboundCall, InboundMessage, MAX_PEER_FRAME_BYTES, PeerCall, PeerCallInput, PeerListenerState,
+    PeerTransport, TransportConfig, bind_peer_listener, serve_peers_with,
 };
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -269,6 +269,111 @@ async fn reconnects_after_the_listener_restarts() {
         "messages after the reconnect all arrive in order"
     );
     listener.stop().await;
+}
+
+async fn receive_call(calls: &mut mpsc::Receiver<InboundCall>) -> InboundCall {
+    tokio::time::timeout(WAIT, calls.recv())
+        .await
+        .expect("a call arrives in time")
+        .expect("the listener still runs")
+}
+
+fn call(id: u64) -> PeerCall {
+    PeerCall {
+        id,
+        payload: id.to_be_bytes().to_vec(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_and_answers_travel_beside_messages_and_a_call_from_before_a_link_failure_never_arrives()
+ {
+    let node1 = Listener::start(1, "127.0.0.1:0").await;
+    let mut node2 = Listener::start(2, "127.0.0.1:0").await;
+    let (sink1, mut calls_at_1) = mpsc::channel(16);
+    node1.state.take_calls_into(sink1);
+    let (sink2, mut calls_at_2) = mpsc::channel(16);
+    node2.state.take_calls_into(sink2);
+    let mut transport1 = PeerTransport::new(TransportConfig::new(CLUSTER_ID, 1)).expect("valid");
+    let mut transport2 = PeerTransport::new(TransportConfig::new(CLUSTER_ID, 2)).expect("valid");
+    transport1
+        .add_peer(2, node2.address.to_string())
+        .expect("valid peer");
+    transport2
+        .add_peer(1, node1.address.to_string())
+        .expect("valid peer");
+    let (calls1, calls2) = (transport1.calls(), transport2.calls());
+
+    // A call and a Raft message share the link and its order.
+    calls1.call(2, call(1)).expect("queued");
+    send_all(&transport1, [sample_message(5)]).await;
+    assert_eq!(
+        receive_call(&mut calls_at_2).await,
+        (1, PeerCallInput::Call(call(1)))
+    );
+    assert_eq!(node2.receive().await, (1, sample_message(5)));
+    calls2.answer(1, call(1)).expect("queued");
+    assert_eq!(
+        receive_call(&mut calls_at_1).await,
+        (2, PeerCallInput::Answer(call(1)))
+    );
+    assert!(matches!(
+        calls1.call(9, call(2)),
+        Err(Error::UnknownPeer { peer: 9 })
+    ));
+
+    // The peer goes away: a call made now is reported lost once the link fails, and it is
+    // not delivered when the peer is back (its caller may have retried elsewhere).
+    let address = node2.address;
+    let _ = node2.stop().await;
+    drop(calls_at_2);
+    wait_until(|| {
+        transport1
+            .peer_stats(2)
+            .is_some_and(|stats| !stats.connected)
+    })
+    .await;
+    let ticket = calls1
+        .call(2, call(2))
+        .expect("queued while the peer is down");
+    tokio::time::timeout(WAIT, calls1.link_failed(ticket))
+        .await
+        .expect("a failed connect reports the call lost");
+    let node2 = Listener::start(2, &address.to_string()).await;
+    let (sink2, mut calls_at_2) = mpsc::channel(16);
+    node2.state.take_calls_into(sink2);
+    wait_until(|| {
+        transport1
+            .peer_stats(2)
+            .is_some_and(|stats| stats.connected)
+    })
+    .await;
+    let ticket = calls1.call(2, call(3)).expect("queued");
+    assert_eq!(
+        receive_call(&mut calls_at_2).await,
+        (1, PeerCallInput::Call(call(3))),
+        "the call from before the failure must not arrive"
+    );
+    // The link that delivered it has not failed.
+    assert!(
+        tokio::time::timeout(Duration::from_millis(200), calls1.link_failed(ticket))
+            .await
+            .is_err()
+    );
+
+    // A member that takes no calls drops them and counts them.
+    let bare = Listener::start(3, "127.0.0.1:0").await;
+    transport1
+        .add_peer(3, bare.address.to_string())
+        .expect("valid peer");
+    calls1.call(3, call(4)).expect("queued");
+    wait_until(|| bare.state.stats.calls_dropped.load(Ordering::Relaxed) == 1).await;
+    // Removing a peer fails its calls at once.
+    let ticket = calls1.call(3, call(5)).expect("queued");
+    transport1.remove_peer(3);
+    tokio::time::timeout(WAIT, calls1.link_failed(ticket))
+        .await
+        .expect("a removed peer's calls are lost");
 }
 
 /// A raw connection after the handshake with the cluster's (weak) key, for feeding hand-made

@@ -12,9 +12,10 @@ use conclave_proto::conclave::v1::membership_client::MembershipClient;
 use conclave_proto::etcdserverpb::MemberListRequest;
 use conclave_proto::etcdserverpb::cluster_client::ClusterClient;
 use conclave_raft::{ConfState, Entry, EntryKind, Message, MessageBody, SnapshotMeta};
+use conclave_server::transport::PeerCall;
 use conclave_server::transport::auth::{self, PeerKey, Transcript};
 use conclave_server::transport::frame::{self, Frame, FrameReader, Hello, HelloProof};
-use conclave_state::{Command, PutRequest, Request};
+use conclave_state::{Command, PutRequest, Request, SessionSeq};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tonic::transport::Channel;
@@ -365,6 +366,50 @@ async fn a_forged_append_from_a_non_member_is_not_applied() {
         local_value(&cluster.nodes[0].client, "injected-by-peer").await,
         None,
         "an Append from a non-member was applied"
+    );
+}
+
+/// A peer call carrying a put, encoded as members encode a write they hand to the leader
+/// (`api::peer_calls`: the request, then the optional session).
+fn put_call(id: u64, key: &str, value: &str) -> Frame {
+    let request = Request::Put(PutRequest {
+        key: Bytes::from(key.to_string()),
+        value: Bytes::from(value.to_string()),
+        ..Default::default()
+    });
+    let payload = postcard::to_allocvec(&(request, None::<SessionSeq>)).expect("encodes");
+    Frame::Call(PeerCall { id, payload })
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_write_handed_over_by_a_non_member_or_in_garbage_is_not_applied() {
+    let cluster = Cluster::start(1).await;
+    let keys = write_keys(&cluster, 1, "call").await;
+    let (cluster_id, _, _, _) = status_of(&cluster, 1).await;
+    let peer = &cluster.nodes[0].peer;
+    let mut raw = RawPeer::connect(peer, cluster_id, 2, 1, &secret_key())
+        .await
+        .expect("the secret authenticates");
+    raw.send_frame(&put_call(1, "injected-by-call", "pwned"))
+        .await;
+    for garbage in [Vec::new(), vec![0xff; 64], vec![7; 100_000]] {
+        raw.send_frame(&Frame::Call(PeerCall {
+            id: 2,
+            payload: garbage,
+        }))
+        .await;
+    }
+    raw.send_frame(&Frame::Answer(PeerCall {
+        id: 0,
+        payload: vec![1, 2, 3],
+    }))
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_serving_with(&cluster, 1, &keys, "call").await;
+    assert_eq!(
+        local_value(&cluster.nodes[0].client, "injected-by-call").await,
+        None,
+        "a write handed over by a non-member was applied"
     );
 }
 

@@ -73,7 +73,7 @@ impl Kv for KvService {
         self.check_size(&message)?;
         let api = &self.api;
         let command = Request::Put(convert::put_from_pb(message.clone()));
-        api.write(
+        api.write_self_contained(
             &ctx,
             command,
             &message,
@@ -98,7 +98,7 @@ impl Kv for KvService {
         self.check_size(&message)?;
         let api = &self.api;
         let command = Request::DeleteRange(convert::delete_from_pb(message.clone()));
-        api.write(
+        api.write_self_contained(
             &ctx,
             command,
             &message,
@@ -123,7 +123,7 @@ impl Kv for KvService {
         self.check_size(&message)?;
         let api = &self.api;
         let command = Request::Txn(convert::txn_from_pb(message.clone())?);
-        api.write(
+        api.write_self_contained(
             &ctx,
             command,
             &message,
@@ -149,7 +149,7 @@ impl Kv for KvService {
         let command = Request::Compact {
             revision: message.revision,
         };
-        api.write(
+        api.write_self_contained(
             &ctx,
             command,
             &message,

@@ -21,6 +21,7 @@ pub mod lease;
 pub mod limits;
 pub mod lock;
 pub mod maintenance;
+pub mod peer_calls;
 pub mod route;
 pub mod tls;
 pub mod watch;
@@ -190,6 +191,10 @@ pub struct Api {
     draining: tokio::sync::watch::Sender<bool>,
     /// Slots and counters of the client caps.
     pub limits: Arc<limits::Limits>,
+    /// Writes go to the leader over the peer link when set (see [`peer_calls`]).
+    peer_calls: std::sync::OnceLock<crate::transport::PeerCalls>,
+    /// This member's writes waiting for the leader's answer.
+    pending_calls: peer_calls::PendingCalls,
 }
 
 impl Api {
@@ -202,6 +207,8 @@ impl Api {
             channels: MemberChannels::default(),
             draining: tokio::sync::watch::Sender::new(false),
             limits,
+            peer_calls: std::sync::OnceLock::new(),
+            pending_calls: peer_calls::PendingCalls::default(),
         })
     }
 

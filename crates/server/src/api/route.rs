@@ -438,7 +438,9 @@ impl Api {
     }
 
     /// A write: on the leader, replicates `command` in the call's session and converts what
-    /// applying it produced with `convert`; elsewhere, the leader's answer to `call`.
+    /// applying it produced with `convert` (`Served::Here`); elsewhere, the leader's answer to
+    /// `call` (`Served::Leader`). Callers that act differently when this member leads (lock
+    /// and campaign waits) rely on that distinction.
     pub async fn write_routed<M, H, R>(
         &self,
         ctx: &CallContext,
@@ -450,19 +452,60 @@ impl Api {
     where
         M: Clone,
     {
+        self.write_via(ctx, command, message, call, convert, false)
+            .await
+    }
+
+    /// [`Api::write_routed`]; with `peer_calls_allowed`, a follower hands the write to the
+    /// leader over the peer link when it can ([`super::peer_calls`]) and converts the
+    /// leader's answer itself, answering `Served::Here` although it does not lead. Otherwise
+    /// (a call with a lock fence, a caller this member cannot verify yet) it forwards the
+    /// gRPC call.
+    async fn write_via<M, H, R>(
+        &self,
+        ctx: &CallContext,
+        command: conclave_state::Request,
+        message: &M,
+        call: LeaderCall<M, R>,
+        convert: impl Fn(Applied) -> Result<H, Status>,
+        peer_calls_allowed: bool,
+    ) -> Result<Served<H, tonic::Response<R>>, Status>
+    where
+        M: Clone,
+    {
         let (command, convert) = (&command, &convert);
-        self.serve_routed(ctx, message, call, move || async move {
+        let peer_calls = self
+            .peer_calls()
+            .filter(|_| peer_calls_allowed && ctx.fence.is_none());
+        self.route(ctx, Serve::Leader, |target| async move {
             // The member that proposes verifies the caller; the state machine checks the
             // caller's permissions when it applies the command (docs/security.md).
-            let command = self.as_caller(ctx, command.clone())?;
-            // A retry reuses the session position, so the leader that applied the first
-            // attempt answers the second from its cache.
-            let applied = self
-                .node
-                .propose_in_session(command, ctx.session)
-                .await
-                .map_err(to_status)?;
-            convert(applied)
+            let as_caller = self.as_caller(ctx, command.clone());
+            match (target, peer_calls, as_caller) {
+                (Target::Here, _, as_caller) => {
+                    // A retry reuses the session position, so the leader that applied the
+                    // first attempt answers the second from its cache.
+                    let applied = self
+                        .node
+                        .propose_in_session(as_caller?, ctx.session)
+                        .await
+                        .map_err(to_status)?;
+                    convert(applied).map(Served::Here)
+                }
+                (Target::Leader(leader), Some(calls), Ok(command)) => {
+                    let applied = self
+                        .write_through_leader(ctx, calls, leader, command)
+                        .await?;
+                    convert(applied).map(Served::Here)
+                }
+                (Target::Leader(leader), _, _) => {
+                    let request =
+                        Api::forwarded_request(message.clone(), &self.forwarding_context(ctx));
+                    call(self.channel(leader)?, request)
+                        .await
+                        .map(Served::Leader)
+                }
+            }
         })
         .await
     }
@@ -481,7 +524,34 @@ impl Api {
     {
         Ok(
             match self
-                .write_routed(ctx, command, message, call, convert)
+                .write_via(ctx, command, message, call, convert, false)
+                .await?
+            {
+                Served::Here(response) => self.answer_here(ctx, response),
+                Served::Leader(response) => self.caught_up_with(ctx, response).await,
+            },
+        )
+    }
+
+    /// [`Api::write`] for a write whose command is complete as the member that received it
+    /// built it (the KV writes): a follower may hand it to the leader over the peer link
+    /// ([`super::peer_calls`]). A handler that checks state before it builds the command, and
+    /// counts on a follower forwarding the whole call so the leader checks again (Resign),
+    /// must use [`Api::write`].
+    pub async fn write_self_contained<M, R>(
+        &self,
+        ctx: &CallContext,
+        command: conclave_state::Request,
+        message: &M,
+        call: LeaderCall<M, R>,
+        convert: impl Fn(Applied) -> Result<R, Status>,
+    ) -> Result<tonic::Response<R>, Status>
+    where
+        M: Clone,
+    {
+        Ok(
+            match self
+                .write_via(ctx, command, message, call, convert, true)
                 .await?
             {
                 Served::Here(response) => self.answer_here(ctx, response),

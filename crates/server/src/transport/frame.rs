@@ -4,10 +4,14 @@
 //! frame  = length:u32 BE | crc32c:u32 BE | body          (length = body bytes)
 //! body   = version:u8 | kind:u8 | payload                 (crc32c covers the whole body)
 //! kind   = 1 Hello | 2 HelloAccepted | 3 HelloRejected | 4 Message
-//!        | 5 HelloChallenge | 6 HelloProof | 7 Keepalive
+//!        | 5 HelloChallenge | 6 HelloProof | 7 Keepalive | 8 Call | 9 Answer
 //! payload: postcard encoding of the kind's struct (Hello, HelloAccepted, HelloRejected,
-//!          conclave_raft::Message, HelloChallenge, HelloProof; Keepalive has none)
+//!          conclave_raft::Message, HelloChallenge, HelloProof; Keepalive has none;
+//!          Call and Answer are a PeerCall)
 //! ```
+//!
+//! Call and Answer carry client writes a follower hands to the leader and the leader's
+//! answers (`api::peer_calls`); the transport sees only an id and opaque bytes.
 //!
 //! The handshake (Hello, HelloChallenge, HelloProof, HelloAccepted or HelloRejected) proves
 //! both ends know the cluster's peer key; see [`super::auth`].
@@ -52,6 +56,8 @@ const KIND_MESSAGE: u8 = 4;
 const KIND_HELLO_CHALLENGE: u8 = 5;
 const KIND_HELLO_PROOF: u8 = 6;
 const KIND_KEEPALIVE: u8 = 7;
+const KIND_CALL: u8 = 8;
+const KIND_ANSWER: u8 = 9;
 
 /// The largest handshake frame a listener reads before the dialer has proved itself, so an
 /// unauthenticated connection cannot make it reserve a large buffer. A Hello carries two
@@ -104,6 +110,14 @@ pub struct HelloRejected {
     pub reason: String,
 }
 
+/// A request one member makes of another over the peer link, or the answer to one: the id
+/// pairs them, the payload is the caller's own encoding.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PeerCall {
+    pub id: u64,
+    pub payload: Vec<u8>,
+}
+
 /// One decoded frame.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Frame {
@@ -115,6 +129,10 @@ pub enum Frame {
     HelloProof(HelloProof),
     /// Sent by an idle dialer so the listener's idle timeout does not close a healthy link.
     Keepalive,
+    /// A request for the receiving member (a client write for the leader).
+    Call(PeerCall),
+    /// The answer to a [`Frame::Call`] the receiving member made.
+    Answer(PeerCall),
 }
 
 /// Appends one framed Raft message to `out` and returns the frame's size in bytes.
@@ -134,6 +152,8 @@ pub fn encode_frame(frame: &Frame, out: &mut Vec<u8>) -> Result<usize, Error> {
         Frame::HelloChallenge(challenge) => encode_payload(KIND_HELLO_CHALLENGE, challenge, out),
         Frame::HelloProof(proof) => encode_payload(KIND_HELLO_PROOF, proof, out),
         Frame::Keepalive => encode_payload(KIND_KEEPALIVE, &(), out),
+        Frame::Call(call) => encode_payload(KIND_CALL, call, out),
+        Frame::Answer(answer) => encode_payload(KIND_ANSWER, answer, out),
     }
 }
 
@@ -213,6 +233,8 @@ pub fn decode_body(body: &[u8], expected_checksum: u32) -> Result<Frame, Error> 
         KIND_HELLO_CHALLENGE => decode_payload(payload).map(Frame::HelloChallenge),
         KIND_HELLO_PROOF => decode_payload(payload).map(Frame::HelloProof),
         KIND_KEEPALIVE => decode_payload::<()>(payload).map(|()| Frame::Keepalive),
+        KIND_CALL => decode_payload(payload).map(Frame::Call),
+        KIND_ANSWER => decode_payload(payload).map(Frame::Answer),
         other => Err(Error::FrameMalformed {
             reason: format!("unknown frame kind {other}"),
         }),
@@ -401,6 +423,14 @@ mod tests {
             }),
             Frame::HelloProof(HelloProof { proof: [6; 32] }),
             Frame::Keepalive,
+            Frame::Call(PeerCall {
+                id: 41,
+                payload: vec![1, 2, 3],
+            }),
+            Frame::Answer(PeerCall {
+                id: 41,
+                payload: Vec::new(),
+            }),
             Frame::HelloAccepted(HelloAccepted {
                 cluster_id: 7,
                 node_id: 2,

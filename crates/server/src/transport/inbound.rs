@@ -30,7 +30,7 @@ use super::TransportConfig;
 use super::auth::{self, Transcript};
 use super::frame::{
     self, Frame, FrameReader, HANDSHAKE_FRAME_BYTES_MAX, Hello, HelloAccepted, HelloChallenge,
-    HelloRejected, MAX_PEER_FRAME_BYTES,
+    HelloRejected, MAX_PEER_FRAME_BYTES, PeerCall,
 };
 use super::outbound::frame_name;
 use super::tls::PeerStream;
@@ -39,6 +39,16 @@ use rustls_pki_types::CertificateDer;
 
 /// A message received from a peer: the authenticated sender and the message itself.
 pub type InboundMessage = (NodeId, Message);
+
+/// A call or an answer received from a peer (see [`PeerCalls`](super::PeerCalls)).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PeerCallInput {
+    Call(PeerCall),
+    Answer(PeerCall),
+}
+
+/// A [`PeerCallInput`] and the authenticated member it came from.
+pub type InboundCall = (NodeId, PeerCallInput);
 
 /// At most one WARN line per this many milliseconds for each kind of dropped input; the
 /// rest are counted and the count is reported with the next line.
@@ -75,6 +85,8 @@ pub struct InboundStats {
     pub messages_wrong_sender: AtomicU64,
     /// Messages dropped because their `to` was not this node.
     pub messages_wrong_recipient: AtomicU64,
+    /// Calls and answers dropped because nothing takes them or their queue was full.
+    pub calls_dropped: AtomicU64,
 }
 
 /// Logs one WARN per interval and counts the rest.
@@ -123,6 +135,8 @@ pub struct PeerListenerState {
     announced: watch::Sender<BTreeMap<NodeId, PeerAttributes>>,
     handshake_warns: WarnLimiter,
     message_warns: WarnLimiter,
+    /// Where calls and answers go; unset, they are dropped (a node without peer calls).
+    calls: std::sync::OnceLock<mpsc::Sender<InboundCall>>,
 }
 
 impl PeerListenerState {
@@ -132,7 +146,29 @@ impl PeerListenerState {
             announced: watch::Sender::new(BTreeMap::new()),
             handshake_warns: WarnLimiter::new(),
             message_warns: WarnLimiter::new(),
+            calls: std::sync::OnceLock::new(),
         })
+    }
+
+    /// Sends every call and answer members send here to `sink` from now on. Only the first
+    /// sink set is kept.
+    pub fn take_calls_into(&self, sink: mpsc::Sender<InboundCall>) {
+        let _ = self.calls.set(sink);
+    }
+
+    /// Hands a call or answer to the sink without waiting: a full sink drops it (the caller's
+    /// deadline then ends the call), so one slow consumer never holds up Raft messages.
+    fn deliver_call(&self, peer: NodeId, input: PeerCallInput) {
+        let delivered = self
+            .calls
+            .get()
+            .is_some_and(|sink| sink.try_send((peer, input)).is_ok());
+        if !delivered {
+            self.stats.calls_dropped.fetch_add(1, Ordering::Relaxed);
+            if let Some(suppressed) = self.message_warns.allow() {
+                warn!(peer, suppressed, "dropped a peer call: no room to take it");
+            }
+        }
     }
 
     /// The latest attributes each authenticated member announced, updated as they connect.
@@ -508,6 +544,14 @@ impl Connection<'_> {
                 None => return Ok(()),
                 Some(Frame::Keepalive) => continue,
                 Some(Frame::Message(message)) => message,
+                Some(Frame::Call(call)) => {
+                    self.state.deliver_call(peer, PeerCallInput::Call(call));
+                    continue;
+                }
+                Some(Frame::Answer(answer)) => {
+                    self.state.deliver_call(peer, PeerCallInput::Answer(answer));
+                    continue;
+                }
                 Some(other) => {
                     return Err(Error::ProtocolViolation {
                         reason: format!("expected Message, got {}", frame_name(&other)),

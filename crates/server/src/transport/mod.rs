@@ -49,12 +49,13 @@ mod outbound;
 pub mod tls;
 
 pub use auth::PeerKey;
+pub use frame::PeerCall;
 pub use frame::{MAX_PEER_FRAME_BYTES, WIRE_VERSION};
 pub use inbound::{
-    InboundMessage, InboundStats, PeerAttributes, PeerListenerState, bind_peer_listener,
-    serve_peers, serve_peers_with,
+    InboundCall, InboundMessage, InboundStats, PeerAttributes, PeerCallInput, PeerListenerState,
+    bind_peer_listener, serve_peers, serve_peers_with,
 };
-pub use outbound::{PeerStats, PeerTransport};
+pub use outbound::{CallTicket, PeerCalls, PeerStats, PeerTransport};
 pub use tls::PeerTls;
 
 use conclave_raft::NodeId;

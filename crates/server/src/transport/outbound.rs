@@ -8,20 +8,22 @@
 //! ```
 
 use std::collections::HashMap;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use conclave_raft::{Message, MessageBody, NodeId};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, ReadHalf, WriteHalf};
 use tokio::net::TcpStream;
-use tokio::sync::mpsc;
+use tokio::sync::{Notify, mpsc};
 use tokio::task::JoinHandle;
 use tracing::{debug, info, warn};
 
 use super::TransportConfig;
 use super::auth::{self, Transcript};
-use super::frame::{self, Frame, FrameReader, HANDSHAKE_FRAME_BYTES_MAX, Hello, HelloProof};
+use super::frame::{
+    self, Frame, FrameReader, HANDSHAKE_FRAME_BYTES_MAX, Hello, HelloProof, PeerCall,
+};
 use super::tls::PeerStream;
 use crate::error::Error;
 
@@ -45,13 +47,105 @@ const BATCH_MESSAGES_MAX: usize = 256;
 pub struct PeerTransport {
     config: Arc<TransportConfig>,
     peers: HashMap<NodeId, Peer>,
+    /// The same queues, for [`PeerCalls`] held outside the driver.
+    call_queues: Arc<RwLock<HashMap<NodeId, CallQueue>>>,
 }
 
 struct Peer {
     address: String,
-    queue: mpsc::Sender<Message>,
+    queue: mpsc::Sender<Outgoing>,
     counters: Arc<PeerCounters>,
     task: JoinHandle<()>,
+}
+
+#[derive(Clone)]
+struct CallQueue {
+    queue: mpsc::Sender<Outgoing>,
+    counters: Arc<PeerCounters>,
+}
+
+/// What waits in a peer's queue.
+enum Outgoing {
+    Raft(Message),
+    /// A [`Frame::Call`] or [`Frame::Answer`]. A call carries the link epoch it was queued in
+    /// and is dropped unsent once the epoch moved on: its caller was told the link failed
+    /// and may have tried elsewhere, so a late delivery could apply a write twice.
+    Call {
+        frame: Frame,
+        epoch: Option<u64>,
+    },
+}
+
+/// Sends [`PeerCall`]s (client writes a follower hands to the leader, and their answers)
+/// over the same links and queues as the Raft messages. Cloned freely; held by the client API.
+#[derive(Clone)]
+pub struct PeerCalls {
+    queues: Arc<RwLock<HashMap<NodeId, CallQueue>>>,
+}
+
+/// Where a call went: wait on [`PeerCalls::link_failed`] with it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CallTicket {
+    pub peer: NodeId,
+    epoch: u64,
+}
+
+impl PeerCalls {
+    /// Queues `call` for `peer`. It is written on the link's current connection or a later
+    /// one of the same epoch, or never; [`PeerCalls::link_failed`] says when it may be lost.
+    /// Errors (operating): `UnknownPeer`, `PeerQueueFull`.
+    pub fn call(&self, peer: NodeId, call: PeerCall) -> Result<CallTicket, Error> {
+        let queue = self.queue(peer)?;
+        let epoch = queue.counters.link_epoch.load(Ordering::Acquire);
+        queue
+            .queue
+            .try_send(Outgoing::Call {
+                frame: Frame::Call(call),
+                epoch: Some(epoch),
+            })
+            .map_err(|_| Error::PeerQueueFull { peer })?;
+        Ok(CallTicket { peer, epoch })
+    }
+
+    /// Queues the answer to a call `peer` made.
+    pub fn answer(&self, peer: NodeId, answer: PeerCall) -> Result<(), Error> {
+        self.queue(peer)?
+            .queue
+            .try_send(Outgoing::Call {
+                frame: Frame::Answer(answer),
+                epoch: None,
+            })
+            .map_err(|_| Error::PeerQueueFull { peer })
+    }
+
+    /// Resolves once the link a call went out on has failed since (a connection lost, or a
+    /// connect attempt failed, or the peer was removed): the call may not have arrived, and
+    /// its answer will not come on that link. Like a gRPC call whose connection broke.
+    pub async fn link_failed(&self, ticket: CallTicket) {
+        let Ok(queue) = self.queue(ticket.peer) else {
+            return;
+        };
+        loop {
+            let changed = queue.counters.link_changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            if queue.counters.link_epoch.load(Ordering::Acquire) != ticket.epoch
+                || queue.queue.is_closed()
+            {
+                return;
+            }
+            changed.await;
+        }
+    }
+
+    fn queue(&self, peer: NodeId) -> Result<CallQueue, Error> {
+        self.queues
+            .read()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .get(&peer)
+            .cloned()
+            .ok_or(Error::UnknownPeer { peer })
+    }
 }
 
 /// Shared between the sending side and the peer task.
@@ -65,6 +159,16 @@ struct PeerCounters {
     dropped_messages: AtomicU64,
     connections: AtomicU64,
     connected: AtomicBool,
+    /// Moves on every failed connect and lost connection; see [`PeerCalls::link_failed`].
+    link_epoch: AtomicU64,
+    link_changed: Notify,
+}
+
+impl PeerCounters {
+    fn link_failed(&self) {
+        self.link_epoch.fetch_add(1, Ordering::AcqRel);
+        self.link_changed.notify_waiters();
+    }
 }
 
 /// A point-in-time view of one peer's link, for metrics and status pages.
@@ -93,7 +197,15 @@ impl PeerTransport {
         Ok(PeerTransport {
             config: Arc::new(config),
             peers: HashMap::new(),
+            call_queues: Arc::new(RwLock::new(HashMap::new())),
         })
+    }
+
+    /// A handle that sends [`PeerCall`]s to the peers this transport has.
+    pub fn calls(&self) -> PeerCalls {
+        PeerCalls {
+            queues: Arc::clone(&self.call_queues),
+        }
     }
 
     /// Starts sending to `peer` at `address` (`host:port`, resolved on every connect so a
@@ -125,6 +237,16 @@ impl PeerTransport {
             counters: Arc::clone(&counters),
         };
         let task = tokio::spawn(link.run(receiver));
+        self.call_queues
+            .write()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .insert(
+                peer,
+                CallQueue {
+                    queue: queue.clone(),
+                    counters: Arc::clone(&counters),
+                },
+            );
         self.peers.insert(
             peer,
             Peer {
@@ -139,8 +261,13 @@ impl PeerTransport {
 
     /// Stops sending to `peer`, dropping whatever is queued for it.
     pub fn remove_peer(&mut self, peer: NodeId) {
+        self.call_queues
+            .write()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .remove(&peer);
         if let Some(removed) = self.peers.remove(&peer) {
             removed.task.abort();
+            removed.counters.link_failed();
         }
     }
 
@@ -175,7 +302,7 @@ impl PeerTransport {
         // still moves (the frame limit is what bounds a single message).
         let over_bytes = queued_before > 0
             && queued_before + estimate_bytes > self.config.queue_bytes_max as u64;
-        if over_bytes || peer.queue.try_send(message).is_err() {
+        if over_bytes || peer.queue.try_send(Outgoing::Raft(message)).is_err() {
             peer.counters
                 .queued_bytes
                 .fetch_sub(estimate_bytes, Ordering::Relaxed);
@@ -208,6 +335,7 @@ impl Drop for PeerTransport {
     fn drop(&mut self) {
         for peer in self.peers.values() {
             peer.task.abort();
+            peer.counters.link_failed();
         }
     }
 }
@@ -254,7 +382,7 @@ struct PeerLink {
 }
 
 impl PeerLink {
-    async fn run(self, mut queue: mpsc::Receiver<Message>) {
+    async fn run(self, mut queue: mpsc::Receiver<Outgoing>) {
         let mut backoff_ms = self.config.reconnect_backoff_initial_ms;
         let mut failures_in_row = 0u64;
         loop {
@@ -262,6 +390,7 @@ impl PeerLink {
                 Ok(stream) => stream,
                 Err(error) => {
                     failures_in_row += 1;
+                    self.counters.link_failed();
                     // Say it once loudly; a peer that stays down would otherwise flood the log.
                     if failures_in_row == 1 {
                         warn!(peer = self.peer, address = %self.address, %error, "cannot reach peer; retrying with backoff");
@@ -284,6 +413,7 @@ impl PeerLink {
             let connected_at = Instant::now();
             let outcome = self.pump(stream, &mut queue).await;
             self.counters.connected.store(false, Ordering::Relaxed);
+            self.counters.link_failed();
             match outcome {
                 Ok(LinkEnd::QueueClosed) => return,
                 Err(error) => {
@@ -413,7 +543,7 @@ impl PeerLink {
     async fn pump(
         &self,
         stream: PeerStream,
-        queue: &mut mpsc::Receiver<Message>,
+        queue: &mut mpsc::Receiver<Outgoing>,
     ) -> Result<LinkEnd, Error> {
         let (mut read_half, mut write_half) = tokio::io::split(stream);
         let mut batch = Vec::with_capacity(BATCH_MESSAGES_MAX);
@@ -450,23 +580,38 @@ impl PeerLink {
 
     async fn write_batch(
         &self,
-        batch: &mut Vec<Message>,
+        batch: &mut Vec<Outgoing>,
         buffer: &mut Vec<u8>,
         socket: &mut WriteHalf<PeerStream>,
     ) -> Result<(), Error> {
         buffer.clear();
         let mut messages_in_buffer = 0u64;
-        for message in batch.drain(..) {
-            let estimate_bytes = estimated_size_bytes(&message);
-            self.counters
-                .queued_bytes
-                .fetch_sub(estimate_bytes, Ordering::Relaxed);
-            if let Err(error) = frame::encode_message(&message, buffer) {
+        for outgoing in batch.drain(..) {
+            let encoded = match outgoing {
+                Outgoing::Raft(message) => {
+                    let estimate_bytes = estimated_size_bytes(&message);
+                    self.counters
+                        .queued_bytes
+                        .fetch_sub(estimate_bytes, Ordering::Relaxed);
+                    frame::encode_message(&message, buffer)
+                        .map_err(|error| (message.body.name(), error))
+                }
+                Outgoing::Call { frame, epoch } => {
+                    if epoch.is_some_and(|epoch| {
+                        epoch != self.counters.link_epoch.load(Ordering::Acquire)
+                    }) {
+                        // Queued before the link failed; its caller has given up on it.
+                        continue;
+                    }
+                    frame::encode_frame(&frame, buffer).map_err(|error| (frame_name(&frame), error))
+                }
+            };
+            if let Err((kind, error)) = encoded {
                 // Only an oversize message gets here; dropping it is all we can do.
                 self.counters
                     .dropped_messages
                     .fetch_add(1, Ordering::Relaxed);
-                warn!(peer = self.peer, kind = message.body.name(), %error, "dropping message");
+                warn!(peer = self.peer, kind, %error, "dropping message");
                 continue;
             }
             messages_in_buffer += 1;
@@ -541,6 +686,8 @@ pub(super) fn frame_name(frame: &Frame) -> &'static str {
         Frame::HelloChallenge(_) => "HelloChallenge",
         Frame::HelloProof(_) => "HelloProof",
         Frame::Keepalive => "Keepalive",
+        Frame::Call(_) => "Call",
+        Frame::Answer(_) => "Answer",
     }
 }
 
