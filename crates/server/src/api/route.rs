@@ -522,15 +522,8 @@ impl Api {
     where
         M: Clone,
     {
-        Ok(
-            match self
-                .write_via(ctx, command, message, call, convert, false)
-                .await?
-            {
-                Served::Here(response) => self.answer_here(ctx, response),
-                Served::Leader(response) => self.caught_up_with(ctx, response).await,
-            },
-        )
+        self.write_answered(ctx, command, message, call, convert, false)
+            .await
     }
 
     /// [`Api::write`] for a write whose command is complete as the member that received it
@@ -549,15 +542,31 @@ impl Api {
     where
         M: Clone,
     {
-        Ok(
-            match self
-                .write_via(ctx, command, message, call, convert, true)
-                .await?
-            {
-                Served::Here(response) => self.answer_here(ctx, response),
-                Served::Leader(response) => self.caught_up_with(ctx, response).await,
-            },
-        )
+        self.write_answered(ctx, command, message, call, convert, true)
+            .await
+    }
+
+    /// [`Api::write_via`] answered as a response: one served here carries this member's
+    /// applied index when forwarded, the leader's is returned once this member caught up.
+    async fn write_answered<M, R>(
+        &self,
+        ctx: &CallContext,
+        command: conclave_state::Request,
+        message: &M,
+        call: LeaderCall<M, R>,
+        convert: impl Fn(Applied) -> Result<R, Status>,
+        peer_calls_allowed: bool,
+    ) -> Result<tonic::Response<R>, Status>
+    where
+        M: Clone,
+    {
+        let served = self
+            .write_via(ctx, command, message, call, convert, peer_calls_allowed)
+            .await?;
+        Ok(match served {
+            Served::Here(response) => self.answer_here(ctx, response),
+            Served::Leader(response) => self.caught_up_with(ctx, response).await,
+        })
     }
 
     /// Waits until this node's state is at least as new as the leader's commit index when the
