@@ -161,6 +161,25 @@ pub fn is_retriable(status: &Status) -> bool {
     }
 }
 
+/// A forwarded call that failed on this member's side of the connection is a transport
+/// failure, like a peer-link call whose link failed: `Unavailable`, so the route retries it
+/// on whichever member leads by then. (When the leader dies or the connection breaks
+/// mid-call, tonic reports "transport error" as Unknown or "operation was canceled" as
+/// Cancelled, with the local cause attached; a status the leader sent never carries one.)
+/// The call may have been applied, as with any broken connection; a client session makes
+/// the retry exactly-once. What the leader answered, and the call's own deadline, pass
+/// unchanged.
+fn forwarding_failure(leader: NodeId, status: Status) -> Status {
+    let passes = status.code() == tonic::Code::DeadlineExceeded || ErrorCode::of(&status).is_some();
+    match std::error::Error::source(&status) {
+        Some(cause) if !passes => Status::unavailable(format!(
+            "forwarding to leader {leader:x} failed: {}: {cause}",
+            status.message()
+        )),
+        _ => status,
+    }
+}
+
 /// Where one attempt of a call runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Target {
@@ -371,6 +390,7 @@ impl Api {
                         call(self.channel(leader)?, request)
                             .await
                             .map(Served::Leader)
+                            .map_err(|status| forwarding_failure(leader, status))
                     }
                     (None, Target::Here) => Err(to_status(Error::LeaderChanged)),
                 }
@@ -504,6 +524,7 @@ impl Api {
                     call(self.channel(leader)?, request)
                         .await
                         .map(Served::Leader)
+                        .map_err(|status| forwarding_failure(leader, status))
                 }
             }
         })
@@ -582,6 +603,46 @@ impl Api {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_connection_lost_while_forwarding_is_retried_and_the_leaders_answers_pass() {
+        // What tonic reports when the connection to the leader breaks mid-call: Unknown or
+        // Cancelled, with the local cause attached.
+        let broken = Status::from_error(Box::new(std::io::Error::other("connection reset")));
+        assert_eq!(broken.code(), tonic::Code::Unknown);
+        let mut canceled = Status::cancelled("operation was canceled");
+        canceled.set_source(std::sync::Arc::new(std::io::Error::other("canceled")));
+        for lost in [broken, canceled] {
+            assert!(
+                !is_retriable(&lost),
+                "the raw status would reach the client"
+            );
+            let mapped = forwarding_failure(3, lost);
+            assert_eq!(mapped.code(), tonic::Code::Unavailable);
+            assert!(
+                mapped.message().contains("leader 3"),
+                "{}",
+                mapped.message()
+            );
+            assert!(is_retriable(&mapped));
+        }
+        let mut late = Status::deadline_exceeded("timeout expired");
+        late.set_source(std::sync::Arc::new(std::io::Error::other("deadline")));
+        assert_eq!(
+            forwarding_failure(3, late).code(),
+            tonic::Code::DeadlineExceeded
+        );
+        // The leader's own answers, including an Unknown one from the wire, pass unchanged.
+        let from_leader = Status::unknown("transport error");
+        assert_eq!(
+            forwarding_failure(3, from_leader.clone()).code(),
+            from_leader.code()
+        );
+        let refused = to_status(Error::TooManyRequests);
+        let passed = forwarding_failure(3, refused.clone());
+        assert_eq!(passed.code(), refused.code());
+        assert_eq!(passed.message(), refused.message());
+    }
 
     #[test]
     fn codes_round_trip_and_only_leadership_failures_retry() {
