@@ -1,8 +1,9 @@
 //! The `/ui` dashboard in a real headless Chromium (Debian's `chromium` and
 //! `chromium-driver`, driven over WebDriver with fantoccini): the members and an election
 //! group appear, and when the group's leading process is killed the new leader shows on the
-//! page within 2 s of the cluster electing it. Screenshots go to docs/img/ for
-//! docs/operations.md.
+//! page within 2 s of the cluster electing it. Screenshots go to the test's scratch directory
+//! under target/, or to docs/img/ for docs/operations.md with `CONCLAVE_UPDATE_SCREENSHOTS=1`
+//! (so an ordinary test run leaves the tracked images alone).
 //!
 //! Without `chromedriver` on the PATH this test fails (it does not skip): CI installs it
 //! (`.ci/run`), and locally `apt-get install -y chromium chromium-driver`.
@@ -136,8 +137,12 @@ async fn page_rows(browser: &fantoccini::Client) -> (Vec<(String, String)>, Vec<
 
 async fn screenshot(browser: &fantoccini::Client, name: &str) {
     let png = browser.screenshot().await.expect("screenshot");
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../docs/img");
-    std::fs::create_dir_all(&dir).expect("docs/img");
+    let dir = if std::env::var_os("CONCLAVE_UPDATE_SCREENSHOTS").is_some_and(|v| v == "1") {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../docs/img")
+    } else {
+        PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("dashboard-screenshots")
+    };
+    std::fs::create_dir_all(&dir).expect("the screenshot directory");
     std::fs::write(dir.join(name), png).expect("write the screenshot");
 }
 
