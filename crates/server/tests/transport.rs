@@ -197,10 +197,8 @@ async fn many_messages_arrive_in_order_and_intact() {
     listener.stop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn both_directions_between_two_nodes() {
-    let mut node1 = Listener::start(1, "127.0.0.1:0").await;
-    let mut node2 = Listener::start(2, "127.0.0.1:0").await;
+/// Transports for nodes 1 and 2, each with the other's listener as its peer.
+fn linked_transports(node1: &Listener, node2: &Listener) -> (PeerTransport, PeerTransport) {
     let mut transport1 = PeerTransport::new(TransportConfig::new(CLUSTER_ID, 1)).expect("valid");
     let mut transport2 = PeerTransport::new(TransportConfig::new(CLUSTER_ID, 2)).expect("valid");
     transport1
@@ -209,6 +207,14 @@ async fn both_directions_between_two_nodes() {
     transport2
         .add_peer(1, node1.address.to_string())
         .expect("valid peer");
+    (transport1, transport2)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn both_directions_between_two_nodes() {
+    let mut node1 = Listener::start(1, "127.0.0.1:0").await;
+    let mut node2 = Listener::start(2, "127.0.0.1:0").await;
+    let (transport1, transport2) = linked_transports(&node1, &node2);
     for seq in 0..100 {
         let to_2 = sample_message(seq);
         let to_1 = Message {
@@ -294,14 +300,7 @@ async fn calls_and_answers_travel_beside_messages_and_a_call_from_before_a_link_
     node1.state.take_calls_into(sink1);
     let (sink2, mut calls_at_2) = mpsc::channel(16);
     node2.state.take_calls_into(sink2);
-    let mut transport1 = PeerTransport::new(TransportConfig::new(CLUSTER_ID, 1)).expect("valid");
-    let mut transport2 = PeerTransport::new(TransportConfig::new(CLUSTER_ID, 2)).expect("valid");
-    transport1
-        .add_peer(2, node2.address.to_string())
-        .expect("valid peer");
-    transport2
-        .add_peer(1, node1.address.to_string())
-        .expect("valid peer");
+    let (mut transport1, transport2) = linked_transports(&node1, &node2);
     let (calls1, calls2) = (transport1.calls(), transport2.calls());
 
     // A call and a Raft message share the link and its order.

@@ -297,6 +297,22 @@ impl Api {
         request
     }
 
+    /// The call, as a gRPC call on the leader's client API: marked forwarded, within what is
+    /// left of the deadline; a connection lost on the way is a retriable transport failure
+    /// ([`forwarding_failure`]).
+    async fn forward<M: Clone, R>(
+        &self,
+        ctx: &CallContext,
+        leader: NodeId,
+        message: &M,
+        call: LeaderCall<M, R>,
+    ) -> Result<tonic::Response<R>, Status> {
+        let request = Api::forwarded_request(message.clone(), &self.forwarding_context(ctx));
+        call(self.channel(leader)?, request)
+            .await
+            .map_err(|status| forwarding_failure(leader, status))
+    }
+
     /// Waits until a leader is known (or the deadline, or the node stops).
     async fn known_leader(&self, ctx: &CallContext) -> Result<NodeId, Status> {
         let mut status = self.node.status.clone();
@@ -384,14 +400,10 @@ impl Api {
             async move {
                 match (local, target) {
                     (Some(local), _) => local.await.map(Served::Here),
-                    (None, Target::Leader(leader)) => {
-                        let request =
-                            Api::forwarded_request(message.clone(), &self.forwarding_context(ctx));
-                        call(self.channel(leader)?, request)
-                            .await
-                            .map(Served::Leader)
-                            .map_err(|status| forwarding_failure(leader, status))
-                    }
+                    (None, Target::Leader(leader)) => self
+                        .forward(ctx, leader, message, call)
+                        .await
+                        .map(Served::Leader),
                     (None, Target::Here) => Err(to_status(Error::LeaderChanged)),
                 }
             }
@@ -518,14 +530,10 @@ impl Api {
                         .await?;
                     convert(applied).map(Served::Here)
                 }
-                (Target::Leader(leader), _, _) => {
-                    let request =
-                        Api::forwarded_request(message.clone(), &self.forwarding_context(ctx));
-                    call(self.channel(leader)?, request)
-                        .await
-                        .map(Served::Leader)
-                        .map_err(|status| forwarding_failure(leader, status))
-                }
+                (Target::Leader(leader), _, _) => self
+                    .forward(ctx, leader, message, call)
+                    .await
+                    .map(Served::Leader),
             }
         })
         .await
