@@ -179,9 +179,7 @@ impl Api {
                 applied_index,
             } => {
                 // Then a client that wrote through this member reads its write here at once.
-                let mut status = self.node.status.clone();
-                let caught_up =
-                    status.wait_for(|s| s.applied_index >= applied_index || s.stopped.is_some());
+                let caught_up = self.node.applied_through(applied_index);
                 let _ = tokio::time::timeout(ctx.remaining(), caught_up).await;
                 Ok(Applied {
                     output: ApplyOutput {

@@ -463,8 +463,7 @@ impl Api {
         else {
             return response;
         };
-        let mut status = self.node.status.clone();
-        let caught_up = status.wait_for(|s| s.applied_index >= target || s.stopped.is_some());
+        let caught_up = self.node.applied_through(target);
         let _ = tokio::time::timeout(ctx.remaining(), caught_up).await;
         response
     }

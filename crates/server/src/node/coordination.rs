@@ -133,6 +133,11 @@ impl NodeHandle {
         self.node.status()
     }
 
+    /// Resolves once this member has applied through `index`, or has stopped.
+    pub async fn applied_through(&self, index: u64) {
+        self.node.applied_waits.reached(index).await
+    }
+
     /// What the driver and the API count as it happens (docs/operations.md).
     pub fn metrics(&self) -> &crate::metrics::NodeMetrics {
         &self.node.metrics

@@ -58,7 +58,14 @@ pub struct Applied<O> {
     pub term: u64,
 }
 
-/// The node's public view, published by the shell on every change.
+/// The node's public view, refreshed by the shell after every turn.
+///
+/// Receivers of the status watch are woken only when what they wait on changes: the role,
+/// leader, term, configuration, member records, or the node stopping
+/// ([`NodeStatus::wakes_receivers_against`]). The counters (commit, applied and last index,
+/// pending proposals, refused messages) are current on every read but wake nobody: they move
+/// every turn, and waking every watching task each turn cost more than the turn's own work.
+/// To wait for the applied index, use [`AppliedWaits`](super::applied_waits::AppliedWaits).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct NodeStatus {
     pub id: NodeId,
@@ -78,6 +85,35 @@ pub struct NodeStatus {
     pub refused_peer_messages: u64,
     /// Proposals waiting for their entry to be applied here (etcd's `proposals_pending`).
     pub proposals_pending: u64,
+}
+
+impl NodeStatus {
+    /// Whether replacing `previous` with this status must wake the watch's receivers:
+    /// anything but the counters changed.
+    pub fn wakes_receivers_against(&self, previous: &NodeStatus) -> bool {
+        // Spelled out field by field, so a new field must be sorted into one kind or the other.
+        let NodeStatus {
+            id,
+            role,
+            leader,
+            term,
+            conf_state,
+            members,
+            stopped,
+            commit_index: _,
+            applied_index: _,
+            last_index: _,
+            refused_peer_messages: _,
+            proposals_pending: _,
+        } = self;
+        *id != previous.id
+            || *role != previous.role
+            || *leader != previous.leader
+            || *term != previous.term
+            || *conf_state != previous.conf_state
+            || *members != previous.members
+            || *stopped != previous.stopped
+    }
 }
 
 /// A peer's replication progress as its leader sees it.
@@ -1398,6 +1434,51 @@ mod tests {
         }
         fn restore(&mut self, _image: &[u8]) -> Result<(), MachineError> {
             Ok(())
+        }
+    }
+
+    #[test]
+    fn the_status_wakes_its_watchers_on_shape_changes_only() {
+        let before = NodeStatus {
+            id: 1,
+            role: Some(Role::Follower),
+            leader: Some(2),
+            term: 3,
+            commit_index: 10,
+            applied_index: 9,
+            last_index: 11,
+            ..NodeStatus::default()
+        };
+        let counters_moved = NodeStatus {
+            commit_index: 12,
+            applied_index: 12,
+            last_index: 13,
+            refused_peer_messages: 1,
+            proposals_pending: 4,
+            ..before.clone()
+        };
+        assert!(!counters_moved.wakes_receivers_against(&before));
+        let changes: [fn(&mut NodeStatus); 6] = [
+            |s| s.role = Some(Role::Leader),
+            |s| s.leader = None,
+            |s| s.term += 1,
+            |s| {
+                s.conf_state.voters.insert(4);
+            },
+            |s| {
+                s.members.push(Member {
+                    id: 4,
+                    name: "four".into(),
+                    peer_addr: "127.0.0.1:1".into(),
+                    client_addr: String::new(),
+                })
+            },
+            |s| s.stopped = Some(String::new()),
+        ];
+        for (i, change) in changes.iter().enumerate() {
+            let mut after = counters_moved.clone();
+            change(&mut after);
+            assert!(after.wakes_receivers_against(&before), "change {i}");
         }
     }
 

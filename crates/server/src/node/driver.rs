@@ -18,6 +18,7 @@ use conclave_raft::{
 use conclave_storage::{OsDisk, RecoveryReport, StorageOptions, WalStorage};
 use tokio::sync::{mpsc, oneshot, watch};
 
+use super::applied_waits::{AppliedWaits, StopWaitsOnDrop};
 pub use super::core::{Applied, NodeStatus, PeerMatch};
 use super::core::{
     CoreSettings, Duties, MemberTable, NodeCore, Output, ReadyIo, ReadyPoint, SnapshotPlan, Token,
@@ -228,6 +229,8 @@ pub(crate) struct Handle<M: ReplicatedMachine, R> {
     /// What the driver counts as it happens (leader changes, fsyncs, failed proposals).
     pub metrics: Arc<NodeMetrics>,
     pub status: watch::Receiver<NodeStatus>,
+    /// Waits for the applied index to reach a point (the status watch does not wake on it).
+    pub applied_waits: Arc<AppliedWaits>,
     /// The applied state. The driver holds the write lock only while applying a batch.
     pub machine: Arc<RwLock<M>>,
 }
@@ -238,6 +241,7 @@ impl<M: ReplicatedMachine, R> Clone for Handle<M, R> {
             requests: self.requests.clone(),
             metrics: self.metrics.clone(),
             status: self.status.clone(),
+            applied_waits: self.applied_waits.clone(),
             machine: self.machine.clone(),
         }
     }
@@ -411,6 +415,8 @@ struct Shell<O> {
     config: ServerConfig,
     transport: PeerTransport,
     status: watch::Sender<NodeStatus>,
+    /// Ends every applied-index wait when the driver goes, however it goes.
+    applied_waits: StopWaitsOnDrop,
     waiters: Waiters<O>,
     /// A snapshot being written on its own thread, recorded in the log once written.
     snapshot_job: Option<SnapshotJob>,
@@ -520,6 +526,7 @@ pub(crate) fn spawn<M: ReplicatedMachine, D: ShellDuties<M>>(
     let raw = RawNode::new(raft_config, store).map_err(Error::RaftStart)?;
     let machine = Arc::new(RwLock::new(machine));
     let (status_sender, status_receiver) = watch::channel(NodeStatus::default());
+    let applied_waits = Arc::new(AppliedWaits::default());
     let (request_sender, requests) = mpsc::channel(config.driver_queue_requests_max);
     let core = NodeCore::new(
         CoreSettings::from_config(&config),
@@ -537,6 +544,7 @@ pub(crate) fn spawn<M: ReplicatedMachine, D: ShellDuties<M>>(
         config,
         transport,
         status: status_sender,
+        applied_waits: StopWaitsOnDrop(applied_waits.clone()),
         waiters: Waiters::new(),
         snapshot_job: None,
         peer_runtime: tokio::runtime::Handle::try_current()
@@ -572,6 +580,7 @@ pub(crate) fn spawn<M: ReplicatedMachine, D: ShellDuties<M>>(
         requests: request_sender,
         metrics,
         status: status_receiver,
+        applied_waits,
         machine,
     };
     Ok((handle, thread))
@@ -952,13 +961,12 @@ impl<M: ReplicatedMachine, D: ShellDuties<M>> Driver<M, D> {
             );
             self.shell.last_leader = status.leader;
         }
+        let applied_index = status.applied_index;
         self.shell.status.send_if_modified(|current| {
-            if *current == status {
-                false
-            } else {
-                *current = status;
-                true
-            }
+            let wakes = status.wakes_receivers_against(current);
+            *current = status;
+            wakes
         });
+        self.shell.applied_waits.0.advance(applied_index);
     }
 }

@@ -9,7 +9,8 @@
 //!                                  group commit: drains              ├─ 3. machine.apply ─► Output by token
 //!                                  every queue, then one             ├─ 4. read states ─► Output by token
 //!                                  turn, one fsync)                  └─ 5. advance; snapshot_due
-//!  NodeStatus (watch) ◄── role, leader, term, commit, applied
+//!  NodeStatus (watch) ◄── role, leader, term, members (wakes); commit, applied (silent)
+//!  AppliedWaits ◄──────── applied index: each waiter woken once, when its index is reached
 //! ```
 //!
 //! The driver runs on its own OS thread with a current-thread runtime, so an fsync blocks
@@ -29,6 +30,7 @@
 //!   writer thread, reply channels; the `ShellDuties` seam for what one machine adds.
 //! - `coordination`: Conclave's coordination machine on it (leader clock stamping, the lease
 //!   duty, watch events) and the [`NodeHandle`] the etcd and `conclave.v1` services use.
+//! - `applied_waits`: waits for the applied index to reach a point, one wake-up each.
 //! - `entries`: how member records and machine bytes share the log and the snapshots.
 //! - `identity`: the file that ties a data directory to its cluster and member.
 //!
@@ -36,6 +38,7 @@
 
 use std::path::Path;
 
+pub mod applied_waits;
 mod coordination;
 pub mod core;
 pub(crate) mod driver;
