@@ -25,6 +25,7 @@ pub mod peer_calls;
 pub mod route;
 pub mod tls;
 pub mod watch;
+pub mod watch_hub;
 
 pub use route::{
     ERROR_CODE_HEADER, ErrorCode, MemberChannels, Serve, Served, Target, answer, is_retriable,
@@ -195,6 +196,8 @@ pub struct Api {
     peer_calls: std::sync::OnceLock<crate::transport::PeerCalls>,
     /// This member's writes waiting for the leader's answer.
     pending_calls: peer_calls::PendingCalls,
+    /// Hands each applied batch to the watches it concerns.
+    pub(crate) watch_hub: Arc<watch_hub::WatchHub>,
 }
 
 impl Api {
@@ -209,6 +212,7 @@ impl Api {
             limits,
             peer_calls: std::sync::OnceLock::new(),
             pending_calls: peer_calls::PendingCalls::default(),
+            watch_hub: Arc::default(),
         })
     }
 

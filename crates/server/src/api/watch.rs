@@ -1,15 +1,19 @@
 //! etcd's Watch service: one bidirectional stream carries many watches.
 //!
 //! ```text
-//!  driver apply ─► broadcast<AppliedEvents> (bounded) ─► one task per watch ─► filter by range
-//!      ─► stream's response queue (bounded) ─► gRPC
+//!  driver apply ─► broadcast<AppliedEvents> (bounded) ─► watch hub (one task) ─► the queue of
+//!      each watch the batch has events for (bounded) ─► that watch's task: filter by range and
+//!      kind ─► stream's response queue (bounded) ─► gRPC
 //! ```
 //!
 //! Backpressure: a client that does not read fills its stream's response queue, its watch
-//! tasks stop reading the broadcast, and once they fall more than the broadcast's capacity
-//! behind they are cancelled (memory stays bounded; the client re-watches from its last
-//! revision). Each watch subscribes before it reads history, under the state's read lock, so
-//! no revision falls between the replay and the live events.
+//! tasks stop reading their queues, and once a queue holds [`WATCH_QUEUE_BATCHES_MAX`] batches
+//! the hub drops the watch, which is cancelled (memory stays bounded; the client re-watches
+//! from its last revision). Each watch registers with the hub before it reads history, under
+//! the state's read lock, so no revision falls between the replay and the live events. See
+//! [`super::watch_hub`] for why one hub routes the batches instead of every watch reading them.
+//!
+//! [`WATCH_QUEUE_BATCHES_MAX`]: super::watch_hub::WATCH_QUEUE_BATCHES_MAX
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -17,13 +21,14 @@ use std::sync::Arc;
 use bytes::Bytes;
 use conclave_proto::etcdserverpb::{self as pb, watch_request::RequestUnion, watch_server::Watch};
 use conclave_state::{Event, WatchEvent};
-use tokio::sync::{broadcast, mpsc};
+use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Status, Streaming, async_trait};
 
 use super::convert::event_to_pb;
+use super::watch_hub::HubMessage;
 use super::{Api, CallContext};
 use crate::node::AppliedEvents;
 
@@ -229,7 +234,12 @@ fn start_watch(
     };
     // Subscribe and read history in one consistent view (see the module documentation).
     let (mut live, history, revision) = api.node.read_state(|state| {
-        let live = api.node.events.subscribe();
+        let live = api.watch_hub.subscribe(
+            filter.key.clone(),
+            filter.range_end.clone(),
+            || api.node.events.subscribe(),
+            state.revision(),
+        );
         let history = state.events_since(create.start_revision, &filter.key, &filter.range_end);
         (live, history, state.revision())
     });
@@ -280,9 +290,9 @@ fn start_watch(
         // Every revision up to `seen` has been delivered (or filtered out) by this watch.
         let mut seen = revision;
         loop {
-            let batch = match live.recv().await {
-                Ok(batch) => batch,
-                Err(broadcast::error::RecvError::Lagged(_)) => {
+            let message = match live.receiver.recv().await {
+                Some(message) => message,
+                None if live.fell_behind() => {
                     let canceled = pb::WatchResponse {
                         header: Some(api.read_header()),
                         watch_id: id,
@@ -293,14 +303,15 @@ fn start_watch(
                     let _ = responses.send(Ok(canceled)).await;
                     return;
                 }
-                Err(broadcast::error::RecvError::Closed) => return,
+                // The hub stopped: the node is gone.
+                None => return,
             };
-            let (events, header_revision) = if skips_revisions(seen, &batch) {
+            let (events, header_revision) = if let HubMessage::Resync = message {
                 // The member jumped over revisions without applying them one by one (a
                 // snapshot from the leader was installed, announced by a batch with no events
-                // at its revision, so this does not wait for a later write): read them from
-                // the history, or cancel as compacted so the client resumes, never skip them
-                // silently.
+                // at its revision, so this does not wait for a later write), or the hub fell
+                // behind the broadcast: read them from the history, or cancel as compacted so
+                // the client resumes, never skip them silently.
                 let from = (seen + 1).max(start_revision);
                 let (history, now) = api.node.read_state(|state| {
                     let history = state.events_since(from, &filter.key, &filter.range_end);
@@ -326,7 +337,7 @@ fn start_watch(
                     .map(|e| event_to_pb(e, filter.prev_kv))
                     .collect();
                 (events, now)
-            } else {
+            } else if let HubMessage::Batch(batch) = message {
                 let events: Vec<_> = batch
                     .events
                     .iter()
@@ -346,6 +357,8 @@ fn start_watch(
                     .collect();
                 seen = seen.max(batch.revision);
                 (events, batch.revision)
+            } else {
+                continue;
             };
             if events.is_empty() {
                 continue;
@@ -384,7 +397,7 @@ fn compacted_cancel(api: &Api, id: i64, compact_revision: i64) -> pb::WatchRespo
 /// when a follower installs a snapshot. Every revision carries at least one KV event, so a
 /// batch that continues the stream has, above `seen`, events at `seen + 1`, `seen + 2`, ...
 /// up to its own revision. Events at or below `seen` were already delivered and are skipped.
-fn skips_revisions(seen: i64, batch: &AppliedEvents) -> bool {
+pub(super) fn skips_revisions(seen: i64, batch: &AppliedEvents) -> bool {
     let mut covered = seen;
     for event in batch.events.iter() {
         let Event::Kv(event) = event else {
