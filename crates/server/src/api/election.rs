@@ -17,14 +17,15 @@ use bytes::Bytes;
 use conclave_proto::v3electionpb::election_server::{Election, ElectionServer};
 use conclave_proto::v3electionpb::{self as epb, election_client::ElectionClient};
 use conclave_state::{LeaderKey, QueueResponse, Request, Response};
-use tokio::sync::{broadcast, mpsc};
+use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Status, async_trait};
 
 use super::convert::kv_to_pb;
 use super::limits::Wait;
-use super::lock::{node_stopped, queue_prefix, touches_prefix, wait_context, wait_for_turn};
+use super::lock::{node_stopped, queue_prefix, wait_context, wait_for_turn};
 use super::route::leader_call;
+use super::watch_hub::Interest;
 use super::{Api, CallContext, Served, answer, state_status, to_status, unexpected};
 use crate::error::Error;
 
@@ -175,13 +176,10 @@ impl Election for ElectionService {
         self.api.linearizable_barrier(&ctx).await?;
         let (responses, output) = mpsc::channel(OBSERVE_STREAM_RESPONSES_MAX);
         let api = self.api.clone();
-        let (mut events, mut current) = api.node.read_state(|state| {
-            (
-                api.node.events.subscribe(),
-                (state.election_leader(&name).ok(), state.revision()),
-            )
-        });
         let prefix = queue_prefix(&name);
+        let (mut changes, mut current) = api.subscribe_with(Interest::prefix(&prefix), |state| {
+            (state.election_leader(&name).ok(), state.revision())
+        });
         tokio::spawn(async move {
             let _slot = slot;
             // The last leader key and version sent, so an unchanged leader is not repeated.
@@ -197,30 +195,22 @@ impl Election for ElectionService {
                             header: Some(api.header(*revision)),
                             kv: Some(kv_to_pb(kv.clone())),
                         };
-                        // Blocking here is bounded: while we wait, batches are skipped
-                        // (Lagged) and the next answer is read from the state afresh.
+                        // Blocking here is bounded: while we wait, the hub may drop this
+                        // subscription as behind, and the next answer is read from the state
+                        // afresh either way.
                         if responses.send(Ok(response)).await.is_err() {
                             return;
                         }
                     }
                 }
-                loop {
-                    tokio::select! {
-                        _ = responses.closed() => return,
-                        _ = &mut stopped => {
-                            let _ = responses.send(Err(to_status(Error::Stopped))).await;
-                            return;
-                        }
-                        batch = events.recv() => match batch {
-                            Ok(batch) if touches_prefix(&batch, &prefix) => break,
-                            Ok(_) => {}
-                            Err(broadcast::error::RecvError::Lagged(_)) => break,
-                            Err(broadcast::error::RecvError::Closed) => {
-                                let _ = responses.send(Err(to_status(Error::Stopped))).await;
-                                return;
-                            }
-                        },
-                    }
+                let changed = tokio::select! {
+                    _ = responses.closed() => return,
+                    _ = &mut stopped => false,
+                    changed = changes.changed() => changed,
+                };
+                if !changed {
+                    let _ = responses.send(Err(to_status(Error::Stopped))).await;
+                    return;
                 }
                 current = api
                     .node

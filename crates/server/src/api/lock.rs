@@ -20,17 +20,16 @@ use bytes::Bytes;
 use conclave_proto::etcdserverpb::{self as pb, kv_client::KvClient};
 use conclave_proto::v3lockpb::lock_server::{Lock, LockServer};
 use conclave_proto::v3lockpb::{self as lockpb, lock_client::LockClient};
-use conclave_state::{Event, QueueResponse, QueueStatus, Request, Response, StateMachine};
-use tokio::sync::broadcast;
+use conclave_state::{QueueResponse, QueueStatus, Request, Response, StateMachine};
 use tokio::time::Instant;
 use tonic::metadata::MetadataValue;
 use tonic::{Status, async_trait};
 
 use super::limits::Wait;
 use super::route::leader_call;
+use super::watch_hub::Interest;
 use super::{Api, CallContext, Served, answer, convert, state_status, to_status, unexpected};
 use crate::error::Error;
-use crate::node::AppliedEvents;
 
 /// Request and response metadata carrying a lock's fence (its key's create revision). etcd's
 /// messages have no field for it; Conclave-aware clients read it from Lock and send it with
@@ -62,14 +61,6 @@ pub(crate) fn queue_prefix(name: &[u8]) -> Vec<u8> {
     prefix
 }
 
-/// Whether a batch changed a key under `prefix` (the only changes that can move a queue).
-pub(crate) fn touches_prefix(batch: &AppliedEvents, prefix: &[u8]) -> bool {
-    batch
-        .events
-        .iter()
-        .any(|event| matches!(event, Event::Kv(e) if e.kv.key.starts_with(prefix)))
-}
-
 /// Resolves once the node's driver has stopped or a graceful shutdown drains the client API,
 /// so waits and streams end and the gRPC server's graceful shutdown is not held up by them.
 pub(crate) async fn node_stopped(api: &Api) {
@@ -81,18 +72,17 @@ pub(crate) async fn node_stopped(api: &Api) {
     }
 }
 
-/// Runs `check` on the applied state now and again after every applied batch `relevant`
-/// accepts, until it answers `Some` or the deadline passes (`Ok(None)`). Subscribing under
-/// the state's read lock means no batch can slip between a check and the wait.
+/// Runs `check` on the applied state now and again after every applied batch with events
+/// `interest` names (the watch hub wakes this call for those only), until it answers `Some`
+/// or the deadline passes (`Ok(None)`). Subscribing under the state's read lock means no
+/// batch can slip between a check and the wait.
 pub(crate) async fn wait_until<T>(
     api: &Api,
     deadline: Instant,
     mut check: impl FnMut(&StateMachine) -> Option<T>,
-    relevant: impl Fn(&AppliedEvents) -> bool,
+    interest: Interest,
 ) -> Result<Option<T>, Status> {
-    let (mut events, first) = api
-        .node
-        .read_state(|state| (api.node.events.subscribe(), check(state)));
+    let (mut changes, first) = api.subscribe_with(interest, &mut check);
     if let Some(done) = first {
         return Ok(Some(done));
     }
@@ -102,14 +92,13 @@ pub(crate) async fn wait_until<T>(
         let remaining = deadline.saturating_duration_since(Instant::now());
         let received = tokio::select! {
             _ = &mut stopped => return Err(to_status(Error::Stopped)),
-            received = tokio::time::timeout(remaining, events.recv()) => received,
+            received = tokio::time::timeout(remaining, changes.changed()) => received,
         };
         match received {
             Err(_) => return Ok(None),
-            Ok(Ok(batch)) if !relevant(&batch) => continue,
-            // Lagging only means batches were skipped; the state itself is authoritative.
-            Ok(Ok(_)) | Ok(Err(broadcast::error::RecvError::Lagged(_))) => {}
-            Ok(Err(broadcast::error::RecvError::Closed)) => return Err(to_status(Error::Stopped)),
+            // A batch with events it waits on, or a resync: the state itself is authoritative.
+            Ok(true) => {}
+            Ok(false) => return Err(to_status(Error::Stopped)),
         }
         if let Some(done) = api.node.read_state(&mut check) {
             return Ok(Some(done));
@@ -141,7 +130,7 @@ pub(crate) async fn wait_for_queue(
             QueueStatus::Lost => Some(Err(lost_status())),
             QueueStatus::Waiting { .. } => None,
         },
-        |batch| touches_prefix(batch, &prefix),
+        Interest::prefix(&prefix),
     )
     .await?;
     outcome.transpose()

@@ -28,7 +28,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Status, Streaming, async_trait};
 
 use super::convert::event_to_pb;
-use super::watch_hub::HubMessage;
+use super::watch_hub::{HubMessage, Interest};
 use super::{Api, CallContext};
 use crate::node::AppliedEvents;
 
@@ -235,8 +235,10 @@ fn start_watch(
     // Subscribe and read history in one consistent view (see the module documentation).
     let (mut live, history, revision) = api.node.read_state(|state| {
         let live = api.watch_hub.subscribe(
-            filter.key.clone(),
-            filter.range_end.clone(),
+            Interest::Keys {
+                key: filter.key.clone(),
+                range_end: filter.range_end.clone(),
+            },
             || api.node.events.subscribe(),
             state.revision(),
         );

@@ -21,6 +21,7 @@ use super::{
 use crate::api::limits::Wait;
 use crate::api::lock::{node_stopped, wait_context, wait_until};
 use crate::api::route::leader_call;
+use crate::api::watch_hub::Interest;
 use crate::api::{Api, CallContext, Served, answer, state_status, to_status, unexpected};
 use crate::error::Error;
 use crate::node::AppliedEvents;
@@ -107,7 +108,7 @@ impl Election for ElectionService {
                 api,
                 ctx.deadline,
                 |state| campaign_state(state, group, candidate, message.lease),
-                |batch| election_events_of(batch, group).next().is_some(),
+                Interest::Election(group.to_owned()),
             )
             .await?
         } else {

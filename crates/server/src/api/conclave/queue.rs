@@ -19,7 +19,7 @@ use conclave_proto::conclave::v1::queue_client::QueueClient;
 use conclave_proto::conclave::v1::queue_server::{Queue, QueueServer};
 use conclave_proto::conclave::v1::{self as cv1};
 use conclave_state::queue::{JobPush, WorkQueue};
-use conclave_state::{Event, Job, Request, Response, StateMachine};
+use conclave_state::{Job, Request, Response, StateMachine};
 use tokio::time::Instant;
 use tonic::{Status, async_trait};
 
@@ -27,6 +27,7 @@ use super::{header, invalid};
 use crate::api::limits::Wait;
 use crate::api::lock::wait_until;
 use crate::api::route::leader_call;
+use crate::api::watch_hub::Interest;
 use crate::api::{Api, CallContext, answer, unexpected};
 
 /// Longest a Claim waits for a job (`wait_ms`), besides the call's own deadline.
@@ -165,12 +166,7 @@ impl Queue for QueueService {
                 api,
                 deadline,
                 |state| claimable(state, &queue).then_some(()),
-                |batch| {
-                    batch
-                        .events
-                        .iter()
-                        .any(|event| matches!(event, Event::Queue(q) if *q == queue))
-                },
+                Interest::Queue(queue.clone()),
             )
             .await?;
             // The leader must not wait again if the call is forwarded.

@@ -6,9 +6,9 @@ use std::time::Duration;
 use conclave_proto::conclave::v1::topic_server::{Topic, TopicServer};
 use conclave_proto::conclave::v1::{self as cv1, topic_client::TopicClient};
 use conclave_state::{
-    Event, MESSAGE_FROM_BYTES_MAX, Message, ReadBudget, Request, Response, StateMachine,
+    MESSAGE_FROM_BYTES_MAX, Message, ReadBudget, Request, Response, StateMachine,
 };
-use tokio::sync::{broadcast, mpsc};
+use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Status, async_trait};
@@ -17,9 +17,9 @@ use super::{STREAM_RESPONSES_MAX, header, invalid, message_to_pb, read_limit};
 use crate::api::limits::Wait;
 use crate::api::lock::{node_stopped, wait_until};
 use crate::api::route::leader_call;
+use crate::api::watch_hub::{Interest, Subscription};
 use crate::api::{Api, CallContext, answer, to_status, unexpected};
 use crate::error::Error;
-use crate::node::AppliedEvents;
 
 /// Messages a Read or Inbox returns when the request says 0.
 pub const READ_LIMIT_DEFAULT: usize = 100;
@@ -42,13 +42,6 @@ pub fn topic_server(api: &Arc<Api>, decode_max: usize) -> TopicServer<TopicServi
 /// Topics over the shared [`Api`].
 pub struct TopicService {
     pub api: Arc<Api>,
-}
-
-fn topic_events_touch(batch: &AppliedEvents, topics: &[String]) -> bool {
-    batch
-        .events
-        .iter()
-        .any(|event| matches!(event, Event::Topic(m) if topics.contains(&m.topic)))
 }
 
 async fn ack(
@@ -203,17 +196,15 @@ impl Topic for TopicService {
         // "From now" means after every publish acknowledged before the call.
         self.api.linearizable_barrier(&ctx).await?;
         let api = self.api.clone();
-        let (events, next) = api.node.read_state(|state| {
-            let next = match message.from_seq {
-                0 => state.topic_read(&message.topic, u64::MAX, 1).last_seq + 1,
-                from => from,
-            };
-            (api.node.events.subscribe(), next)
+        let interest = Interest::Topics(vec![message.topic.clone()]);
+        let (changes, next) = api.subscribe_with(interest, |state| match message.from_seq {
+            0 => state.topic_read(&message.topic, u64::MAX, 1).last_seq + 1,
+            from => from,
         });
         let (responses, output) = mpsc::channel(STREAM_RESPONSES_MAX);
         tokio::spawn(async move {
             let _slot = slot;
-            subscribe_topic(api, message.topic, next, events, responses).await;
+            subscribe_topic(api, message.topic, next, changes, responses).await;
         });
         Ok(tonic::Response::new(ReceiverStream::new(output)))
     }
@@ -266,7 +257,7 @@ impl Topic for TopicService {
                     let (pending, revision) = read(state);
                     (!pending.is_empty()).then_some((pending, revision))
                 },
-                |batch| topic_events_touch(batch, &message.topics),
+                Interest::Topics(message.topics.clone()),
             )
             .await?;
             if let Some(found) = found {
@@ -320,16 +311,15 @@ impl Topic for TopicService {
 }
 
 /// Streams `topic` from `next`: the retained log first, then each publish. Every batch is
-/// read from the topic log (events only say "something was published"), so skipped
-/// broadcast batches lose nothing unless retention dropped the messages.
+/// read from the topic log (events only say "something was published"), so a resync or a
+/// subscription the hub dropped as behind loses nothing unless retention dropped the messages.
 async fn subscribe_topic(
     api: Arc<Api>,
     topic: String,
     mut next: u64,
-    mut events: broadcast::Receiver<AppliedEvents>,
+    mut changes: Subscription,
     responses: mpsc::Sender<Result<cv1::SubscribeResponse, Status>>,
 ) {
-    let topics = [topic.clone()];
     let stopped = node_stopped(&api);
     tokio::pin!(stopped);
     loop {
@@ -363,24 +353,14 @@ async fn subscribe_topic(
                 break;
             }
         }
-        loop {
-            let batch = tokio::select! {
-                _ = responses.closed() => return,
-                _ = &mut stopped => {
-                    let _ = responses.send(Err(to_status(Error::Stopped))).await;
-                    return;
-                }
-                batch = events.recv() => batch,
-            };
-            match batch {
-                Ok(batch) if topic_events_touch(&batch, &topics) => break,
-                Ok(_) => {}
-                Err(broadcast::error::RecvError::Lagged(_)) => break,
-                Err(broadcast::error::RecvError::Closed) => {
-                    let _ = responses.send(Err(to_status(Error::Stopped))).await;
-                    return;
-                }
-            }
+        let changed = tokio::select! {
+            _ = responses.closed() => return,
+            _ = &mut stopped => false,
+            changed = changes.changed() => changed,
+        };
+        if !changed {
+            let _ = responses.send(Err(to_status(Error::Stopped))).await;
+            return;
         }
     }
 }
