@@ -242,22 +242,28 @@ impl Subscription {
         self.slow.load(Ordering::Relaxed)
     }
 
-    /// For callers that only re-read the state on a change (waits, topic and election
-    /// streams): resolves with true on a batch this subscription is interested in or a
-    /// resync, and false once the hub stopped (the node is gone). One the hub dropped for
-    /// falling behind registers again and reports a change: registered before the caller's
-    /// next read of the state, it misses nothing that read does not already see.
-    pub async fn changed(&mut self) -> bool {
-        if self.receiver.recv().await.is_some() {
-            return true;
+    /// The next message, for callers that read the state afresh on a resync (waits, topic
+    /// and election streams; a watch must instead be cancelled when it falls behind, and reads
+    /// its queue itself). One the hub dropped for falling behind registers again and answers
+    /// [`HubMessage::Resync`]: registered before the caller's next read of the state, it
+    /// misses nothing that read does not already see. `None` once the hub stopped (the node
+    /// is gone).
+    pub async fn next(&mut self) -> Option<HubMessage> {
+        if let Some(message) = self.receiver.recv().await {
+            return Some(message);
         }
         if !self.fell_behind() {
-            return false;
+            return None;
         }
         let fresh = self.hub.register(self.interest.clone());
-        let stale = std::mem::replace(self, fresh);
-        drop(stale);
-        true
+        drop(std::mem::replace(self, fresh));
+        Some(HubMessage::Resync)
+    }
+
+    /// [`Subscription::next`] for callers that only re-read the state: true on a batch this
+    /// subscription is interested in or a resync, false once the hub stopped.
+    pub async fn changed(&mut self) -> bool {
+        self.next().await.is_some()
     }
 }
 

@@ -10,7 +10,7 @@ use conclave_state::{
     ElectionEvent, ElectionEventKind, GroupPolicy, GroupRegister, PreemptPolicy, Request, Response,
     StateMachine,
 };
-use tokio::sync::{broadcast, mpsc};
+use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Status, async_trait};
 
@@ -21,10 +21,9 @@ use super::{
 use crate::api::limits::Wait;
 use crate::api::lock::{node_stopped, wait_context, wait_until};
 use crate::api::route::leader_call;
-use crate::api::watch_hub::Interest;
+use crate::api::watch_hub::{HubMessage, Interest, Subscription};
 use crate::api::{Api, CallContext, Served, answer, state_status, to_status, unexpected};
 use crate::error::Error;
-use crate::node::AppliedEvents;
 
 /// `conclave.v1.Election`, ready for the gRPC router.
 pub fn election_server(api: &Arc<Api>, decode_max: usize) -> ElectionServer<ElectionService> {
@@ -332,15 +331,12 @@ impl Election for ElectionService {
         self.api.linearizable_barrier(&ctx).await?;
         let (responses, output) = mpsc::channel(STREAM_RESPONSES_MAX);
         let api = self.api.clone();
-        let (events, first) = api.node.read_state(|state| {
-            (
-                api.node.events.subscribe(),
-                GroupView::current(state, &group),
-            )
-        });
+        let interest = Interest::Election(group.clone());
+        let (changes, first) =
+            api.subscribe_with(interest, |state| GroupView::current(state, &group));
         tokio::spawn(async move {
             let _slot = slot;
-            observe_group(api, group, events, first, responses).await;
+            observe_group(api, group, changes, first, responses).await;
         });
         Ok(tonic::Response::new(ReceiverStream::new(output)))
     }
@@ -589,7 +585,7 @@ impl GroupView {
 async fn observe_group(
     api: Arc<Api>,
     group: String,
-    mut events: broadcast::Receiver<AppliedEvents>,
+    mut changes: Subscription,
     mut view: GroupView,
     responses: mpsc::Sender<Result<cv1::ObserveResponse, Status>>,
 ) {
@@ -603,16 +599,16 @@ async fn observe_group(
     let stopped = node_stopped(&api);
     tokio::pin!(stopped);
     loop {
-        let batch = tokio::select! {
+        let message = tokio::select! {
             _ = responses.closed() => return,
             _ = &mut stopped => {
                 let _ = responses.send(Err(to_status(Error::Stopped))).await;
                 return;
             }
-            batch = events.recv() => batch,
+            message = changes.next() => message,
         };
-        let out = match batch {
-            Ok(batch) => {
+        let out = match message {
+            Some(HubMessage::Batch(batch)) => {
                 let mine: Vec<&ElectionEvent> = election_events_of(&batch, &group).collect();
                 if mine.is_empty() {
                     continue;
@@ -631,8 +627,9 @@ async fn observe_group(
                     events: out,
                 }
             }
-            // Skipped batches cannot be replayed; a fresh CURRENT resynchronises the client.
-            Err(broadcast::error::RecvError::Lagged(_)) => {
+            // Revisions that skipped the hub (a snapshot installed here, a hub or stream behind)
+            // cannot be replayed; a fresh CURRENT resynchronises the client.
+            Some(HubMessage::Resync) => {
                 view = api
                     .node
                     .read_state(|state| GroupView::current(state, &group));
@@ -641,7 +638,7 @@ async fn observe_group(
                     events: vec![view.current_event(&group)],
                 }
             }
-            Err(broadcast::error::RecvError::Closed) => {
+            None => {
                 let _ = responses.send(Err(to_status(Error::Stopped))).await;
                 return;
             }
