@@ -1,7 +1,8 @@
 //! A watcher on a member that catches up by installing the leader's snapshot still receives
 //! every revision the snapshot covered: real `conclave serve` processes, one of them paused
 //! (SIGSTOP) while the leader writes and compacts its log past it. Both with a write after
-//! the catch-up and without one (docs/faults.md, findings 1 and 6).
+//! the catch-up and without one (docs/faults.md, findings 1 and 6). And a waiting call there
+//! (an inbox long poll) is woken by the install.
 
 mod common;
 
@@ -243,4 +244,99 @@ async fn a_watcher_gets_the_revisions_of_an_installed_snapshot_with_no_later_wri
         "the watcher on member {follower} got all {WRITES} writes of the installed snapshot \
          with no write after it"
     );
+}
+
+/// A waiting call on a member that catches up by installing the leader's snapshot is woken
+/// by the install: a topic inbox long poll whose message was published while its member was
+/// paused, and compacted into the snapshot, answers within seconds of the catch-up. Waits used
+/// to re-check only on a batch with an event they wait on, and the install carries none, so
+/// this one slept to its deadline and answered empty.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_inbox_wait_is_answered_by_a_snapshot_install() {
+    use conclave_proto::conclave::v1::topic_client::TopicClient;
+    use conclave_proto::conclave::v1::{InboxRequest, PublishRequest};
+
+    // The wait must outlast the pause and the catch-up by far: a longer request timeout.
+    let cluster = Cluster::start_with_args(3, &["--request-timeout-ms", "60000"]).await;
+    let leader = cluster.wait_for_leader(Duration::from_secs(5)).await;
+    let follower = (1..=3).find(|&id| id != leader).expect("a follower");
+    let topics_on = |id: u64| {
+        TopicClient::new(
+            Channel::from_shared(cluster.endpoint(id))
+                .expect("valid endpoint")
+                .connect_lazy(),
+        )
+    };
+    let wait_ms: u32 = 40_000;
+    let mut inbox = topics_on(follower);
+    let waiting = tokio::spawn(async move {
+        let mut request = tonic::Request::new(InboxRequest {
+            consumer: "agent-7".into(),
+            topics: vec!["orders".into()],
+            wait_ms,
+            ..Default::default()
+        });
+        request.set_timeout(Duration::from_secs(55));
+        inbox.inbox(request).await
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        !waiting.is_finished(),
+        "nothing is published yet: the inbox waits"
+    );
+
+    signal(&cluster, follower, "STOP");
+    // The paused member's socket still takes the leader's first appends, which it applies
+    // one by one on resuming; these puts fill that window, so the leader holds back what
+    // follows, and the publish reaches the member only inside a snapshot.
+    let mut kv = cluster.kv(leader).await;
+    for i in 0..WRITES {
+        kv.put(put(&format!("before/{i:04}")))
+            .await
+            .expect("put with two of three members up");
+    }
+    topics_on(leader)
+        .publish(PublishRequest {
+            topic: "orders".into(),
+            data: "order 1".into(),
+            ..Default::default()
+        })
+        .await
+        .expect("publish with two of three members up");
+    for i in 0..QUIET_ENTRIES {
+        kv.put(put(&format!("after/{i:04}")))
+            .await
+            .expect("put with two of three members up");
+    }
+    signal(&cluster, follower, "CONT");
+    let resumed = Instant::now();
+    cluster
+        .wait_caught_up(follower, Duration::from_secs(30))
+        .await;
+    let log = std::fs::read_to_string(cluster.root.join(format!("node{follower}.log")))
+        .expect("the follower's log");
+    assert!(
+        log.contains("snapshot from the leader installed"),
+        "member {follower} caught up without installing a snapshot: the test tests nothing"
+    );
+
+    let answer = tokio::time::timeout(Duration::from_secs(50), waiting)
+        .await
+        .expect("the inbox answers before its own deadline")
+        .expect("the waiting task")
+        .expect("an inbox answer")
+        .into_inner();
+    let waited = resumed.elapsed();
+    let data: Vec<_> = answer.messages.iter().map(|m| m.data.to_vec()).collect();
+    assert_eq!(
+        data,
+        vec![b"order 1".to_vec()],
+        "the message published during the pause"
+    );
+    assert!(
+        waited < Duration::from_secs(15),
+        "answered {waited:?} after the member resumed, not at the catch-up (the wait was \
+         {wait_ms} ms)"
+    );
+    println!("the inbox on member {follower} answered {waited:?} after its member resumed");
 }
