@@ -25,7 +25,7 @@ use super::convert::kv_to_pb;
 use super::limits::Wait;
 use super::lock::{node_stopped, queue_prefix, wait_context, wait_for_turn};
 use super::route::leader_call;
-use super::watch_hub::Interest;
+use super::watch_hub::{Delivery, Interest};
 use super::{Api, CallContext, Served, answer, state_status, to_status, unexpected};
 use crate::error::Error;
 
@@ -177,9 +177,10 @@ impl Election for ElectionService {
         let (responses, output) = mpsc::channel(OBSERVE_STREAM_RESPONSES_MAX);
         let api = self.api.clone();
         let prefix = queue_prefix(&name);
-        let (mut changes, mut current) = api.subscribe_with(Interest::prefix(&prefix), |state| {
-            (state.election_leader(&name).ok(), state.revision())
-        });
+        let (mut changes, mut current) =
+            api.subscribe_with(Interest::prefix(&prefix), Delivery::Signal, |state| {
+                (state.election_leader(&name).ok(), state.revision())
+            });
         tokio::spawn(async move {
             let _slot = slot;
             // The last leader key and version sent, so an unchanged leader is not repeated.

@@ -27,7 +27,7 @@ use tonic::{Status, async_trait};
 
 use super::limits::Wait;
 use super::route::leader_call;
-use super::watch_hub::Interest;
+use super::watch_hub::{Delivery, Interest};
 use super::{Api, CallContext, Served, answer, convert, state_status, to_status, unexpected};
 use crate::error::Error;
 
@@ -82,7 +82,7 @@ pub(crate) async fn wait_until<T>(
     mut check: impl FnMut(&StateMachine) -> Option<T>,
     interest: Interest,
 ) -> Result<Option<T>, Status> {
-    let (mut changes, first) = api.subscribe_with(interest, &mut check);
+    let (mut changes, first) = api.subscribe_with(interest, Delivery::Signal, &mut check);
     if let Some(done) = first {
         return Ok(Some(done));
     }

@@ -8,8 +8,8 @@
 //!
 //! Backpressure: a client that does not read fills its stream's response queue, its watch
 //! tasks stop reading their queues, and once a queue holds [`WATCH_QUEUE_BATCHES_MAX`] batches
-//! the hub drops the watch, which is cancelled (memory stays bounded; the client re-watches
-//! from its last revision). Each watch registers with the hub before it reads history, under
+//! (or the member's watches together hold their bound) the hub drops the watch, which is
+//! cancelled (memory stays bounded; the client re-watches from its last revision). Each watch registers with the hub before it reads history, under
 //! the state's read lock, so no revision falls between the replay and the live events. See
 //! [`super::watch_hub`] for why one hub routes the batches instead of every watch reading them.
 //!
@@ -28,7 +28,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Status, Streaming, async_trait};
 
 use super::convert::event_to_pb;
-use super::watch_hub::{HubMessage, Interest};
+use super::watch_hub::{Delivery, HubMessage, Interest};
 use super::{Api, CallContext};
 use crate::node::AppliedEvents;
 
@@ -239,6 +239,7 @@ fn start_watch(
                 key: filter.key.clone(),
                 range_end: filter.range_end.clone(),
             },
+            Delivery::Every,
             || api.node.events.subscribe(),
             state.revision(),
         );
@@ -292,7 +293,7 @@ fn start_watch(
         // Every revision up to `seen` has been delivered (or filtered out) by this watch.
         let mut seen = revision;
         loop {
-            let message = match live.receiver.recv().await {
+            let message = match live.recv().await {
                 Some(message) => message,
                 None if live.fell_behind() => {
                     let canceled = pb::WatchResponse {

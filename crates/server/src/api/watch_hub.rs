@@ -22,7 +22,7 @@
 //! has seen from the history, a waiting call checks the state again.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use bytes::Bytes;
@@ -31,11 +31,29 @@ use tokio::sync::{broadcast, mpsc};
 
 use crate::node::{APPLIED_EVENTS_BUFFER_MAX, AppliedEvents};
 
-/// Batches queued for one watch before the hub gives up on it as too slow (the watch is then
-/// cancelled with [`super::watch::SLOW_WATCHER_REASON`] and the client watches again from its
-/// last revision). The same bound the shared broadcast gave every watch before, now counted
-/// in batches that concern the watch.
-pub const WATCH_QUEUE_BATCHES_MAX: usize = APPLIED_EVENTS_BUFFER_MAX;
+/// Batches queued for one watch (or one Conclave election observer) before the hub gives up
+/// on it as too slow (a watch is then cancelled with [`super::watch::SLOW_WATCHER_REASON`] and
+/// the client watches again from its last revision; an observer starts over from CURRENT).
+pub const WATCH_QUEUE_BATCHES_MAX: usize = 4096;
+/// Batches queued for all of a member's watches and observers together, the bound the shared
+/// broadcast gave them before. Past it, a subscription that already holds
+/// [`WATCH_QUEUE_FAIR_SHARE`] batches or more is dropped as too slow when its next batch comes:
+/// without the bound, slow watches on different keys could each hold their own
+/// [`WATCH_QUEUE_BATCHES_MAX`] batches.
+pub const HUB_QUEUED_BATCHES_MAX: usize = APPLIED_EVENTS_BUFFER_MAX;
+/// A subscription holding fewer batches than this is never dropped for the member's bound, so
+/// slow watches cannot get the ones that keep up cancelled.
+pub const WATCH_QUEUE_FAIR_SHARE: usize = 64;
+
+/// How a subscription takes its batches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Delivery {
+    /// Every batch, in order: watches and observers, which pass the events on.
+    Every,
+    /// Only that something changed: waits and streams that read the state afresh. At most one
+    /// message is queued, later ones fold into it, and the subscription is never dropped.
+    Signal,
+}
 
 /// What a subscription is for: the events that concern it.
 #[derive(Clone, Debug)]
@@ -121,6 +139,7 @@ pub(crate) enum HubMessage {
 
 struct Entry {
     id: u64,
+    delivery: Delivery,
     sender: mpsc::Sender<HubMessage>,
     slow: Arc<AtomicBool>,
 }
@@ -168,17 +187,36 @@ impl Registry {
     }
 }
 
-/// Hands `message` to every entry of `group`; an entry whose queue is full is marked slow and
-/// dropped, one whose subscriber is gone is dropped.
-fn deliver(group: &mut Vec<Entry>, message: impl Fn() -> HubMessage) {
-    group.retain(|entry| match entry.sender.try_send(message()) {
-        Ok(()) => true,
-        Err(mpsc::error::TrySendError::Full(_)) => {
+/// Hands `message` to every entry of `group`. An `Every` entry whose queue is full, or which
+/// holds its fair share while the member's queued batches are at [`HUB_QUEUED_BATCHES_MAX`], is
+/// marked slow and dropped; a full `Signal` entry already has its wake-up; one whose
+/// subscriber is gone is dropped.
+fn deliver(group: &mut Vec<Entry>, queued: &AtomicUsize, message: impl Fn() -> HubMessage) {
+    group.retain(|entry| {
+        let every = entry.delivery == Delivery::Every;
+        let holds = entry.sender.max_capacity() - entry.sender.capacity();
+        if every
+            && queued.load(Ordering::Relaxed) >= HUB_QUEUED_BATCHES_MAX
+            && holds >= WATCH_QUEUE_FAIR_SHARE
+        {
             entry.slow.store(true, Ordering::Relaxed);
-            false
+            return false;
         }
-        Err(mpsc::error::TrySendError::Closed(_)) => false,
-    });
+        match entry.sender.try_send(message()) {
+            Ok(()) => {
+                if every {
+                    queued.fetch_add(1, Ordering::Relaxed);
+                }
+                true
+            }
+            Err(mpsc::error::TrySendError::Full(_)) if !every => true,
+            Err(mpsc::error::TrySendError::Full(_)) => {
+                entry.slow.store(true, Ordering::Relaxed);
+                false
+            }
+            Err(mpsc::error::TrySendError::Closed(_)) => false,
+        }
+    })
 }
 
 /// True when `key` lies in the range [`start`, `end`) in etcd's terms (`end` = "\0": every
@@ -203,11 +241,13 @@ impl super::Api {
     pub(crate) fn subscribe_with<T>(
         &self,
         interest: Interest,
+        delivery: Delivery,
         read: impl FnOnce(&conclave_state::StateMachine) -> T,
     ) -> (Subscription, T) {
         self.node.read_state(|state| {
             let subscription = self.watch_hub.subscribe(
                 interest,
+                delivery,
                 || self.node.events.subscribe(),
                 state.revision(),
             );
@@ -220,6 +260,8 @@ impl super::Api {
 #[derive(Default)]
 pub struct WatchHub {
     registry: Mutex<Registry>,
+    /// Batches in the queues of `Every` subscriptions, not yet taken.
+    queued: AtomicUsize,
     next_id: AtomicU64,
     /// Set once the hub task runs (started by the first subscription).
     started: AtomicBool,
@@ -231,7 +273,8 @@ pub(crate) struct Subscription {
     hub: Arc<WatchHub>,
     id: u64,
     interest: Interest,
-    pub receiver: mpsc::Receiver<HubMessage>,
+    delivery: Delivery,
+    receiver: mpsc::Receiver<HubMessage>,
     slow: Arc<AtomicBool>,
 }
 
@@ -249,15 +292,31 @@ impl Subscription {
     /// misses nothing that read does not already see. `None` once the hub stopped (the node
     /// is gone).
     pub async fn next(&mut self) -> Option<HubMessage> {
-        if let Some(message) = self.receiver.recv().await {
+        if let Some(message) = self.recv().await {
             return Some(message);
         }
         if !self.fell_behind() {
             return None;
         }
-        let fresh = self.hub.register(self.interest.clone());
+        let fresh = self.hub.register(self.interest.clone(), self.delivery);
         drop(std::mem::replace(self, fresh));
         Some(HubMessage::Resync)
+    }
+
+    /// The next message as the hub queued it; `None` once the hub dropped this subscription
+    /// ([`Subscription::fell_behind`] says whether for falling behind) or stopped.
+    pub async fn recv(&mut self) -> Option<HubMessage> {
+        let message = self.receiver.recv().await;
+        if message.is_some() {
+            self.taken(1);
+        }
+        message
+    }
+
+    fn taken(&self, count: usize) {
+        if self.delivery == Delivery::Every {
+            self.hub.queued.fetch_sub(count, Ordering::Relaxed);
+        }
     }
 
     /// [`Subscription::next`] for callers that only re-read the state: true on a batch this
@@ -269,7 +328,14 @@ impl Subscription {
 
 impl Drop for Subscription {
     fn drop(&mut self) {
+        // Out of the registry first, so the hub queues nothing more here, then give back
+        // what is still queued.
         self.hub.registry().remove(&self.interest, self.id);
+        let mut left = 0;
+        while self.receiver.try_recv().is_ok() {
+            left += 1;
+        }
+        self.taken(left);
     }
 }
 
@@ -291,21 +357,27 @@ impl WatchHub {
     pub(crate) fn subscribe(
         self: &Arc<Self>,
         interest: Interest,
+        delivery: Delivery,
         subscribe: impl FnOnce() -> broadcast::Receiver<AppliedEvents>,
         revision: i64,
     ) -> Subscription {
         if !self.started.swap(true, Ordering::AcqRel) {
             tokio::spawn(self.clone().run(subscribe(), revision));
         }
-        self.register(interest)
+        self.register(interest, delivery)
     }
 
-    fn register(self: &Arc<Self>, interest: Interest) -> Subscription {
-        let (sender, receiver) = mpsc::channel(WATCH_QUEUE_BATCHES_MAX);
+    fn register(self: &Arc<Self>, interest: Interest, delivery: Delivery) -> Subscription {
+        let capacity = match delivery {
+            Delivery::Every => WATCH_QUEUE_BATCHES_MAX,
+            Delivery::Signal => 1,
+        };
+        let (sender, receiver) = mpsc::channel(capacity);
         let slow = Arc::new(AtomicBool::new(false));
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         self.registry().add(&interest, || Entry {
             id,
+            delivery,
             sender: sender.clone(),
             slow: slow.clone(),
         });
@@ -313,6 +385,7 @@ impl WatchHub {
             hub: self.clone(),
             id,
             interest,
+            delivery,
             receiver,
             slow,
         }
@@ -359,10 +432,10 @@ impl WatchHub {
         let mut registry = self.registry();
         let Registry { named, ranges } = &mut *registry;
         for group in named.values_mut() {
-            deliver(group, || HubMessage::Resync);
+            deliver(group, &self.queued, || HubMessage::Resync);
         }
         for group in ranges.values_mut() {
-            deliver(group, || HubMessage::Resync);
+            deliver(group, &self.queued, || HubMessage::Resync);
         }
         named.retain(|_, group| !group.is_empty());
         ranges.retain(|_, group| !group.is_empty());
@@ -392,7 +465,7 @@ impl WatchHub {
         }
         for route in named_hit {
             if let Some(group) = named.get_mut(&route) {
-                deliver(group, || HubMessage::Batch(batch.clone()));
+                deliver(group, &self.queued, || HubMessage::Batch(batch.clone()));
                 if group.is_empty() {
                     named.remove(&route);
                 }
@@ -400,7 +473,7 @@ impl WatchHub {
         }
         for range in range_hit {
             if let Some(group) = ranges.get_mut(&range) {
-                deliver(group, || HubMessage::Batch(batch.clone()));
+                deliver(group, &self.queued, || HubMessage::Batch(batch.clone()));
                 if group.is_empty() {
                     ranges.remove(&range);
                 }
@@ -448,6 +521,7 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(30)).await;
         let mut got = Vec::new();
         while let Ok(message) = watch.receiver.try_recv() {
+            watch.taken(1);
             got.push(match message {
                 HubMessage::Batch(batch) => batch.revision,
                 HubMessage::Resync => -1,
@@ -461,10 +535,10 @@ mod tests {
         let hub = Arc::new(WatchHub::default());
         let (events, _) = broadcast::channel(16);
         let subscribe = || events.subscribe();
-        let mut key_a = hub.subscribe(keys("a", ""), subscribe, 10);
-        let mut key_b = hub.subscribe(keys("b", ""), subscribe, 10);
-        let mut prefix_t = hub.subscribe(Interest::prefix(b"t/"), subscribe, 10);
-        let mut from_m = hub.subscribe(keys("m", "\0"), subscribe, 10);
+        let mut key_a = hub.subscribe(keys("a", ""), Delivery::Every, subscribe, 10);
+        let mut key_b = hub.subscribe(keys("b", ""), Delivery::Every, subscribe, 10);
+        let mut prefix_t = hub.subscribe(Interest::prefix(b"t/"), Delivery::Every, subscribe, 10);
+        let mut from_m = hub.subscribe(keys("m", "\0"), Delivery::Every, subscribe, 10);
         assert_eq!(hub.entry_count(), 4);
 
         events.send(batch(11, vec![put("a", 11)])).unwrap();
@@ -502,8 +576,13 @@ mod tests {
         let (events, _) = broadcast::channel(16);
         let subscribe = || events.subscribe();
         let topics = Interest::Topics(vec!["x".into(), "y".into(), "x".into()]);
-        let mut inbox = hub.subscribe(topics, subscribe, 10);
-        let mut claim = hub.subscribe(Interest::Queue("jobs".into()), subscribe, 10);
+        let mut inbox = hub.subscribe(topics, Delivery::Every, subscribe, 10);
+        let mut claim = hub.subscribe(
+            Interest::Queue("jobs".into()),
+            Delivery::Every,
+            subscribe,
+            10,
+        );
         assert_eq!(
             hub.entry_count(),
             3,
@@ -529,11 +608,89 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_signal_subscription_holds_one_wake_up_and_is_never_dropped() {
+        let hub = Arc::new(WatchHub::default());
+        let (events, _) = broadcast::channel(WATCH_QUEUE_BATCHES_MAX + 16);
+        let mut wait = hub.subscribe(keys("a", ""), Delivery::Signal, || events.subscribe(), 0);
+        for revision in 1..=(WATCH_QUEUE_BATCHES_MAX as i64 + 1) {
+            events
+                .send(batch(revision, vec![put("a", revision)]))
+                .unwrap();
+        }
+        assert_eq!(
+            received(&mut wait).await,
+            vec![1],
+            "later batches fold into the first"
+        );
+        assert!(!wait.fell_behind());
+        assert_eq!(hub.entry_count(), 1);
+        assert_eq!(
+            hub.queued.load(Ordering::Relaxed),
+            0,
+            "signals take no share of the budget"
+        );
+        let next = WATCH_QUEUE_BATCHES_MAX as i64 + 2;
+        events.send(batch(next, vec![put("a", next)])).unwrap();
+        assert_eq!(
+            received(&mut wait).await,
+            vec![next],
+            "and it is woken again"
+        );
+    }
+
+    #[tokio::test]
+    async fn the_members_watches_together_queue_at_most_the_hub_budget() {
+        let hub = Arc::new(WatchHub::default());
+        let batches = WATCH_QUEUE_BATCHES_MAX - 1;
+        let (events, _) = broadcast::channel(batches + 16);
+        // Enough watches that never read, each under its own cap, to pass the member's budget.
+        let count = HUB_QUEUED_BATCHES_MAX / batches + 2;
+        let names: Vec<String> = (0..count).map(|i| format!("k{i}")).collect();
+        let watches: Vec<Subscription> = names
+            .iter()
+            .map(|name| hub.subscribe(keys(name, ""), Delivery::Every, || events.subscribe(), 0))
+            .collect();
+        // A watch on a quiet key holds few batches: the bound never drops it.
+        let quiet = hub.subscribe(keys("quiet", ""), Delivery::Every, || events.subscribe(), 0);
+        for revision in 1..=batches as i64 {
+            let mut puts: Vec<Event> = names.iter().map(|name| put(name, revision)).collect();
+            if revision % 1000 == 0 {
+                puts.push(put("quiet", revision));
+            }
+            events.send(batch(revision, puts)).unwrap();
+        }
+        tokio::time::timeout(Duration::from_secs(10), async {
+            while watches.iter().all(|watch| !watch.fell_behind()) {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await
+        .unwrap_or_else(|_| {
+            panic!(
+                "the budget drops a watch: {} queued, {} entries",
+                hub.queued.load(Ordering::Relaxed),
+                hub.entry_count()
+            )
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let most = HUB_QUEUED_BATCHES_MAX + (count + 1) * WATCH_QUEUE_FAIR_SHARE;
+        assert!(hub.queued.load(Ordering::Relaxed) <= most);
+        assert!(!quiet.fell_behind(), "a watch within its fair share stays");
+        drop(watches);
+        drop(quiet);
+        assert_eq!(
+            hub.queued.load(Ordering::Relaxed),
+            0,
+            "dropped watches give back their share"
+        );
+    }
+
+    #[tokio::test]
     async fn revisions_that_skip_the_broadcast_resync_every_watch() {
         let hub = Arc::new(WatchHub::default());
         let (events, _) = broadcast::channel(16);
-        let mut key_a = hub.subscribe(keys("a", ""), || events.subscribe(), 10);
-        let mut key_b = hub.subscribe(keys("b", ""), || events.subscribe(), 10);
+        let mut key_a = hub.subscribe(keys("a", ""), Delivery::Every, || events.subscribe(), 10);
+        let mut key_b = hub.subscribe(keys("b", ""), Delivery::Every, || events.subscribe(), 10);
         events.send(batch(11, vec![put("a", 11)])).unwrap();
         // A snapshot installed at revision 20: an empty batch that jumps.
         events.send(batch(20, Vec::new())).unwrap();
@@ -547,7 +704,7 @@ mod tests {
         let hub = Arc::new(WatchHub::default());
         let (events, _) = broadcast::channel(2);
         let live = events.subscribe();
-        let mut key_a = hub.subscribe(keys("a", ""), || live, 10);
+        let mut key_a = hub.subscribe(keys("a", ""), Delivery::Every, || live, 10);
         // Sent before the hub task first runs, so it misses the first two of these.
         for revision in 11..=14 {
             events
@@ -561,7 +718,7 @@ mod tests {
     async fn a_watch_that_does_not_keep_up_is_dropped_and_told() {
         let hub = Arc::new(WatchHub::default());
         let (events, _) = broadcast::channel(WATCH_QUEUE_BATCHES_MAX + 16);
-        let watch = hub.subscribe(keys("a", ""), || events.subscribe(), 0);
+        let watch = hub.subscribe(keys("a", ""), Delivery::Every, || events.subscribe(), 0);
         for revision in 1..=(WATCH_QUEUE_BATCHES_MAX as i64 + 1) {
             events
                 .send(batch(revision, vec![put("a", revision)]))

@@ -21,7 +21,7 @@ use super::{
 use crate::api::limits::Wait;
 use crate::api::lock::{node_stopped, wait_context, wait_until};
 use crate::api::route::leader_call;
-use crate::api::watch_hub::{HubMessage, Interest, Subscription};
+use crate::api::watch_hub::{Delivery, HubMessage, Interest, Subscription};
 use crate::api::{Api, CallContext, Served, answer, state_status, to_status, unexpected};
 use crate::error::Error;
 
@@ -332,8 +332,9 @@ impl Election for ElectionService {
         let (responses, output) = mpsc::channel(STREAM_RESPONSES_MAX);
         let api = self.api.clone();
         let interest = Interest::Election(group.clone());
-        let (changes, first) =
-            api.subscribe_with(interest, |state| GroupView::current(state, &group));
+        let (changes, first) = api.subscribe_with(interest, Delivery::Every, |state| {
+            GroupView::current(state, &group)
+        });
         tokio::spawn(async move {
             let _slot = slot;
             observe_group(api, group, changes, first, responses).await;

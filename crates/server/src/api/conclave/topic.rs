@@ -17,7 +17,7 @@ use super::{STREAM_RESPONSES_MAX, header, invalid, message_to_pb, read_limit};
 use crate::api::limits::Wait;
 use crate::api::lock::{node_stopped, wait_until};
 use crate::api::route::leader_call;
-use crate::api::watch_hub::{Interest, Subscription};
+use crate::api::watch_hub::{Delivery, Interest, Subscription};
 use crate::api::{Api, CallContext, answer, to_status, unexpected};
 use crate::error::Error;
 
@@ -197,10 +197,11 @@ impl Topic for TopicService {
         self.api.linearizable_barrier(&ctx).await?;
         let api = self.api.clone();
         let interest = Interest::Topics(vec![message.topic.clone()]);
-        let (changes, next) = api.subscribe_with(interest, |state| match message.from_seq {
-            0 => state.topic_read(&message.topic, u64::MAX, 1).last_seq + 1,
-            from => from,
-        });
+        let (changes, next) =
+            api.subscribe_with(interest, Delivery::Signal, |state| match message.from_seq {
+                0 => state.topic_read(&message.topic, u64::MAX, 1).last_seq + 1,
+                from => from,
+            });
         let (responses, output) = mpsc::channel(STREAM_RESPONSES_MAX);
         tokio::spawn(async move {
             let _slot = slot;
