@@ -9,9 +9,10 @@
 //! Backpressure: a client that does not read fills its stream's response queue, its watch
 //! tasks stop reading their queues, and once a queue holds [`WATCH_QUEUE_BATCHES_MAX`] batches
 //! (or the member's watches together hold their bound) the hub drops the watch, which is
-//! cancelled (memory stays bounded; the client re-watches from its last revision). Each watch registers with the hub before it reads history, under
-//! the state's read lock, so no revision falls between the replay and the live events. See
-//! [`super::watch_hub`] for why one hub routes the batches instead of every watch reading them.
+//! cancelled (memory stays bounded; the client re-watches from its last revision). Each watch
+//! registers with the hub before it reads history, under the state's read lock, so no revision
+//! falls between the replay and the live events. See [`super::watch_hub`] for why one hub
+//! routes the batches instead of every watch reading them.
 //!
 //! [`WATCH_QUEUE_BATCHES_MAX`]: super::watch_hub::WATCH_QUEUE_BATCHES_MAX
 
