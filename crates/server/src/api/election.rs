@@ -23,11 +23,10 @@ use tonic::{Status, async_trait};
 
 use super::convert::kv_to_pb;
 use super::limits::Wait;
-use super::lock::{node_stopped, queue_prefix, wait_context, wait_for_turn};
+use super::lock::{node_stopped, queue_prefix, stream_changed, wait_context, wait_for_turn};
 use super::route::leader_call;
 use super::watch_hub::{Delivery, Interest};
-use super::{Api, CallContext, Served, answer, state_status, to_status, unexpected};
-use crate::error::Error;
+use super::{Api, CallContext, Served, answer, state_status, unexpected};
 
 /// Leader updates queued for one Observe stream. Observe reports state (the newest leader),
 /// so a client slower than this only skips intermediate values, never grows the queue.
@@ -204,13 +203,7 @@ impl Election for ElectionService {
                         }
                     }
                 }
-                let changed = tokio::select! {
-                    _ = responses.closed() => return,
-                    _ = &mut stopped => false,
-                    changed = changes.changed() => changed,
-                };
-                if !changed {
-                    let _ = responses.send(Err(to_status(Error::Stopped))).await;
+                if !stream_changed(&mut changes, stopped.as_mut(), &responses).await {
                     return;
                 }
                 current = api

@@ -27,7 +27,7 @@ use tonic::{Status, async_trait};
 
 use super::limits::Wait;
 use super::route::leader_call;
-use super::watch_hub::{Delivery, Interest};
+use super::watch_hub::{Delivery, Interest, Subscription};
 use super::{Api, CallContext, Served, answer, convert, state_status, to_status, unexpected};
 use crate::error::Error;
 
@@ -70,6 +70,25 @@ pub(crate) async fn node_stopped(api: &Api) {
         _ = status.wait_for(|s| s.stopped.is_some()) => {}
         _ = api.draining() => {}
     }
+}
+
+/// For a stream that reads the state afresh on each change (topic Subscribe, etcd election
+/// Observe): waits for the next change. False when the stream must end: its client is gone,
+/// or the node stopped (the client is told so).
+pub(crate) async fn stream_changed<R>(
+    changes: &mut Subscription,
+    stopped: std::pin::Pin<&mut impl std::future::Future<Output = ()>>,
+    responses: &tokio::sync::mpsc::Sender<Result<R, Status>>,
+) -> bool {
+    let changed = tokio::select! {
+        _ = responses.closed() => return false,
+        _ = stopped => false,
+        changed = changes.changed() => changed,
+    };
+    if !changed {
+        let _ = responses.send(Err(to_status(Error::Stopped))).await;
+    }
+    changed
 }
 
 /// Runs `check` on the applied state now and again after every applied batch with events

@@ -15,11 +15,10 @@ use tonic::{Status, async_trait};
 
 use super::{STREAM_RESPONSES_MAX, header, invalid, message_to_pb, read_limit};
 use crate::api::limits::Wait;
-use crate::api::lock::{node_stopped, wait_until};
+use crate::api::lock::{node_stopped, stream_changed, wait_until};
 use crate::api::route::leader_call;
 use crate::api::watch_hub::{Delivery, Interest, Subscription};
-use crate::api::{Api, CallContext, answer, to_status, unexpected};
-use crate::error::Error;
+use crate::api::{Api, CallContext, answer, unexpected};
 
 /// Messages a Read or Inbox returns when the request says 0.
 pub const READ_LIMIT_DEFAULT: usize = 100;
@@ -354,13 +353,7 @@ async fn subscribe_topic(
                 break;
             }
         }
-        let changed = tokio::select! {
-            _ = responses.closed() => return,
-            _ = &mut stopped => false,
-            changed = changes.changed() => changed,
-        };
-        if !changed {
-            let _ = responses.send(Err(to_status(Error::Stopped))).await;
+        if !stream_changed(&mut changes, stopped.as_mut(), &responses).await {
             return;
         }
     }
