@@ -1105,9 +1105,15 @@ impl<S: Storage> Raft<S> {
             _ => {}
         }
         let caught_up = pr.match_index == last_index;
+        // More goes out only if the follower lacks something: entries not sent yet (after a
+        // probe, or appended while it was paused), or a commit index a broadcast skipped
+        // while it was paused. Otherwise the last broadcast already carried the commit, and
+        // an empty append would only buy another acknowledgement: two messages and two
+        // wake-ups per follower per commit.
+        let lacks_something = was_paused || pr.next_index <= last_index;
         if self.maybe_commit() {
             self.broadcast_append();
-        } else {
+        } else if lacks_something {
             self.send_append(from);
         }
         if caught_up && self.transferee == Some(from) {

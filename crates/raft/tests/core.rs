@@ -658,3 +658,37 @@ fn a_snapshot_transfer_finishes_while_the_leader_keeps_snapshotting() {
     assert_eq!(net.node(3).applied_index(), leader_applied);
     assert_eq!(net.node(3).last_index(), net.node(1).last_index());
 }
+
+/// With three voters and nothing in flight, a commit takes eight messages: an append and its
+/// acknowledgement per follower, then the commit index and its acknowledgement per follower.
+/// The second follower's acknowledgement must not draw one more empty append: the commit
+/// broadcast already told it everything (that echo used to cost two messages per commit).
+/// Every follower still learns each commit without waiting for a heartbeat.
+#[test]
+fn a_commit_with_three_voters_takes_eight_messages_and_reaches_every_follower() {
+    let mut net = Net::new(3);
+    net.elect(1);
+    net.settle();
+    for round in 0..10 {
+        let index = net
+            .node(1)
+            .propose(Bytes::from(format!("put {round}")))
+            .expect("the leader takes proposals");
+        let mut messages = 0;
+        net.settle_with(&mut |_| {
+            messages += 1;
+            true
+        });
+        assert!(
+            messages <= 8,
+            "round {round}: one commit took {messages} messages"
+        );
+        for id in 1..=3 {
+            assert_eq!(
+                net.node(id).commit_index(),
+                index,
+                "round {round}: node {id} does not know entry {index} is committed"
+            );
+        }
+    }
+}
