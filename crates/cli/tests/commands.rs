@@ -309,3 +309,81 @@ fn daemon_start_status_stop_with_pid_and_log_files() {
     assert!(!dir.join("conclave.pid").exists());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A member streams at most 4 snapshots at once (`SNAPSHOT_CALLS_MAX`), each encoded while it
+/// is read: a fifth call is refused with RESOURCE_EXHAUSTED, a client that walks away frees
+/// its place, and a stream read to its end is the whole image, counting down to zero.
+#[tokio::test(flavor = "multi_thread")]
+async fn snapshot_streams_are_bounded_and_count_down_to_zero() {
+    use conclave_proto::etcdserverpb::kv_client::KvClient;
+    use conclave_proto::etcdserverpb::maintenance_client::MaintenanceClient;
+    use conclave_proto::etcdserverpb::{PutRequest, SnapshotRequest};
+
+    let cluster = Cluster::start(1).await;
+    let mut kv = KvClient::new(cluster.channel(1));
+    // 8 MB of values: far more than one call may encode ahead of its client.
+    for i in 0..80 {
+        kv.put(PutRequest {
+            key: format!("snapshot/{i}").into_bytes().into(),
+            value: vec![b'v'; 100 * 1024].into(),
+            ..Default::default()
+        })
+        .await
+        .expect("put");
+    }
+    // Each call on a connection of its own: streams nobody reads hold their connection's
+    // HTTP/2 window, which would stall any other stream on it.
+    let maintenance = || MaintenanceClient::new(cluster.channel(1));
+    let mut unread = Vec::new();
+    for _ in 0..4 {
+        let stream = maintenance()
+            .snapshot(SnapshotRequest {})
+            .await
+            .expect("one of the four snapshot calls")
+            .into_inner();
+        unread.push(stream);
+    }
+    let refused = maintenance()
+        .snapshot(SnapshotRequest {})
+        .await
+        .expect_err("a fifth snapshot call while four stream");
+    assert_eq!(
+        refused.code(),
+        tonic::Code::ResourceExhausted,
+        "{refused:?}"
+    );
+
+    drop(unread.pop());
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let mut stream = loop {
+        match maintenance().snapshot(SnapshotRequest {}).await {
+            Ok(response) => break response.into_inner(),
+            Err(status) if status.code() == tonic::Code::ResourceExhausted => {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "the place of the abandoned call was never freed"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(status) => panic!("snapshot: {status:?}"),
+        }
+    };
+    let mut received: u64 = 0;
+    let mut expected_total = None;
+    let mut last_remaining = u64::MAX;
+    while let Some(blob) = stream.message().await.expect("the stream reads to its end") {
+        received += blob.blob.len() as u64;
+        let total = *expected_total.get_or_insert(received + blob.remaining_bytes);
+        assert_eq!(
+            received + blob.remaining_bytes,
+            total,
+            "remaining_bytes after {received}"
+        );
+        last_remaining = blob.remaining_bytes;
+    }
+    assert_eq!(last_remaining, 0, "the stream ended where the image does");
+    assert!(
+        received > 8_000_000,
+        "the image holds the values: {received} bytes"
+    );
+}

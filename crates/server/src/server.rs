@@ -132,7 +132,7 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> Re
     let kv = KvServer::new(KvService { api: api.clone() })
         .max_decoding_message_size(decode_max)
         .max_encoding_message_size(GRPC_RESPONSE_BYTES_MAX);
-    let maintenance = MaintenanceServer::new(MaintenanceService { api: api.clone() })
+    let maintenance = MaintenanceServer::new(MaintenanceService::new(api.clone()))
         .max_decoding_message_size(decode_max)
         .max_encoding_message_size(GRPC_RESPONSE_BYTES_MAX);
     let cluster = ClusterServer::new(ClusterService::new(api.clone()));

@@ -449,8 +449,11 @@ pub async fn snapshot(ctx: &Ctx, command: SnapshotCommand) -> CmdResult {
         .await
         .map_err(|e| Failure::io(format!("cannot create {}: {e}", partial.display())))?;
     let mut total: u64 = 0;
+    // The last blob says nothing follows it; a stream that ends before that lost its end.
+    let mut complete = false;
     while let Some(chunk) = stream.message().await.map_err(|s| status_failure(&s))? {
         total += chunk.blob.len() as u64;
+        complete = chunk.remaining_bytes == 0;
         if total > SNAPSHOT_BYTES_MAX {
             let _ = tokio::fs::remove_file(&partial).await;
             return Err(Failure::new(
@@ -461,6 +464,15 @@ pub async fn snapshot(ctx: &Ctx, command: SnapshotCommand) -> CmdResult {
         out.write_all(&chunk.blob)
             .await
             .map_err(|e| Failure::io(format!("cannot write {}: {e}", partial.display())))?;
+    }
+    if !complete {
+        let _ = tokio::fs::remove_file(&partial).await;
+        return Err(Failure::new(
+            "unavailable",
+            format!(
+                "the snapshot stream ended before the image did ({total} bytes received); nothing was saved"
+            ),
+        ));
     }
     out.sync_all()
         .await

@@ -1,10 +1,14 @@
 //! etcd's Maintenance service: Status (what `etcdctl endpoint status` shows), Alarm (always
 //! an empty list: Conclave raises no space or corruption alarms), Snapshot, MoveLeader.
 
+use std::io::{self, Write};
 use std::sync::Arc;
 
 use conclave_proto::etcdserverpb::{self as pb, maintenance_server::Maintenance};
 use conclave_raft::Role;
+use conclave_state::StateMachine;
+use tokio::sync::{Semaphore, mpsc};
+use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Status, async_trait};
 
 use super::{Api, CallContext, to_status};
@@ -15,9 +19,28 @@ use crate::node::dir_size_bytes;
 pub const ETCD_VERSION: &str = "3.4.0";
 /// Snapshot stream blobs are at most this big (etcd sends 32 KiB pieces).
 const SNAPSHOT_BLOB_BYTES_MAX: usize = 32 * 1024;
+/// Blobs a `Maintenance.Snapshot` call encodes ahead of its client at most. The image is
+/// encoded while it is sent, so a call holds about this many blobs (512 KiB), not the image.
+pub const SNAPSHOT_STREAM_BLOBS_AHEAD: usize = 16;
+/// `Maintenance.Snapshot` calls a member streams at once at most. Each holds a blocking
+/// thread and a clone of the state while its client reads; one more is refused with
+/// RESOURCE_EXHAUSTED until one ends.
+pub const SNAPSHOT_CALLS_MAX: usize = 4;
+
+type SnapshotBlobs = mpsc::Sender<Result<pb::SnapshotResponse, Status>>;
 
 pub struct MaintenanceService {
-    pub api: Arc<Api>,
+    api: Arc<Api>,
+    snapshot_calls: Arc<Semaphore>,
+}
+
+impl MaintenanceService {
+    pub fn new(api: Arc<Api>) -> Self {
+        MaintenanceService {
+            api,
+            snapshot_calls: Arc::new(Semaphore::new(SNAPSHOT_CALLS_MAX)),
+        }
+    }
 }
 
 #[async_trait]
@@ -59,8 +82,7 @@ impl Maintenance for MaintenanceService {
         }))
     }
 
-    type SnapshotStream =
-        tokio_stream::Iter<std::vec::IntoIter<Result<pb::SnapshotResponse, Status>>>;
+    type SnapshotStream = ReceiverStream<Result<pb::SnapshotResponse, Status>>;
 
     async fn snapshot(
         &self,
@@ -71,25 +93,20 @@ impl Maintenance for MaintenanceService {
         self.api.check_admin(&ctx)?;
         // Only a clone is taken under the state lock (O(1) for the key-value store, a
         // persistent map), so the driver is not held up while the image is encoded.
+        let Ok(permit) = self.snapshot_calls.clone().try_acquire_owned() else {
+            return Err(Status::resource_exhausted(format!(
+                "conclave: resource exhausted: {SNAPSHOT_CALLS_MAX} snapshots are being streamed \
+                 already; retry once one ends"
+            )));
+        };
         let frozen = self.api.node.read_state(|state| state.clone());
-        let image = tokio::task::spawn_blocking(move || frozen.snapshot_to_vec())
-            .await
-            .map_err(|e| Status::internal(format!("snapshot encoding stopped: {e}")))?;
         let header = self.api.read_header();
-        let total = image.len();
-        let blobs: Vec<_> = image
-            .chunks(SNAPSHOT_BLOB_BYTES_MAX)
-            .scan(total, |remaining, chunk| {
-                *remaining -= chunk.len();
-                Some(Ok(pb::SnapshotResponse {
-                    header: Some(header),
-                    remaining_bytes: *remaining as u64,
-                    blob: bytes::Bytes::copy_from_slice(chunk),
-                    version: ETCD_VERSION.to_string(),
-                }))
-            })
-            .collect();
-        Ok(tonic::Response::new(tokio_stream::iter(blobs)))
+        let (blobs, stream) = mpsc::channel(SNAPSHOT_STREAM_BLOBS_AHEAD);
+        tokio::task::spawn_blocking(move || {
+            stream_snapshot(&frozen, header, blobs);
+            drop(permit);
+        });
+        Ok(tonic::Response::new(ReceiverStream::new(stream)))
     }
 
     async fn move_leader(
@@ -132,5 +149,184 @@ impl Maintenance for MaintenanceService {
         Ok(tonic::Response::new(pb::MoveLeaderResponse {
             header: Some(self.api.read_header()),
         }))
+    }
+}
+
+/// Encodes `state` into `blobs` as `Maintenance.Snapshot` blobs, on a blocking thread. Each
+/// blob says how many bytes follow it, so the image is encoded twice: once only to count its
+/// bytes, then into the stream, a blob at a time. `state` is a clone nobody writes to, so both
+/// passes give the same bytes (the second checks it). A client that stops reading ends the
+/// encoding; any other failure ends the stream with an error status.
+fn stream_snapshot(state: &StateMachine, header: pb::ResponseHeader, blobs: SnapshotBlobs) {
+    let encoded = state
+        .snapshot(ByteCounter::default())
+        .map_err(|e| e.to_string())
+        .and_then(|counter| {
+            let writer = BlobWriter {
+                blobs: blobs.clone(),
+                header,
+                remaining_bytes: counter.bytes,
+                pending: Vec::with_capacity(SNAPSHOT_BLOB_BYTES_MAX),
+            };
+            state.snapshot(writer).map_err(|e| e.to_string())
+        })
+        .and_then(|writer| writer.finish().map_err(|e| e.to_string()));
+    if let Err(reason) = encoded
+        && !blobs.is_closed()
+    {
+        let status = Status::internal(format!("the snapshot could not be encoded: {reason}"));
+        let _ = blobs.blocking_send(Err(status));
+    }
+}
+
+/// Counts the bytes written to it: the size of a snapshot image without holding it.
+#[derive(Default)]
+struct ByteCounter {
+    bytes: u64,
+}
+
+impl Write for ByteCounter {
+    fn write(&mut self, bytes: &[u8]) -> io::Result<usize> {
+        self.bytes += bytes.len() as u64;
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Cuts a snapshot image into stream blobs as it is encoded, waiting while the client is
+/// [`SNAPSHOT_STREAM_BLOBS_AHEAD`] blobs behind.
+struct BlobWriter {
+    blobs: SnapshotBlobs,
+    header: pb::ResponseHeader,
+    /// Bytes of the image not yet handed to the stream.
+    remaining_bytes: u64,
+    pending: Vec<u8>,
+}
+
+impl BlobWriter {
+    fn send_pending(&mut self) -> io::Result<()> {
+        self.remaining_bytes = self
+            .remaining_bytes
+            .checked_sub(self.pending.len() as u64)
+            .ok_or_else(|| io::Error::other("the image came out longer than counted"))?;
+        let blob = std::mem::replace(
+            &mut self.pending,
+            Vec::with_capacity(SNAPSHOT_BLOB_BYTES_MAX),
+        );
+        let response = pb::SnapshotResponse {
+            header: Some(self.header),
+            remaining_bytes: self.remaining_bytes,
+            blob: blob.into(),
+            version: ETCD_VERSION.to_string(),
+        };
+        self.blobs
+            .blocking_send(Ok(response))
+            .map_err(|_| io::Error::new(io::ErrorKind::BrokenPipe, "the client stopped reading"))
+    }
+
+    /// Sends the last blob; the image must have been exactly as long as counted.
+    fn finish(mut self) -> io::Result<()> {
+        if !self.pending.is_empty() {
+            self.send_pending()?;
+        }
+        if self.remaining_bytes != 0 {
+            return Err(io::Error::other("the image came out shorter than counted"));
+        }
+        Ok(())
+    }
+}
+
+impl Write for BlobWriter {
+    fn write(&mut self, bytes: &[u8]) -> io::Result<usize> {
+        let room = SNAPSHOT_BLOB_BYTES_MAX - self.pending.len();
+        let taken = bytes.len().min(room);
+        self.pending.extend_from_slice(&bytes[..taken]);
+        if self.pending.len() == SNAPSHOT_BLOB_BYTES_MAX {
+            self.send_pending()?;
+        }
+        Ok(taken)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use conclave_state::txn::PutRequest;
+    use conclave_state::{Command, Config, Request};
+
+    use super::*;
+
+    fn machine_with_keys(count: u64) -> StateMachine {
+        let mut machine = StateMachine::new(Config::default());
+        for index in 1..=count {
+            let put = PutRequest::new(format!("k/{index}"), vec![b'v'; 256]);
+            machine.apply(index, &Command::new(1_000 + index, Request::Put(put)));
+        }
+        machine
+    }
+
+    /// The stream is the image, blob by blob, each saying how many bytes follow it, with the
+    /// encoder held back by the client (the image is many times what may be queued).
+    #[test]
+    fn a_streamed_snapshot_is_the_image_and_counts_down_to_zero() {
+        let machine = machine_with_keys(10_000);
+        let image = machine.snapshot_to_vec();
+        assert!(image.len() > 2 * SNAPSHOT_STREAM_BLOBS_AHEAD * SNAPSHOT_BLOB_BYTES_MAX);
+        let (blobs, mut stream) = mpsc::channel(SNAPSHOT_STREAM_BLOBS_AHEAD);
+        let encoder = std::thread::spawn(move || {
+            stream_snapshot(&machine, pb::ResponseHeader::default(), blobs)
+        });
+        let mut received = Vec::new();
+        while let Some(response) = stream.blocking_recv() {
+            let response = response.expect("no error in the stream");
+            assert!(!response.blob.is_empty() && response.blob.len() <= SNAPSHOT_BLOB_BYTES_MAX);
+            received.extend_from_slice(&response.blob);
+            assert_eq!(
+                response.remaining_bytes,
+                (image.len() - received.len()) as u64,
+                "remaining_bytes after {} bytes",
+                received.len()
+            );
+        }
+        encoder.join().expect("the encoder ends");
+        assert_eq!(received, image);
+    }
+
+    /// A client that goes away mid-stream stops the encoder instead of leaving it blocked.
+    #[test]
+    fn a_client_that_stops_reading_ends_the_encoding() {
+        let machine = machine_with_keys(10_000);
+        let (blobs, mut stream) = mpsc::channel(SNAPSHOT_STREAM_BLOBS_AHEAD);
+        let encoder = std::thread::spawn(move || {
+            stream_snapshot(&machine, pb::ResponseHeader::default(), blobs)
+        });
+        let first = stream.blocking_recv().expect("a first blob");
+        assert!(first.is_ok());
+        drop(stream);
+        encoder
+            .join()
+            .expect("the encoder ends once its client is gone");
+    }
+
+    /// An image that does not come out as long as counted ends the stream with an error,
+    /// never with a blob whose remaining_bytes is wrong.
+    #[test]
+    fn an_image_longer_than_counted_is_an_error() {
+        let (blobs, mut stream) = mpsc::channel(4);
+        let mut writer = BlobWriter {
+            blobs,
+            header: pb::ResponseHeader::default(),
+            remaining_bytes: 10,
+            pending: Vec::new(),
+        };
+        writer.write_all(&[7; 11]).expect("buffered");
+        assert!(writer.finish().is_err());
+        assert!(stream.try_recv().is_err(), "nothing was sent");
     }
 }
