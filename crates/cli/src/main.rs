@@ -462,8 +462,9 @@ const TOKIO_WORKER_THREADS_VAR: &str = "TOKIO_WORKER_THREADS";
 /// the CPUs, at least one, because the member's Raft driver has a thread of its own that is
 /// busy whenever the workers are (it takes every request and peer message they hand it).
 /// With a worker per CPU on top of the driver, the threads outnumber the CPUs and hand work
-/// across CPUs more often; on the project's 2-core machine one worker gave 9-16% more puts
-/// per second at 64 clients and 7-14% at 1 client than two (docs/performance.md). `None`
+/// across CPUs more often; on the project's 2-core machine, in an A/B of two rounds, one
+/// worker gave 9-16% more puts per second at 64 clients and 7-14% at 1 client than two, on
+/// less CPU per put (docs/performance.md). `None`
 /// when `TOKIO_WORKER_THREADS` is set: the operator's count wins.
 fn serve_worker_threads(cpus: usize, operator_set_count: bool) -> Option<usize> {
     (!operator_set_count).then(|| cpus.saturating_sub(1).max(1))

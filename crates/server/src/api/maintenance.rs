@@ -7,6 +7,7 @@ use std::sync::Arc;
 use conclave_proto::etcdserverpb::{self as pb, maintenance_server::Maintenance};
 use conclave_raft::Role;
 use conclave_state::StateMachine;
+use sha2::{Digest, Sha256};
 use tokio::sync::{Semaphore, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Status, async_trait};
@@ -26,6 +27,11 @@ pub const SNAPSHOT_STREAM_BLOBS_AHEAD: usize = 16;
 /// thread and a clone of the state while its client reads; one more is refused with
 /// RESOURCE_EXHAUSTED until one ends.
 pub const SNAPSHOT_CALLS_MAX: usize = 4;
+
+/// The stream ends with the image padded with zeros to a multiple of this, then the SHA-256
+/// of everything before it: `etcdctl snapshot save` (3.4) refuses a stream whose length is
+/// not a multiple of 512 plus the 32 bytes of a SHA-256, as etcd's own snapshots are.
+const SNAPSHOT_TRAILER_ALIGN_BYTES: u64 = 512;
 
 type SnapshotBlobs = mpsc::Sender<Result<pb::SnapshotResponse, Status>>;
 
@@ -102,9 +108,18 @@ impl Maintenance for MaintenanceService {
         let frozen = self.api.node.read_state(|state| state.clone());
         let header = self.api.read_header();
         let (blobs, stream) = mpsc::channel(SNAPSHOT_STREAM_BLOBS_AHEAD);
-        tokio::task::spawn_blocking(move || {
+        let on_panic = blobs.clone();
+        let encoder = tokio::task::spawn_blocking(move || {
             stream_snapshot(&frozen, header, blobs);
             drop(permit);
+        });
+        // An encoder that panicked (a state invariant broken) must end the stream with an
+        // error: ending it quietly would look like a complete, empty image to etcdctl.
+        tokio::spawn(async move {
+            if let Err(stopped) = encoder.await {
+                let status = Status::internal(format!("the snapshot encoder stopped: {stopped}"));
+                let _ = on_panic.send(Err(status)).await;
+            }
         });
         Ok(tonic::Response::new(ReceiverStream::new(stream)))
     }
@@ -152,9 +167,16 @@ impl Maintenance for MaintenanceService {
     }
 }
 
-/// Encodes `state` into `blobs` as `Maintenance.Snapshot` blobs, on a blocking thread. Each
-/// blob says how many bytes follow it, so the image is encoded twice: once only to count its
-/// bytes, then into the stream, a blob at a time. `state` is a clone nobody writes to, so both
+/// The length of a snapshot stream whose image is `image_bytes` long: the image, zeros to the
+/// next multiple of [`SNAPSHOT_TRAILER_ALIGN_BYTES`], and a SHA-256.
+fn snapshot_stream_bytes(image_bytes: u64) -> u64 {
+    image_bytes.next_multiple_of(SNAPSHOT_TRAILER_ALIGN_BYTES) + Sha256::output_size() as u64
+}
+
+/// Encodes `state` into `blobs` as `Maintenance.Snapshot` blobs, on a blocking thread, with
+/// the padding and checksum etcd's clients expect at the end. Each blob says how many bytes
+/// follow it, so the image is encoded twice: once only to count its bytes, then into the
+/// stream, a blob at a time. `state` is a clone nobody writes to, so both
 /// passes give the same bytes (the second checks it). A client that stops reading ends the
 /// encoding; any other failure ends the stream with an error status.
 fn stream_snapshot(state: &StateMachine, header: pb::ResponseHeader, blobs: SnapshotBlobs) {
@@ -165,7 +187,9 @@ fn stream_snapshot(state: &StateMachine, header: pb::ResponseHeader, blobs: Snap
             let writer = BlobWriter {
                 blobs: blobs.clone(),
                 header,
-                remaining_bytes: counter.bytes,
+                remaining_bytes: snapshot_stream_bytes(counter.bytes),
+                written_bytes: 0,
+                checksum: Sha256::new(),
                 pending: Vec::with_capacity(SNAPSHOT_BLOB_BYTES_MAX),
             };
             state.snapshot(writer).map_err(|e| e.to_string())
@@ -201,8 +225,11 @@ impl Write for ByteCounter {
 struct BlobWriter {
     blobs: SnapshotBlobs,
     header: pb::ResponseHeader,
-    /// Bytes of the image not yet handed to the stream.
+    /// Bytes of the stream not yet handed to it.
     remaining_bytes: u64,
+    /// Bytes of the image (then its padding) written so far, all of them in `checksum`.
+    written_bytes: u64,
+    checksum: Sha256,
     pending: Vec<u8>,
 }
 
@@ -211,7 +238,7 @@ impl BlobWriter {
         self.remaining_bytes = self
             .remaining_bytes
             .checked_sub(self.pending.len() as u64)
-            .ok_or_else(|| io::Error::other("the image came out longer than counted"))?;
+            .ok_or_else(|| io::Error::other("the snapshot came out longer than counted"))?;
         let blob = std::mem::replace(
             &mut self.pending,
             Vec::with_capacity(SNAPSHOT_BLOB_BYTES_MAX),
@@ -227,13 +254,27 @@ impl BlobWriter {
             .map_err(|_| io::Error::new(io::ErrorKind::BrokenPipe, "the client stopped reading"))
     }
 
-    /// Sends the last blob; the image must have been exactly as long as counted.
+    /// Pads the image, appends its checksum and sends the last blob; the stream must have
+    /// been exactly as long as counted.
     fn finish(mut self) -> io::Result<()> {
-        if !self.pending.is_empty() {
+        let padding_bytes = self
+            .written_bytes
+            .next_multiple_of(SNAPSHOT_TRAILER_ALIGN_BYTES)
+            - self.written_bytes;
+        self.write_all(&vec![0; padding_bytes as usize])?;
+        let checksum = std::mem::take(&mut self.checksum).finalize();
+        self.pending.extend_from_slice(&checksum);
+        while !self.pending.is_empty() {
+            let rest = self
+                .pending
+                .split_off(self.pending.len().min(SNAPSHOT_BLOB_BYTES_MAX));
             self.send_pending()?;
+            self.pending = rest;
         }
         if self.remaining_bytes != 0 {
-            return Err(io::Error::other("the image came out shorter than counted"));
+            return Err(io::Error::other(
+                "the snapshot came out shorter than counted",
+            ));
         }
         Ok(())
     }
@@ -244,6 +285,8 @@ impl Write for BlobWriter {
         let room = SNAPSHOT_BLOB_BYTES_MAX - self.pending.len();
         let taken = bytes.len().min(room);
         self.pending.extend_from_slice(&bytes[..taken]);
+        self.checksum.update(&bytes[..taken]);
+        self.written_bytes += taken as u64;
         if self.pending.len() == SNAPSHOT_BLOB_BYTES_MAX {
             self.send_pending()?;
         }
@@ -271,12 +314,17 @@ mod tests {
         machine
     }
 
-    /// The stream is the image, blob by blob, each saying how many bytes follow it, with the
+    /// The stream is the image, zeros to a multiple of 512 bytes and their SHA-256 (what
+    /// etcdctl checks for), blob by blob, each saying how many bytes follow it, with the
     /// encoder held back by the client (the image is many times what may be queued).
     #[test]
-    fn a_streamed_snapshot_is_the_image_and_counts_down_to_zero() {
+    fn a_streamed_snapshot_is_the_image_and_its_checksum_and_counts_down_to_zero() {
         let machine = machine_with_keys(10_000);
-        let image = machine.snapshot_to_vec();
+        let mut image = machine.snapshot_to_vec();
+        image.resize(image.len().next_multiple_of(512), 0);
+        let checksum = Sha256::digest(&image);
+        image.extend_from_slice(&checksum);
+        assert_eq!(image.len() % 512, 32, "etcdctl's test for a checksum");
         assert!(image.len() > 2 * SNAPSHOT_STREAM_BLOBS_AHEAD * SNAPSHOT_BLOB_BYTES_MAX);
         let (blobs, mut stream) = mpsc::channel(SNAPSHOT_STREAM_BLOBS_AHEAD);
         let encoder = std::thread::spawn(move || {
@@ -322,10 +370,12 @@ mod tests {
         let mut writer = BlobWriter {
             blobs,
             header: pb::ResponseHeader::default(),
-            remaining_bytes: 10,
+            remaining_bytes: snapshot_stream_bytes(10),
+            written_bytes: 0,
+            checksum: Sha256::new(),
             pending: Vec::new(),
         };
-        writer.write_all(&[7; 11]).expect("buffered");
+        writer.write_all(&[7; 600]).expect("buffered");
         assert!(writer.finish().is_err());
         assert!(stream.try_recv().is_err(), "nothing was sent");
     }
