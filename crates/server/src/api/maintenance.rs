@@ -97,14 +97,14 @@ impl Maintenance for MaintenanceService {
         // The image holds password hashes and the token key: root only once auth is on.
         let ctx = CallContext::new(&request, self.api.config.request_timeout_ms);
         self.api.check_admin(&ctx)?;
-        // Only a clone is taken under the state lock (O(1) for the key-value store, a
-        // persistent map), so the driver is not held up while the image is encoded.
         let Ok(permit) = self.snapshot_calls.clone().try_acquire_owned() else {
             return Err(Status::resource_exhausted(format!(
                 "conclave: resource exhausted: {SNAPSHOT_CALLS_MAX} snapshots are being streamed \
                  already; retry once one ends"
             )));
         };
+        // Only a clone is taken under the state lock (O(1) for the key-value store, a
+        // persistent map), so the driver is not held up while the image is encoded.
         let frozen = self.api.node.read_state(|state| state.clone());
         let header = self.api.read_header();
         let (blobs, stream) = mpsc::channel(SNAPSHOT_STREAM_BLOBS_AHEAD);
@@ -176,9 +176,9 @@ fn snapshot_stream_bytes(image_bytes: u64) -> u64 {
 /// Encodes `state` into `blobs` as `Maintenance.Snapshot` blobs, on a blocking thread, with
 /// the padding and checksum etcd's clients expect at the end. Each blob says how many bytes
 /// follow it, so the image is encoded twice: once only to count its bytes, then into the
-/// stream, a blob at a time. `state` is a clone nobody writes to, so both
-/// passes give the same bytes (the second checks it). A client that stops reading ends the
-/// encoding; any other failure ends the stream with an error status.
+/// stream, a blob at a time. `state` is a clone nobody writes to, so both passes give the
+/// same bytes (the second checks it). A client that stops reading ends the encoding; any
+/// other failure ends the stream with an error status.
 fn stream_snapshot(state: &StateMachine, header: pb::ResponseHeader, blobs: SnapshotBlobs) {
     let encoded = state
         .snapshot(ByteCounter::default())
