@@ -359,7 +359,7 @@ impl Overview {
             if seconds >= 1.0 {
                 let done = puts.saturating_sub(last_puts);
                 let sample = RateSample {
-                    at_ms: crate::node::wall_clock_ms(),
+                    at_ms: crate::node::member_clock_ms(),
                     puts_per_s: done as f64 / seconds,
                     put_latency_ms: if done == 0 {
                         0.0
@@ -393,7 +393,7 @@ impl Overview {
             "member": format!("{:x}", status.id),
             "leader": status.leader.map(|l| format!("{l:x}")),
             "term": status.term,
-            "time_ms": crate::node::wall_clock_ms(),
+            "time_ms": crate::node::member_clock_ms(),
             "members": members,
             "groups": self.groups(),
             "locks": locks,

@@ -428,6 +428,8 @@ struct Shell<O> {
     last_leader: Option<NodeId>,
     /// When the last late-heartbeat WARN went out (they are rate-limited).
     late_warned: Option<Instant>,
+    /// When the last clock-divergence warning was logged.
+    clock_warned: Option<Instant>,
 }
 
 /// At most one WARN about late heartbeats this often; the counter counts every one.
@@ -541,6 +543,7 @@ pub(crate) fn spawn<M: ReplicatedMachine, D: ShellDuties<M>>(
         metrics: metrics.clone(),
         last_leader: None,
         late_warned: None,
+        clock_warned: None,
         config,
         transport,
         status: status_sender,
@@ -598,29 +601,74 @@ fn election_seed(id: NodeId) -> u64 {
     hasher.finish()
 }
 
-/// Wall-clock milliseconds since the Unix epoch (0 if the clock is before it).
+/// The member's clock: milliseconds since the Unix epoch, read as the wall clock at the first
+/// reading plus the monotonic time elapsed since. A step of the system clock while the member
+/// runs (NTP, a VM restored or migrated, an operator's `date -s`) does not move it: a forward
+/// step of a leader's wall clock would otherwise end every lease early by the step. The member
+/// picks a corrected wall clock up when it restarts; [`Driver::check_clock_divergence`] warns
+/// when the two have drifted apart.
 ///
 /// The fault suite (docs/faults.md) skews a member's clock with the environment variable
 /// `CONCLAVE_FAULTS_CLOCK_RATE` (a rate in (0, 10], e.g. `1.01` runs 1% fast from the first
-/// reading on); unset or invalid, this is the system clock.
+/// reading on); unset or invalid, the elapsed time counts at the real rate.
 pub(crate) fn now_ms() -> u64 {
-    static SKEW: std::sync::OnceLock<Option<(f64, u64)>> = std::sync::OnceLock::new();
-    let real = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0);
-    let skew = SKEW.get_or_init(|| {
-        std::env::var("CONCLAVE_FAULTS_CLOCK_RATE")
+    let anchor = clock_anchor();
+    anchor.read_ms(anchor.monotonic.elapsed())
+}
+
+/// The anchor of [`now_ms`], taken at its first use in this process.
+fn clock_anchor() -> &'static ClockAnchor {
+    static ANCHOR: std::sync::OnceLock<ClockAnchor> = std::sync::OnceLock::new();
+    ANCHOR.get_or_init(|| {
+        let rate = std::env::var("CONCLAVE_FAULTS_CLOCK_RATE")
             .ok()
             .and_then(|rate| rate.parse::<f64>().ok())
-            .filter(|rate| *rate > 0.0 && *rate <= 10.0)
-            .map(|rate| (rate, real))
-    });
-    match *skew {
-        None => real,
-        Some((rate, origin)) => origin + (real.saturating_sub(origin) as f64 * rate) as u64,
+            .filter(|rate| *rate > 0.0 && *rate <= 10.0);
+        ClockAnchor {
+            monotonic: Instant::now(),
+            wall_since_epoch: wall_since_epoch(),
+            rate,
+        }
+    })
+}
+
+/// The system's wall clock since the Unix epoch (zero if it is before it).
+fn wall_since_epoch() -> Duration {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or(Duration::ZERO)
+}
+
+/// Where the member's clock started: a wall-clock reading and the monotonic instant it was taken.
+#[derive(Clone, Copy, Debug)]
+struct ClockAnchor {
+    monotonic: Instant,
+    wall_since_epoch: Duration,
+    /// The fault suite's clock rate, if set.
+    rate: Option<f64>,
+}
+
+impl ClockAnchor {
+    /// The member's clock `elapsed` (monotonic) after the anchor, in whole milliseconds. The sum
+    /// is taken before truncating, so a reading of `t` means an instant in `[t, t + 1)` of the
+    /// member's timeline, as `LEASE_CLOCK_RESOLUTION_MS` assumes.
+    fn read_ms(&self, elapsed: Duration) -> u64 {
+        let elapsed = match self.rate {
+            None => elapsed,
+            Some(rate) => elapsed.mul_f64(rate),
+        };
+        let millis = self.wall_since_epoch.saturating_add(elapsed).as_millis();
+        u64::try_from(millis).unwrap_or(u64::MAX)
     }
 }
+
+/// How far the member's clock may drift from the system's wall clock before a warning: leader
+/// clocks must agree to within the election timeout (docs/state.md), and a step this large on
+/// one machine usually means its wall clock was set after the member started.
+const CLOCK_DIVERGENCE_WARN_MS: u64 = 1_000;
+
+/// At most one clock-divergence warning per this interval.
+const CLOCK_DIVERGENCE_WARN_INTERVAL_MS: u64 = 60_000;
 
 impl<M: ReplicatedMachine, D: ShellDuties<M>> Driver<M, D> {
     async fn run(
@@ -645,6 +693,7 @@ impl<M: ReplicatedMachine, D: ShellDuties<M>> Driver<M, D> {
                 }
                 _ = ticker.tick() => {
                     self.check_heartbeat_lateness(&mut last_tick);
+                    self.check_clock_divergence();
                     self.core.set_time(now_ms());
                     self.core.tick();
                     let abandoned = self.shell.waiters.abandoned_reads();
@@ -752,6 +801,39 @@ impl<M: ReplicatedMachine, D: ShellDuties<M>> Driver<M, D> {
                  CPU starvation); followers may start an election"
             );
         }
+    }
+
+    /// The member's clock ignores steps of the system clock ([`now_ms`]); a large gap between
+    /// the two means the wall clock was set after the member started, and only a restart makes
+    /// the member follow it. Logged at WARN, at most once a minute.
+    fn check_clock_divergence(&mut self) {
+        let anchor = clock_anchor();
+        if anchor.rate.is_some() {
+            // The fault suite's skewed clock diverges by design.
+            return;
+        }
+        let now = Instant::now();
+        let due = self.shell.clock_warned.is_none_or(|at| {
+            now.duration_since(at) >= Duration::from_millis(CLOCK_DIVERGENCE_WARN_INTERVAL_MS)
+        });
+        if !due {
+            return;
+        }
+        let member_ms = anchor.read_ms(now.duration_since(anchor.monotonic));
+        let wall_ms = u64::try_from(wall_since_epoch().as_millis()).unwrap_or(u64::MAX);
+        let divergence_ms = member_ms.abs_diff(wall_ms);
+        if divergence_ms <= CLOCK_DIVERGENCE_WARN_MS {
+            return;
+        }
+        self.shell.clock_warned = Some(now);
+        tracing::warn!(
+            member_ms,
+            wall_ms,
+            divergence_ms,
+            "the system clock was stepped since this member started; the member keeps its own \
+             clock (a step must not end leases early) and follows the system clock again after \
+             a restart"
+        );
     }
 
     fn handle_request(&mut self, request: NodeRequest<M, D::Request>) {
@@ -968,5 +1050,52 @@ impl<M: ReplicatedMachine, D: ShellDuties<M>> Driver<M, D> {
             wakes
         });
         self.shell.applied_waits.0.advance(applied_index);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn anchor(wall_since_epoch: Duration, rate: Option<f64>) -> ClockAnchor {
+        ClockAnchor {
+            monotonic: Instant::now(),
+            wall_since_epoch,
+            rate,
+        }
+    }
+
+    #[test]
+    fn the_member_clock_truncates_the_sum_not_its_parts() {
+        // Anchored 0.9 ms into a millisecond: 0.2 ms later it is in the next one. Truncating
+        // the anchor first would read the old millisecond and let a lease end up to 1 ms early.
+        let clock = anchor(Duration::from_micros(1_000_000_900), None);
+        assert_eq!(clock.read_ms(Duration::ZERO), 1_000_000);
+        assert_eq!(clock.read_ms(Duration::from_micros(200)), 1_000_001);
+        assert_eq!(clock.read_ms(Duration::from_millis(3_000)), 1_003_000);
+    }
+
+    #[test]
+    fn the_member_clock_counts_elapsed_time_at_the_fault_rate() {
+        let clock = anchor(Duration::from_secs(100), Some(1.5));
+        assert_eq!(clock.read_ms(Duration::from_secs(2)), 103_000);
+        let real = anchor(Duration::from_secs(100), None);
+        assert_eq!(real.read_ms(Duration::from_secs(2)), 102_000);
+    }
+
+    #[test]
+    fn the_member_clock_follows_the_monotonic_clock() {
+        let before = Instant::now();
+        let start_ms = now_ms();
+        std::thread::sleep(Duration::from_millis(30));
+        let end_ms = now_ms();
+        let elapsed_ms = before.elapsed().as_millis() as u64;
+        // Between the two readings passed at most the monotonic time measured around them
+        // (plus the millisecond a reading can truncate), and at least the sleep.
+        assert!(end_ms - start_ms >= 29, "{start_ms} -> {end_ms}");
+        assert!(
+            end_ms - start_ms <= elapsed_ms + 1,
+            "{start_ms} -> {end_ms}, {elapsed_ms} ms"
+        );
     }
 }

@@ -56,8 +56,10 @@ pub(crate) use entries::MEMBER_FIELD_BYTES_MAX;
 /// What a committed coordination command produced: the state machine's answer and the term.
 pub type Applied = driver::Applied<conclave_state::ApplyOutput>;
 
-/// The node's wall clock in milliseconds since the Unix epoch (the one the driver reads).
-pub fn wall_clock_ms() -> u64 {
+/// The member's clock in milliseconds since the Unix epoch, the one the driver stamps commands
+/// with: the wall clock at the member's start plus the monotonic time since (steps of the
+/// system clock do not move it).
+pub fn member_clock_ms() -> u64 {
     driver::now_ms()
 }
 
