@@ -146,10 +146,11 @@ struct Shared {
 }
 
 /// The leader's stream a follower forwards one client's keepalives on, several at once. A
-/// reader task hands each answer to a keepalive of the same lease id still waiting: the leader
-/// answers different ids out of order, and it answers each keepalive of one id with the
-/// lease's granted TTL (or 0 once it is gone), so which of them gets which answer does not
-/// matter.
+/// reader task hands the n-th answer for a lease id to the n-th keepalive of that id sent up
+/// the stream ([`deliver_upstream_answer`]): the leader answers different ids out of order and
+/// each keepalive exactly once, with the lease's granted TTL (or 0 once it is gone). So when
+/// the n-th keepalive is answered, n of them were renewed, one of them sent no earlier than it:
+/// the lease's deadline counts from after its send.
 struct Upstream {
     leader: NodeId,
     requests: mpsc::Sender<pb::LeaseKeepAliveRequest>,
@@ -220,22 +221,7 @@ async fn read_upstream(
                 let Some(waiting) = guard.as_mut() else {
                     return;
                 };
-                let id = response.id;
-                let Some(queue) = waiting.get_mut(&id) else {
-                    // Nobody waits for it any more (it gave up at its deadline).
-                    continue;
-                };
-                let mut answer = Ok(response);
-                while let Some(waiter) = queue.pop_front() {
-                    // A waiter gone since (its deadline passed) passes the answer on.
-                    match waiter.send(answer) {
-                        Ok(()) => break,
-                        Err(back) => answer = back,
-                    }
-                }
-                if queue.is_empty() {
-                    waiting.remove(&id);
-                }
+                deliver_upstream_answer(waiting, response);
             }
             Ok(None) => break to_status(Error::LeaderChanged),
             Err(status) => break status,
@@ -251,6 +237,29 @@ async fn read_upstream(
         .flatten()
     {
         let _ = waiter.send(Err(ended.clone()));
+    }
+}
+
+/// Hands one of the leader's answers to the oldest keepalive of its lease id still queued.
+///
+/// Each keepalive sent up the stream draws one answer, so the oldest waiter's slot is used up
+/// even when that waiter is gone (it gave up at its deadline): the answer is then dropped, not
+/// passed to a younger waiter. Passed on, it could acknowledge a keepalive sent *after* the
+/// leader renewed the lease for the older one, and the holder, counting its TTL from the
+/// younger keepalive's send time, would expect the lease to live longer than the leader's
+/// deadline.
+fn deliver_upstream_answer(waiting: &mut Waiting, response: pb::LeaseKeepAliveResponse) {
+    let id = response.id;
+    let Some(queue) = waiting.get_mut(&id) else {
+        // Nobody waits for it any more.
+        return;
+    };
+    if let Some(waiter) = queue.pop_front() {
+        // A waiter gone since ignores the send's failure: its answer goes with it.
+        let _ = waiter.send(Ok(response));
+    }
+    if queue.is_empty() {
+        waiting.remove(&id);
     }
 }
 
@@ -768,5 +777,53 @@ mod tests {
         assert_eq!(grant_ttl_ms(i64::MAX, 225), u64::MAX);
         assert_eq!(ttl_seconds(5000), 5);
         assert_eq!(ttl_seconds(1500), 2);
+    }
+
+    fn answer(id: i64) -> pb::LeaseKeepAliveResponse {
+        pb::LeaseKeepAliveResponse {
+            id,
+            ttl: 5,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn an_answer_for_a_keepalive_that_gave_up_is_not_passed_to_a_younger_one() {
+        let mut waiting = Waiting::new();
+        let (older, older_answer) = oneshot::channel();
+        let (younger, mut younger_answer) = oneshot::channel();
+        waiting.entry(7).or_default().push_back(older);
+        waiting.entry(7).or_default().push_back(younger);
+        // The older keepalive gave up before the leader's answer to it arrived.
+        drop(older_answer);
+        deliver_upstream_answer(&mut waiting, answer(7));
+        assert!(
+            younger_answer.try_recv().is_err(),
+            "the older keepalive's answer acknowledged the younger one"
+        );
+        // The younger keepalive's own answer reaches it.
+        deliver_upstream_answer(&mut waiting, answer(7));
+        let received = younger_answer.try_recv().expect("its own answer");
+        assert_eq!(received.map(|r| r.id).ok(), Some(7));
+        assert!(waiting.is_empty());
+    }
+
+    #[test]
+    fn answers_go_to_the_oldest_keepalive_of_their_lease() {
+        let mut waiting = Waiting::new();
+        let (first, mut first_answer) = oneshot::channel();
+        let (second, mut second_answer) = oneshot::channel();
+        let (other, mut other_answer) = oneshot::channel();
+        waiting.entry(7).or_default().push_back(first);
+        waiting.entry(7).or_default().push_back(second);
+        waiting.entry(9).or_default().push_back(other);
+        deliver_upstream_answer(&mut waiting, answer(9));
+        deliver_upstream_answer(&mut waiting, answer(7));
+        assert!(other_answer.try_recv().is_ok());
+        assert!(first_answer.try_recv().is_ok());
+        assert!(second_answer.try_recv().is_err());
+        // An answer nobody waits for is dropped.
+        deliver_upstream_answer(&mut waiting, answer(11));
+        assert_eq!(waiting.len(), 1);
     }
 }
