@@ -116,6 +116,11 @@ struct Args {
     /// watch: the writer's puts per second (0: one put in flight, as fast as answered).
     #[arg(long, default_value_t = 0)]
     rate: u64,
+    /// watch: each watcher watches a prefix of its own (`…/watch/<n>/`) and the writer's puts
+    /// take the watchers' prefixes in turn, so each put reaches one watcher (thousands of
+    /// agents each watching their own keys). Without it every watcher shares one prefix.
+    #[arg(long)]
+    watch_own_prefix: bool,
     /// fill: puts per transaction.
     #[arg(long, default_value_t = 100)]
     batch: usize,
@@ -420,7 +425,18 @@ async fn run_client(
     }
 }
 
-/// Watch fan-out: every watcher receives every put of one writer; a put's value starts with
+/// Deliveries a watch run owes for `puts` acknowledged puts: each put reaches every watcher,
+/// or one with `--watch-own-prefix`.
+fn expected_deliveries(args: &Args, puts: u64) -> u64 {
+    if args.watch_own_prefix {
+        puts
+    } else {
+        puts * args.clients as u64
+    }
+}
+
+/// Watch fan-out: every watcher receives every put of one writer (or its share of them, with
+/// `--watch-own-prefix`); a put's value starts with
 /// its send time (µs since `epoch`), so each receipt yields one latency.
 async fn run_watch(
     channels: &[Channel],
@@ -433,14 +449,22 @@ async fn run_watch(
     let (ready_sender, mut ready) = mpsc::channel::<()>(args.clients);
     let stop = Arc::new(tokio::sync::Notify::new());
     let delivered = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let watched = |watcher: usize| {
+        if args.watch_own_prefix {
+            format!("{prefix}{watcher}/")
+        } else {
+            prefix.clone()
+        }
+    };
     for i in 0..args.clients {
         let mut client = WatchClient::new(channels[i % channels.len()].clone());
         let (sender, receiver) = mpsc::channel(1);
+        let watched_prefix = watched(i);
         sender
             .send(WatchRequest {
                 request_union: Some(RequestUnion::CreateRequest(WatchCreateRequest {
-                    key: prefix.clone().into_bytes().into(),
-                    range_end: prefix_end(prefix.as_bytes()).into(),
+                    key: watched_prefix.clone().into_bytes().into(),
+                    range_end: prefix_end(watched_prefix.as_bytes()).into(),
                     ..Default::default()
                 })),
             })
@@ -511,6 +535,7 @@ async fn run_watch(
     let deadline = Instant::now() + duration;
     let mut puts = 0u64;
     let mut index = 0u64;
+    let mut sent = 0u64;
     let value_len = args.value_size.max(8);
     let pace = (args.rate > 0).then(|| Duration::from_secs_f64(1.0 / args.rate as f64));
     let writer_start = Instant::now();
@@ -523,9 +548,12 @@ async fn run_watch(
         let mut value = vec![b'w'; value_len];
         value[..8].copy_from_slice(&(epoch.elapsed().as_micros() as u64).to_le_bytes());
         index = (index + 1) % args.key_space.max(1);
+        // With own prefixes, the n-th put goes to watcher n mod clients.
+        let watcher = usize::try_from(sent % args.clients.max(1) as u64).unwrap_or(0);
+        sent += 1;
         if kv
             .put(PutRequest {
-                key: format!("{prefix}{index}").into_bytes().into(),
+                key: format!("{}{index}", watched(watcher)).into_bytes().into(),
                 value: value.into(),
                 ..Default::default()
             })
@@ -535,8 +563,8 @@ async fn run_watch(
             puts += 1;
         }
     }
-    // Let the last events arrive (every watcher sees every put), then stop every watcher.
-    let expected = puts * args.clients as u64;
+    // Let the last events arrive (each put reaches its watchers), then stop every watcher.
+    let expected = expected_deliveries(&args, puts);
     let drain_end = Instant::now() + WATCH_DRAIN_MAX;
     while delivered.load(std::sync::atomic::Ordering::Relaxed) < expected
         && Instant::now() < drain_end
@@ -725,8 +753,8 @@ async fn run(args: Args) -> Result<(), BenchError> {
         });
         if let Some(puts) = extra {
             out["writer_puts"] = json!(puts);
-            // Every watcher should have received every acknowledged put.
-            let expected = puts * args.clients as u64;
+            // Every watcher should have received every acknowledged put under its prefix.
+            let expected = expected_deliveries(&args, puts);
             out["expected_deliveries"] = json!(expected);
             out["missed"] = json!(expected.saturating_sub(ops));
             out["writer_rate"] = json!(args.rate);

@@ -5,7 +5,9 @@
 //! ```text
 //!  driver apply ─► broadcast<AppliedEvents> ─► hub task ─┬─ one lookup per event: its key, its
 //!                  (one receiver: the hub)               │  election group, topic or queue
-//!                                                        └─ one check per distinct key range
+//!                                                        ├─ one lookup per watched prefix
+//!                                                        │  length: the key's own prefixes
+//!                                                        └─ one check per other key range
 //!                                          ─► each concerned subscription's own bounded queue
 //! ```
 //!
@@ -21,7 +23,7 @@
 //! subscription a [`HubMessage::Resync`]: a watch then reads the revisions after the last it
 //! has seen from the history, a waiting call checks the state again.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -110,14 +112,32 @@ impl Interest {
         }
     }
 
-    fn range(&self) -> Option<(Bytes, Bytes)> {
+    /// The key range of a watch on more than one key: a prefix when the range is exactly the
+    /// keys that start with `key` (etcd's `--prefix`), which an event finds by lookup.
+    fn span(&self) -> Option<Span> {
         match self {
             Interest::Keys { key, range_end } if !range_end.is_empty() => {
-                Some((key.clone(), range_end.clone()))
+                // Also right for "" and for all-0xff prefixes, whose end is "\0": every key
+                // from them on starts with them.
+                let is_prefix = conclave_state::mvcc::prefix_end(key) == *range_end;
+                Some(if is_prefix {
+                    Span::Prefix(key.clone())
+                } else {
+                    Span::Range(key.clone(), range_end.clone())
+                })
             }
             _ => None,
         }
     }
+}
+
+/// A watch's range of keys. Every key in [`key`, `prefix_end(key)`) starts with `key`, so a
+/// prefix watch concerns an event exactly when the event's key starts with it.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+enum Span {
+    Prefix(Bytes),
+    /// [start, end), `end` = "\0" for every key from `start` on.
+    Range(Bytes, Bytes),
 }
 
 /// Where an event is looked up: by exact name.
@@ -148,8 +168,24 @@ struct Entry {
 struct Registry {
     /// Subscriptions by exact name: a key, an election group, a topic, a queue.
     named: HashMap<Route, Vec<Entry>>,
-    /// Watches on a range or prefix, by (key, range end).
+    /// Watches on a prefix, by prefix. An event looks up its key's own prefixes, at the
+    /// lengths in `prefix_lengths`: thousands of agents each watching their own prefix cost
+    /// an event a few lookups, not a check per watch.
+    prefixes: HashMap<Bytes, Vec<Entry>>,
+    /// Prefix length -> how many distinct prefixes of that length `prefixes` holds.
+    prefix_lengths: BTreeMap<usize, usize>,
+    /// Watches on any other range, by (key, range end); each event checks every one.
     ranges: HashMap<(Bytes, Bytes), Vec<Entry>>,
+}
+
+/// Forgets one distinct prefix of `length` in `prefix_lengths`, when its group is removed.
+fn forget_prefix_length(prefix_lengths: &mut BTreeMap<usize, usize>, length: usize) {
+    if let Some(count) = prefix_lengths.get_mut(&length) {
+        *count -= 1;
+        if *count == 0 {
+            prefix_lengths.remove(&length);
+        }
+    }
 }
 
 impl Registry {
@@ -157,8 +193,19 @@ impl Registry {
         for route in interest.routes() {
             self.named.entry(route).or_default().push(entry());
         }
-        if let Some(range) = interest.range() {
-            self.ranges.entry(range).or_default().push(entry());
+        match interest.span() {
+            Some(Span::Prefix(prefix)) => {
+                let length = prefix.len();
+                let group = self.prefixes.entry(prefix).or_default();
+                if group.is_empty() {
+                    *self.prefix_lengths.entry(length).or_default() += 1;
+                }
+                group.push(entry());
+            }
+            Some(Span::Range(start, end)) => {
+                self.ranges.entry((start, end)).or_default().push(entry());
+            }
+            None => {}
         }
     }
 
@@ -171,19 +218,58 @@ impl Registry {
                 }
             }
         }
-        if let Some(range) = interest.range()
-            && let Some(group) = self.ranges.get_mut(&range)
-        {
-            group.retain(|entry| entry.id != id);
-            if group.is_empty() {
-                self.ranges.remove(&range);
+        match interest.span() {
+            Some(Span::Prefix(prefix)) => {
+                if let Some(group) = self.prefixes.get_mut(&prefix) {
+                    group.retain(|entry| entry.id != id);
+                    if group.is_empty() {
+                        self.prefixes.remove(&prefix);
+                        forget_prefix_length(&mut self.prefix_lengths, prefix.len());
+                    }
+                }
             }
+            Some(Span::Range(start, end)) => {
+                let range = (start, end);
+                if let Some(group) = self.ranges.get_mut(&range) {
+                    group.retain(|entry| entry.id != id);
+                    if group.is_empty() {
+                        self.ranges.remove(&range);
+                    }
+                }
+            }
+            None => {}
         }
     }
 
     fn count(&self) -> usize {
         self.named.values().map(Vec::len).sum::<usize>()
+            + self.prefixes.values().map(Vec::len).sum::<usize>()
             + self.ranges.values().map(Vec::len).sum::<usize>()
+    }
+
+    /// Drops every group left empty by deliveries.
+    fn drop_empty_groups(&mut self) {
+        let Registry {
+            named,
+            prefixes,
+            prefix_lengths,
+            ranges,
+        } = self;
+        named.retain(|_, group| !group.is_empty());
+        prefixes.retain(|prefix, group| {
+            if group.is_empty() {
+                forget_prefix_length(prefix_lengths, prefix.len());
+            }
+            !group.is_empty()
+        });
+        ranges.retain(|_, group| !group.is_empty());
+    }
+
+    fn clear(&mut self) {
+        self.named.clear();
+        self.prefixes.clear();
+        self.prefix_lengths.clear();
+        self.ranges.clear();
     }
 }
 
@@ -419,9 +505,7 @@ impl WatchHub {
                 }
                 // The node is gone: dropping every queue ends every subscription.
                 Err(broadcast::error::RecvError::Closed) => {
-                    let mut registry = self.registry();
-                    registry.named.clear();
-                    registry.ranges.clear();
+                    self.registry().clear();
                     return;
                 }
             }
@@ -430,22 +514,33 @@ impl WatchHub {
 
     fn resync_all(&self) {
         let mut registry = self.registry();
-        let Registry { named, ranges } = &mut *registry;
-        for group in named.values_mut() {
+        let Registry {
+            named,
+            prefixes,
+            ranges,
+            ..
+        } = &mut *registry;
+        for group in named
+            .values_mut()
+            .chain(prefixes.values_mut())
+            .chain(ranges.values_mut())
+        {
             deliver(group, &self.queued, || HubMessage::Resync);
         }
-        for group in ranges.values_mut() {
-            deliver(group, &self.queued, || HubMessage::Resync);
-        }
-        named.retain(|_, group| !group.is_empty());
-        ranges.retain(|_, group| !group.is_empty());
+        registry.drop_empty_groups();
     }
 
     /// Hands `batch` to each subscription with an event of it in range, once per route.
     fn route(&self, batch: AppliedEvents) {
         let mut registry = self.registry();
-        let Registry { named, ranges } = &mut *registry;
+        let Registry {
+            named,
+            prefixes,
+            prefix_lengths,
+            ranges,
+        } = &mut *registry;
         let mut named_hit: Vec<Route> = Vec::new();
+        let mut prefix_hit: Vec<Bytes> = Vec::new();
         let mut range_hit: Vec<(Bytes, Bytes)> = Vec::new();
         for event in batch.events.iter() {
             let route = route_of(event);
@@ -455,19 +550,37 @@ impl WatchHub {
             let Event::Kv(event) = event else {
                 continue;
             };
+            let key = &event.kv.key;
+            for &length in prefix_lengths.range(..=key.len()).map(|(length, _)| length) {
+                let prefix = &key[..length];
+                if prefixes.contains_key(prefix) && !prefix_hit.iter().any(|p| p == prefix) {
+                    prefix_hit.push(key.slice(..length));
+                }
+            }
             for (start, end) in ranges.keys() {
-                if in_range(&event.kv.key, start, end)
+                if in_range(key, start, end)
                     && !range_hit.iter().any(|(s, e)| s == start && e == end)
                 {
                     range_hit.push((start.clone(), end.clone()));
                 }
             }
         }
+        // Only the groups delivered to can have emptied: walking every group here would cost
+        // each batch a step per watch again.
         for route in named_hit {
             if let Some(group) = named.get_mut(&route) {
                 deliver(group, &self.queued, || HubMessage::Batch(batch.clone()));
                 if group.is_empty() {
                     named.remove(&route);
+                }
+            }
+        }
+        for prefix in prefix_hit {
+            if let Some(group) = prefixes.get_mut(&prefix) {
+                deliver(group, &self.queued, || HubMessage::Batch(batch.clone()));
+                if group.is_empty() {
+                    prefixes.remove(&prefix);
+                    forget_prefix_length(prefix_lengths, prefix.len());
                 }
             }
         }
@@ -557,6 +670,111 @@ mod tests {
         // A dropped watch leaves the hub.
         drop(key_b);
         assert_eq!(hub.entry_count(), 3);
+    }
+
+    fn put_bytes(key: &[u8], mod_revision: i64) -> Event {
+        Event::Kv(WatchEvent {
+            kind: EventKind::Put,
+            kv: KeyValue {
+                key: Bytes::copy_from_slice(key),
+                mod_revision,
+                ..KeyValue::default()
+            },
+            prev_kv: None,
+        })
+    }
+
+    /// Keys of 0 to 3 bytes over `a`, `b` and 0xff, so that prefixes nest, ranges straddle
+    /// them, and `prefix_end` has to carry past 0xff.
+    fn small_key(seed: &mut u64) -> Vec<u8> {
+        let mut next = || {
+            *seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (*seed >> 33) as usize
+        };
+        let length = next() % 4;
+        (0..length)
+            .map(|_| [b'a', b'b', 0xff][next() % 3])
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn prefix_watches_found_by_lookup_match_the_ranges_they_stand_for() {
+        let hub = Arc::new(WatchHub::default());
+        let (events, _) = broadcast::channel(4096);
+        let subscribe = || events.subscribe();
+        let mut seed = 7;
+        // Watches: single keys, prefixes (etcd's `--prefix`, found by lookup), "from key on"
+        // and arbitrary ranges (checked one by one), each with the range it must cover.
+        let mut watches = Vec::new();
+        for index in 0..120 {
+            let key = small_key(&mut seed);
+            let interest = match index % 4 {
+                0 => Interest::Keys {
+                    key: Bytes::from(key.clone()),
+                    range_end: Bytes::new(),
+                },
+                1 | 2 => Interest::prefix(&key),
+                _ => Interest::Keys {
+                    key: Bytes::from(key.clone()),
+                    range_end: Bytes::from(small_key(&mut seed)),
+                },
+            };
+            let Interest::Keys { key, range_end } = interest.clone() else {
+                unreachable!("key interests only");
+            };
+            let watch = hub.subscribe(interest, Delivery::Every, subscribe, 0);
+            watches.push((key, range_end, watch));
+        }
+        let prefixes = hub.registry().prefixes.len();
+        assert!(
+            prefixes > 10,
+            "only {prefixes} prefixes were filed by lookup"
+        );
+        for revision in 1..=200 {
+            let key = small_key(&mut seed);
+            events
+                .send(batch(revision, vec![put_bytes(&key, revision)]))
+                .unwrap();
+            if revision % 50 == 0 {
+                // Lets the hub keep up with the broadcast's 4,096 slots.
+                tokio::time::sleep(Duration::from_millis(30)).await;
+            }
+        }
+        // Replay the keys sent to know what each watch must have received.
+        let mut replay = 7;
+        for (index, _) in watches.iter().enumerate() {
+            small_key(&mut replay);
+            if index % 4 == 3 {
+                small_key(&mut replay);
+            }
+        }
+        let keys: Vec<Vec<u8>> = (0..200).map(|_| small_key(&mut replay)).collect();
+        for (start, end, watch) in watches.iter_mut() {
+            let expected: Vec<i64> = keys
+                .iter()
+                .zip(1..)
+                .filter(|(key, _)| {
+                    if end.is_empty() {
+                        key.as_slice() == start.as_ref()
+                    } else {
+                        in_range(key, start, end)
+                    }
+                })
+                .map(|(_, revision)| revision)
+                .collect();
+            assert_eq!(
+                received(watch).await,
+                expected,
+                "watch [{start:?}, {end:?}) got other batches than its range holds"
+            );
+        }
+        // Dropping every watch empties the index, lengths included.
+        watches.clear();
+        let registry = hub.registry();
+        assert!(registry.prefixes.is_empty() && registry.prefix_lengths.is_empty());
+        assert_eq!(registry.count(), 0);
     }
 
     fn message(topic: &str, revision: i64) -> Event {
