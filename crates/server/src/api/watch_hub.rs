@@ -74,19 +74,9 @@ pub(crate) enum Interest {
 impl Interest {
     /// Every key under `prefix`.
     pub fn prefix(prefix: &[u8]) -> Interest {
-        let mut end = prefix.to_vec();
-        while let Some(last) = end.pop() {
-            if last < 0xff {
-                end.push(last + 1);
-                break;
-            }
-        }
-        if end.is_empty() {
-            end.push(0);
-        }
         Interest::Keys {
             key: Bytes::copy_from_slice(prefix),
-            range_end: end.into(),
+            range_end: conclave_state::mvcc::prefix_end(prefix),
         }
     }
 
