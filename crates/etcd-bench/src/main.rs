@@ -436,8 +436,8 @@ fn expected_deliveries(args: &Args, puts: u64) -> u64 {
 }
 
 /// Watch fan-out: every watcher receives every put of one writer (or its share of them, with
-/// `--watch-own-prefix`); a put's value starts with
-/// its send time (µs since `epoch`), so each receipt yields one latency.
+/// `--watch-own-prefix`); a put's value starts with its send time (µs since `epoch`), so each
+/// receipt yields one latency.
 async fn run_watch(
     channels: &[Channel],
     args: Arc<Args>,
