@@ -23,6 +23,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::api::Api;
 use crate::api::cluster::ClusterService;
+use crate::api::coalesce::CoalescingWriter;
 use crate::api::kv::KvService;
 use crate::api::limits::{IdleClosing, Limits};
 use crate::api::maintenance::MaintenanceService;
@@ -335,13 +336,15 @@ async fn hand_off(api: &Api, timeout_ms: u64) {
 /// for the client's delayed ACK (about 40 ms per small read on Linux).
 ///
 /// Each is wrapped in a [`ClientStream`], which repairs the URL-valued `:authority` etcdctl
-/// sends when it dials a member's advertised client URL, and in an [`IdleClosing`], which
+/// sends when it dials a member's advertised client URL, in a [`CoalescingWriter`], which
+/// writes the frames of many streams in one system call, and in an [`IdleClosing`], which
 /// holds one of `client_connections_max` slots and closes a silent connection. A connection
 /// beyond the cap is closed as soon as it is accepted.
 fn client_connections(
     listener: tokio::net::TcpListener,
     limits: Arc<Limits>,
-) -> impl tokio_stream::Stream<Item = std::io::Result<IdleClosing<ClientStream>>> {
+) -> impl tokio_stream::Stream<Item = std::io::Result<IdleClosing<CoalescingWriter<ClientStream>>>>
+{
     use tokio_stream::StreamExt;
     tokio_stream::wrappers::TcpListenerStream::new(listener).filter_map(move |accepted| {
         let stream = match accepted {
@@ -354,7 +357,7 @@ fn client_connections(
         if let Err(error) = stream.set_nodelay(true) {
             return Some(Err(error));
         }
-        let stream = ClientStream::new(stream);
+        let stream = CoalescingWriter::new(ClientStream::new(stream));
         Some(Ok(IdleClosing::new(stream, limits.clone(), peer, slot)))
     })
 }
@@ -370,7 +373,9 @@ fn tls_client_connections(
     limits: Arc<Limits>,
     tls: Arc<ClientPortTls>,
 ) -> impl tokio_stream::Stream<
-    Item = std::io::Result<IdleClosing<ClientStream<tokio_rustls::server::TlsStream<TcpStream>>>>,
+    Item = std::io::Result<
+        IdleClosing<CoalescingWriter<ClientStream<tokio_rustls::server::TlsStream<TcpStream>>>>,
+    >,
 > {
     let (sender, receiver) = mpsc::channel(CLIENT_TLS_HANDSHAKES_MAX);
     let handshakes = Arc::new(tokio::sync::Semaphore::new(CLIENT_TLS_HANDSHAKES_MAX));
@@ -417,7 +422,7 @@ fn tls_client_connections(
                         return;
                     }
                 };
-                let stream = ClientStream::new(stream);
+                let stream = CoalescingWriter::new(ClientStream::new(stream));
                 let _ = sender
                     .send(Ok(IdleClosing::new(stream, limits, Some(peer), slot)))
                     .await;

@@ -13,6 +13,7 @@
 
 pub mod auth;
 pub mod cluster;
+pub mod coalesce;
 pub mod conclave;
 pub mod convert;
 pub mod election;
