@@ -21,6 +21,9 @@ use tonic::transport::server::Connected;
 
 /// Bytes a connection gathers before it writes them without waiting for a flush.
 pub const COALESCE_BUFFER_BYTES_MAX: usize = 64 * 1024;
+/// The buffer's capacity a connection keeps once its bytes are written; a larger one is freed,
+/// so thousands of idle connections do not each hold a burst's worth of memory.
+pub const COALESCE_BUFFER_KEPT_BYTES: usize = 4 * 1024;
 
 /// A client connection whose writes are gathered until a flush (see the module's comment).
 pub struct CoalescingWriter<S> {
@@ -57,7 +60,11 @@ impl<S: AsyncWrite + Unpin> CoalescingWriter<S> {
             }
             self.written += n;
         }
-        self.buffer.clear();
+        if self.buffer.capacity() > COALESCE_BUFFER_KEPT_BYTES {
+            self.buffer = Vec::new();
+        } else {
+            self.buffer.clear();
+        }
         self.written = 0;
         Poll::Ready(Ok(()))
     }
@@ -249,6 +256,10 @@ mod tests {
             vec![small.clone(), more.clone(), large.clone()]
         );
         assert_eq!(writer.pending_bytes(), 0);
+        assert!(
+            writer.buffer.capacity() <= COALESCE_BUFFER_KEPT_BYTES,
+            "a burst's buffer was kept"
+        );
         assert_eq!(writer.inner.bytes(), [small, more, large].concat());
     }
 
