@@ -8,9 +8,9 @@
 //! watchers, one `writev` per delivered event). [`CoalescingWriter`] takes the written bytes
 //! into a buffer and answers the first flush of them by yielding once (tokio puts a task that
 //! wakes itself at the back of the run queue): the other streams' tasks that are ready run in
-//! between and add their frames, and the next flush writes them all. Frames of 1 KiB and more
-//! still go out in the same flush; only the order of the connection's own turn changes, never
-//! what is sent.
+//! between and add their frames, and the next flush writes them all. h2 still hands over a
+//! frame of 1 KiB or more with a flush of its own, which goes out with whatever is gathered by
+//! then. Only when bytes reach the socket changes, never which bytes or their order.
 
 use std::io;
 use std::pin::Pin;
