@@ -120,6 +120,21 @@ async fn a_resumed_watch_leaves_a_learner_that_names_the_leader_but_does_not_cat
     for i in 0..SMALL_WRITES {
         (cluster.put_until_acked(leader, &format!("ws-small/{i:02}"), "v", WAIT)).await;
     }
+    // The premise needs the fill compacted out of the leader's log before the learner joins.
+    // The snapshot writer runs at the lowest CPU priority, so on a busy machine it may finish
+    // well after the writes are acknowledged; a learner added before it catches up from the log.
+    let leader_log = cluster.root.join(format!("node{leader}.log"));
+    let deadline = Instant::now() + WAIT;
+    while !std::fs::read_to_string(&leader_log)
+        .is_ok_and(|log| log.contains("snapshot taken, log compacted"))
+    {
+        assert!(
+            Instant::now() < deadline,
+            "leader {leader} took no snapshot within {WAIT:?}; logs in {}",
+            cluster.root.display()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     let learner = add_learner_that_cannot_catch_up(&mut cluster, leader).await;
 
     // The premise: the learner refuses the snapshot, yet names the leader.
