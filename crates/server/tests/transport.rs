@@ -375,6 +375,68 @@ async fn calls_and_answers_travel_beside_messages_and_a_call_from_before_a_link_
         .expect("a removed peer's calls are lost");
 }
 
+/// Calls queued by a burst of tasks that became ready together leave in one write, not one
+/// write each: on a single worker tokio runs the link's task right after the first call wakes
+/// it, unless the link first lets the other ready tasks run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+async fn calls_queued_by_tasks_ready_together_share_a_write() {
+    const BURST: u64 = 32;
+    let node1 = Listener::start(1, "127.0.0.1:0").await;
+    let node2 = Listener::start(2, "127.0.0.1:0").await;
+    let (sink2, mut calls_at_2) = mpsc::channel(64);
+    node2.state.take_calls_into(sink2);
+    let (transport1, _transport2) = linked_transports(&node1, &node2);
+    let calls1 = transport1.calls();
+    calls1.call(2, call(0)).expect("queued");
+    assert_eq!(
+        receive_call(&mut calls_at_2).await,
+        (1, PeerCallInput::Call(call(0)))
+    );
+    let before = transport1.peer_stats(2).expect("peer 2 added");
+
+    let (go, ready) = tokio::sync::watch::channel(false);
+    let callers: Vec<_> = (1..=BURST)
+        .map(|id| {
+            let calls = calls1.clone();
+            let mut ready = ready.clone();
+            tokio::spawn(async move {
+                ready
+                    .wait_for(|go| *go)
+                    .await
+                    .expect("the test holds the sender");
+                calls.call(2, call(id)).expect("queued");
+            })
+        })
+        .collect();
+    go.send(true).expect("callers wait");
+    for caller in callers {
+        caller.await.expect("caller ends");
+    }
+    // The callers ran in whatever order the worker took them; each call arrives once.
+    let mut arrived = std::collections::BTreeSet::new();
+    for _ in 1..=BURST {
+        match receive_call(&mut calls_at_2).await {
+            (1, PeerCallInput::Call(received)) => {
+                assert_eq!(received, call(received.id), "a call arrives intact");
+                assert!(
+                    arrived.insert(received.id),
+                    "call {} arrived twice",
+                    received.id
+                );
+            }
+            other => panic!("expected a call from member 1, got {other:?}"),
+        }
+    }
+    assert_eq!(arrived, (1..=BURST).collect());
+    let after = transport1.peer_stats(2).expect("peer 2 added");
+    assert_eq!(after.sent_messages - before.sent_messages, BURST);
+    let writes = after.sent_writes - before.sent_writes;
+    assert!(
+        writes <= 2,
+        "{BURST} calls queued in one pass of the worker took {writes} writes"
+    );
+}
+
 /// A raw connection after the handshake with the cluster's (weak) key, for feeding hand-made
 /// frames; the answer is the listener's last handshake frame.
 async fn handshaken(address: SocketAddr, hello: Hello) -> (TcpStream, Option<Frame>) {
