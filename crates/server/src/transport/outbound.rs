@@ -564,7 +564,9 @@ impl PeerLink {
                     if received == 0 {
                         return Ok(LinkEnd::QueueClosed);
                     }
-                    gather_same_turn(queue, &mut batch).await;
+                    if batch.iter().any(|outgoing| matches!(outgoing, Outgoing::Call { .. })) {
+                        gather_same_turn(queue, &mut batch).await;
+                    }
                     self.write_batch(&mut batch, &mut buffer, &mut write_half).await?;
                     keepalive_due.as_mut().reset(tokio::time::Instant::now() + keepalive_interval);
                 }
@@ -653,14 +655,15 @@ impl PeerLink {
     }
 }
 
-/// Lets the tasks that are ready on this worker queue their messages before the link writes.
+/// Lets the tasks that are ready on this worker queue their calls before the link writes.
 ///
 /// Tokio runs a task woken by the running one next, on the same worker. So when a burst of
-/// tasks each queue one message (the answers to the calls one Raft turn applied, a follower's
-/// clients' writes), the first one's wake-up made this link write that message alone, then
-/// the next, one system call each. Yielding once puts the link behind the tasks already
-/// ready; what they queued meanwhile goes out in the same write. A message queued from
-/// another thread (the Raft driver's appends) waits one pass of this worker's ready tasks.
+/// tasks each queue one call or answer (the answers to the calls one Raft turn applied, a
+/// follower's clients' writes), the first one's wake-up made this link write that message
+/// alone, then the next, one system call each. Yielding once puts the link behind the tasks
+/// already ready; what they queued meanwhile goes out in the same write. Only a batch that
+/// holds a call waits: the Raft driver queues all of a turn's messages at once, from its own
+/// thread, so its appends and heartbeats gain nothing by waiting and go out at once.
 async fn gather_same_turn(queue: &mut mpsc::Receiver<Outgoing>, batch: &mut Vec<Outgoing>) {
     tokio::task::yield_now().await;
     while batch.len() < BATCH_MESSAGES_MAX {
