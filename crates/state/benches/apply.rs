@@ -206,6 +206,39 @@ fn bench_election_churn(rounds: u64) -> (f64, String) {
     (rate(applies, seconds), detail)
 }
 
+/// The writes right after a snapshot is frozen, against the same writes with no frozen copy:
+/// the first write to each shared node of the key map copies that node and what it holds.
+fn bench_puts_after_freeze(keys: u64, revisions_per_key: u64) -> (String, String) {
+    let mut runner = Runner::new();
+    let value = "v".repeat(256);
+    for i in 0..keys * revisions_per_key {
+        runner.apply(Request::Put(PutRequest::new(
+            format!("key-{:04}", i % keys),
+            value.clone(),
+        )));
+    }
+    let writes = 2 * keys;
+    let mut timed = |frozen: bool| {
+        let copy = frozen.then(|| runner.machine.clone());
+        let start = Instant::now();
+        for i in 0..writes {
+            let key = format!("key-{:04}", (i * 7919) % keys);
+            runner.apply(Request::Put(PutRequest::new(key, value.clone())));
+        }
+        let took_ms = start.elapsed().as_secs_f64() * 1e3;
+        drop(copy);
+        took_ms
+    };
+    let alone_ms = (0..3).map(|_| timed(false)).fold(f64::MAX, f64::min);
+    let after_freeze_ms = (0..3).map(|_| timed(true)).fold(f64::MAX, f64::min);
+    (
+        format!("{after_freeze_ms:.1} ms ({alone_ms:.1} ms with no frozen copy)"),
+        format!(
+            "{writes} puts right after a freeze, {keys} keys with {revisions_per_key} revisions each"
+        ),
+    )
+}
+
 fn bench_memory(keys: u64) -> (String, String, String) {
     let before = LIVE_BYTES.load(Ordering::Relaxed);
     let mut runner = Runner::new();
@@ -248,6 +281,8 @@ fn main() {
     println!("| txns | {value} applies/s | {detail} |");
     let (value, detail) = best_of_three(|| bench_election_churn(100_000 / scale));
     println!("| election churn | {value} applies/s | {detail} |");
+    let (value, detail) = bench_puts_after_freeze(1000, 800 / scale);
+    println!("| puts after a freeze | {value} | {detail} |");
     let (value, detail, snapshot) = bench_memory(1_000_000 / scale);
     println!("| memory per key | {value} | {detail} |");
     println!();

@@ -89,6 +89,7 @@ pub mod command;
 pub mod config;
 pub mod election;
 pub mod error;
+mod history;
 pub mod lease;
 pub mod machine;
 pub mod mvcc;

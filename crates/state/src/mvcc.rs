@@ -17,6 +17,8 @@ use std::ops::Bound;
 
 use bytes::Bytes;
 use imbl::OrdMap;
+
+use crate::history::History;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
@@ -218,12 +220,14 @@ impl Record {
 }
 
 /// The record a read at `at` sees (`None`: the newest, including pending writes).
-fn visible(history: &[Record], at: Option<i64>) -> Option<&Record> {
+fn visible(history: &History<Record>, at: Option<i64>) -> Option<&Record> {
     let record = match at {
         None => history.last(),
         Some(revision) => {
             let after = history.partition_point(|record| record.mod_revision <= revision);
-            after.checked_sub(1).map(|position| &history[position])
+            after
+                .checked_sub(1)
+                .and_then(|position| history.get(position))
         }
     };
     record.filter(|record| record.is_live())
@@ -236,7 +240,9 @@ pub struct KvStore {
     /// A persistent map: cloning the store is O(1) and the clone stays as it was while the
     /// original moves on, so a snapshot can be encoded on another thread (see `docs/state.md`).
     /// It serializes exactly as a `BTreeMap` would (a length, then the pairs in key order).
-    keys: OrdMap<Bytes, Vec<Record>>,
+    /// A history's clone shares its older records too (see `history.rs`), so the first write
+    /// to a map node after a freeze costs the same however long the node's histories are.
+    keys: OrdMap<Bytes, History<Record>>,
     /// Invariant: revision >= 1 and revision >= compact_revision.
     revision: i64,
     compact_revision: i64,
@@ -458,7 +464,8 @@ impl KvStore {
         // Store private copies: a request's Bytes may be a slice of a much larger buffer, which
         // the store would otherwise keep alive for as long as the key exists.
         if !self.keys.contains_key(&key[..]) {
-            self.keys.insert(Bytes::copy_from_slice(&key), Vec::new());
+            self.keys
+                .insert(Bytes::copy_from_slice(&key), History::default());
         }
         let value = Bytes::copy_from_slice(&value);
         let Some(history) = self.keys.get_mut(&key[..]) else {
@@ -483,12 +490,8 @@ impl KvStore {
                 "history out of order"
             );
         }
-        if history.is_empty() {
-            // Most keys are written once: don't let Vec's growth policy reserve four slots.
-            history.reserve_exact(1);
-        }
+        let kv = record.to_kv(&key);
         history.push(record);
-        let kv = history[history.len() - 1].to_kv(&key);
         self.pending_events.push(WatchEvent {
             kind: EventKind::Put,
             kv: kv.clone(),
@@ -564,7 +567,9 @@ impl KvStore {
         for (key, history) in &self.keys {
             let below = history.partition_point(|record| record.mod_revision < revision);
             let keep_from = match below.checked_sub(1) {
-                Some(newest_below) if history[newest_below].is_live() => newest_below,
+                Some(newest_below) if history.get(newest_below).is_some_and(Record::is_live) => {
+                    newest_below
+                }
                 _ => below,
             };
             if keep_from > 0 {
@@ -574,8 +579,7 @@ impl KvStore {
         for (key, keep_from) in trims {
             let emptied = match self.keys.get_mut(&key[..]) {
                 Some(history) => {
-                    history.drain(..keep_from);
-                    history.shrink_to_fit();
+                    history.drop_oldest(keep_from);
                     history.is_empty()
                 }
                 None => false,
@@ -611,14 +615,15 @@ impl KvStore {
         let mut found: Vec<(i64, u32, WatchEvent)> = Vec::new();
         for (stored_key, history) in self.keys.range::<_, [u8]>(bounds) {
             let first = history.partition_point(|record| record.mod_revision < start_revision);
-            for position in first..history.len() {
-                let record = &history[position];
+            let mut before = first
+                .checked_sub(1)
+                .and_then(|position| history.get(position));
+            for record in history.iter_from(first) {
                 if record.mod_revision > self.revision {
                     break; // pending writes of the command being applied
                 }
-                let prev_kv = position
-                    .checked_sub(1)
-                    .map(|before| &history[before])
+                let prev_kv = before
+                    .replace(record)
                     .filter(|before| before.is_live())
                     .map(|before| before.to_kv(stored_key));
                 let event = if record.is_live() {
@@ -658,9 +663,12 @@ impl KvStore {
             return Err("unfinished writes".into());
         }
         for (key, history) in &self.keys {
-            let ordered = history.windows(2).all(|pair| {
-                (pair[0].mod_revision, pair[0].sub) < (pair[1].mod_revision, pair[1].sub)
-            });
+            let ordered = history
+                .iter()
+                .zip(history.iter().skip(1))
+                .all(|(older, newer)| {
+                    (older.mod_revision, older.sub) < (newer.mod_revision, newer.sub)
+                });
             let in_range = history
                 .iter()
                 .all(|record| record.mod_revision <= self.revision);
@@ -740,13 +748,13 @@ mod tests {
         let as_btree: std::collections::BTreeMap<Bytes, Vec<Record>> = store
             .keys
             .iter()
-            .map(|(key, history)| (key.clone(), history.clone()))
+            .map(|(key, history)| (key.clone(), history.iter().cloned().collect()))
             .collect();
         assert_eq!(
             postcard::to_allocvec(&store.keys).expect("in memory"),
             postcard::to_allocvec(&as_btree).expect("in memory")
         );
-        let decoded: OrdMap<Bytes, Vec<Record>> =
+        let decoded: OrdMap<Bytes, History<Record>> =
             postcard::from_bytes(&postcard::to_allocvec(&as_btree).expect("in memory"))
                 .expect("decodes");
         assert_eq!(decoded, store.keys);

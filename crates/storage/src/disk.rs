@@ -134,7 +134,14 @@ impl Disk for OsDisk {
     }
 
     fn remove_file(&self, path: &Path) -> io::Result<()> {
-        fs::remove_file(path)
+        // Held open across the unlink, the file loses only its name here; the release thread
+        // frees its blocks a step at a time, not the Raft thread that called this at once.
+        let held = OpenOptions::new().write(true).open(path).ok();
+        fs::remove_file(path)?;
+        if let Some(file) = held {
+            crate::release::release_removed_file(file);
+        }
+        Ok(())
     }
 
     fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {

@@ -8,6 +8,7 @@
 //! - [`snapshot`]: snapshot files streamed in chunks.
 //! - [`storage`]: [`WalStorage`], which implements [`conclave_raft::Storage`].
 //! - [`repair`](mod@repair): cutting a damaged log so the node can rejoin.
+//! - [`release`](mod@release): freeing removed files and replaced images off the Raft thread.
 //!
 //! # Use
 //! ```
@@ -32,6 +33,7 @@
 
 pub mod disk;
 pub mod error;
+pub mod release;
 pub mod repair;
 pub mod sim_disk;
 pub mod snapshot;

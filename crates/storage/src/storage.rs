@@ -331,7 +331,7 @@ impl WalStorage {
         let writer = self.begin_snapshot(meta)?;
         let file = writer.finish()?;
         self.record_snapshot(file, false)?;
-        *self.lock_snapshot_data() = Some(Bytes::new());
+        self.set_snapshot_data(Some(Bytes::new()));
         self.set_hard_state(hard_state)?;
         self.wal.sync()?;
         Ok(())
@@ -462,7 +462,7 @@ impl WalStorage {
         data: Bytes,
     ) -> Result<()> {
         self.record_created_snapshot(file)?;
-        *self.lock_snapshot_data() = Some(data);
+        self.set_snapshot_data(Some(data));
         Ok(())
     }
 
@@ -483,7 +483,7 @@ impl WalStorage {
         writer.write_chunk(&data)?;
         let file = writer.finish()?;
         self.record_created_snapshot(file)?;
-        *self.lock_snapshot_data() = Some(data);
+        self.set_snapshot_data(Some(data));
         Ok(())
     }
 
@@ -493,7 +493,7 @@ impl WalStorage {
         writer.write_chunk(&snapshot.data)?;
         let file = writer.finish()?;
         self.install_snapshot(file)?;
-        *self.lock_snapshot_data() = Some(snapshot.data);
+        self.set_snapshot_data(Some(snapshot.data));
         Ok(())
     }
 
@@ -525,7 +525,7 @@ impl WalStorage {
             self.cache = EntryCache::default();
         }
         self.snapshot_file = Some(file);
-        *self.lock_snapshot_data() = None;
+        self.set_snapshot_data(None);
         Ok(())
     }
 
@@ -571,6 +571,14 @@ impl WalStorage {
         match &self.snapshot_file {
             Some(file) => SnapshotReader::open(self.disk.as_ref(), file.clone()).map(Some),
             None => Ok(None),
+        }
+    }
+
+    /// Replaces the image kept for followers; the old one is freed off this thread.
+    fn set_snapshot_data(&self, data: Option<Bytes>) {
+        let replaced = std::mem::replace(&mut *self.lock_snapshot_data(), data);
+        if let Some(replaced) = replaced {
+            crate::release::release(replaced);
         }
     }
 

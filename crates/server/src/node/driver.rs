@@ -1000,9 +1000,11 @@ impl<M: ReplicatedMachine, D: ShellDuties<M>> Driver<M, D> {
         })?;
         let file = file?;
         let bytes = data.len();
+        let recording = Instant::now();
         let recorded = self.core.snapshot_written(job.index, |store| {
             Ok(store.record_created_snapshot_with_data(file, data)?)
         })?;
+        let record_ms = recording.elapsed().as_secs_f64() * 1e3;
         if recorded {
             self.shell
                 .metrics
@@ -1013,6 +1015,7 @@ impl<M: ReplicatedMachine, D: ShellDuties<M>> Driver<M, D> {
                 bytes,
                 freeze_ms = job.freeze_ms,
                 encode_ms,
+                record_ms,
                 total_ms = job.started.elapsed().as_secs_f64() * 1e3,
                 "snapshot taken, log compacted"
             );
