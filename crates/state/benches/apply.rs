@@ -239,6 +239,44 @@ fn bench_puts_after_freeze(keys: u64, revisions_per_key: u64) -> (String, String
     )
 }
 
+/// How long freezing the machine for a snapshot takes (on the driver thread) with `groups`
+/// priority groups of 3 candidates, each group's candidates under one lease of their own.
+fn bench_freeze_at_scale(groups: u64) -> (String, String) {
+    let mut runner = Runner::new();
+    for group in 0..groups {
+        let lease = group as i64 + 1;
+        runner.apply(Request::LeaseGrant {
+            id: lease,
+            ttl_ms: 600_000,
+        });
+        for candidate in 0..3 {
+            runner.apply(Request::GroupRegister(GroupRegister {
+                group: format!("group-{group}"),
+                candidate: format!("agent-{group}-{candidate}"),
+                priority: candidate,
+                value: Bytes::from_static(b"10.0.0.1:7000"),
+                lease_id: lease,
+                preempt: false,
+            }));
+        }
+    }
+    let freeze_ms = (0..3)
+        .map(|_| {
+            let start = Instant::now();
+            let frozen = runner.machine.clone();
+            let took_ms = start.elapsed().as_secs_f64() * 1e3;
+            drop(frozen);
+            took_ms
+        })
+        .fold(f64::MAX, f64::min);
+    (
+        format!("{freeze_ms:.2} ms"),
+        format!(
+            "freezing the machine for a snapshot: {groups} leases and {groups} groups of 3 candidates"
+        ),
+    )
+}
+
 fn bench_memory(keys: u64) -> (String, String, String) {
     let before = LIVE_BYTES.load(Ordering::Relaxed);
     let mut runner = Runner::new();
@@ -283,6 +321,8 @@ fn main() {
     println!("| election churn | {value} applies/s | {detail} |");
     let (value, detail) = bench_puts_after_freeze(1000, 800 / scale);
     println!("| puts after a freeze | {value} | {detail} |");
+    let (value, detail) = bench_freeze_at_scale(10_000 / scale);
+    println!("| freeze at scale | {value} | {detail} |");
     let (value, detail, snapshot) = bench_memory(1_000_000 / scale);
     println!("| memory per key | {value} | {detail} |");
     println!();

@@ -26,6 +26,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use bytes::Bytes;
+use imbl::OrdMap;
 use serde::{Deserialize, Serialize};
 
 use crate::config::{Config, LEASE_TTL_MS_MAX};
@@ -89,7 +90,7 @@ pub struct Lease {
 /// The replicated lease table.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct LeaseTable {
-    leases: BTreeMap<i64, Lease>,
+    leases: OrdMap<i64, Lease>,
     /// Next ID to try for grants that let the state machine choose. Invariant: > 0.
     next_id: i64,
     /// Moves on every grant and removal, so the leader's [`LeaseKeeper::sync`] can tell a
@@ -118,7 +119,7 @@ impl LeaseTable {
     /// An empty table.
     pub fn new() -> Self {
         LeaseTable {
-            leases: BTreeMap::new(),
+            leases: OrdMap::new(),
             next_id: 1,
             generation: 0,
         }
@@ -508,6 +509,30 @@ mod tests {
             lease_checkpoint_interval_ms: 10_000,
             ..Config::default()
         }
+    }
+
+    /// Snapshot images written before the table became a persistent map must still load, and
+    /// images must not change: it encodes exactly as the `BTreeMap` it replaced.
+    #[test]
+    fn the_lease_map_encodes_exactly_as_a_btreemap() {
+        let mut table = LeaseTable::new();
+        for _ in 0..300 {
+            let (id, _) = table.grant(0, 5000, 0, &config()).expect("grant");
+            table.leases.get_mut(&id).expect("granted").keys =
+                [Bytes::from(format!("key/{id}"))].into();
+        }
+        let as_btree: BTreeMap<i64, Lease> = table
+            .leases
+            .iter()
+            .map(|(id, lease)| (*id, lease.clone()))
+            .collect();
+        let bytes = postcard::to_allocvec(&as_btree).expect("in memory");
+        assert_eq!(
+            postcard::to_allocvec(&table.leases).expect("in memory"),
+            bytes
+        );
+        let decoded: OrdMap<i64, Lease> = postcard::from_bytes(&bytes).expect("decodes");
+        assert_eq!(decoded, table.leases);
     }
 
     #[test]

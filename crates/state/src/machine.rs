@@ -14,9 +14,8 @@
 //! together), and so does each priority-group seat grant, so every fence is unique even when one
 //! command (say a lease expiry) changes the seats of several groups.
 
-use std::collections::BTreeMap;
-
 use bytes::Bytes;
+use imbl::OrdMap;
 use serde::{Deserialize, Serialize};
 
 use crate::auth::{Access, AuthRequest, AuthState};
@@ -86,7 +85,7 @@ pub(crate) struct StateV1 {
     now_ms: u64,
     kv: KvStore,
     leases: LeaseTable,
-    groups: BTreeMap<String, Group>,
+    groups: OrdMap<String, Group>,
     topics: Topics,
     sessions: crate::session::SessionsV1,
 }
@@ -113,7 +112,7 @@ pub(crate) struct StateV2 {
     now_ms: u64,
     kv: KvStore,
     leases: LeaseTable,
-    groups: BTreeMap<String, Group>,
+    groups: OrdMap<String, Group>,
     topics: Topics,
     sessions: crate::session::SessionsV2,
 }
@@ -140,7 +139,7 @@ pub(crate) struct State {
     pub(crate) now_ms: u64,
     pub(crate) kv: KvStore,
     pub(crate) leases: LeaseTable,
-    pub(crate) groups: BTreeMap<String, Group>,
+    pub(crate) groups: OrdMap<String, Group>,
     pub(crate) topics: Topics,
     pub(crate) sessions: Sessions,
     /// Users, roles and permissions (snapshot format 4 on; empty before).
@@ -154,7 +153,7 @@ pub(crate) struct StateV3 {
     now_ms: u64,
     kv: KvStore,
     leases: LeaseTable,
-    groups: BTreeMap<String, Group>,
+    groups: OrdMap<String, Group>,
     topics: Topics,
     sessions: Sessions,
 }

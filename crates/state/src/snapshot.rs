@@ -253,6 +253,52 @@ mod tests {
     use crate::command::{Command, Request};
     use crate::txn::PutRequest;
 
+    /// The groups became a persistent map (a freeze no longer copies them); images must not
+    /// change: the map encodes exactly as the `BTreeMap` it replaced.
+    #[test]
+    fn the_group_map_encodes_exactly_as_a_btreemap() {
+        let mut machine = StateMachine::new(crate::Config::default());
+        let mut index = 0;
+        let mut apply = |machine: &mut StateMachine, request: Request| {
+            index += 1;
+            let output = machine.apply(index, &Command::new(index, request));
+            assert!(output.result.is_ok(), "{:?}", output.result);
+        };
+        for group in 0..200i64 {
+            apply(
+                &mut machine,
+                Request::LeaseGrant {
+                    id: group + 1,
+                    ttl_ms: 60_000,
+                },
+            );
+            for candidate in 0..2 {
+                apply(
+                    &mut machine,
+                    Request::GroupRegister(crate::GroupRegister {
+                        group: format!("group-{group}"),
+                        candidate: format!("agent-{candidate}"),
+                        priority: candidate,
+                        value: bytes::Bytes::from_static(b"10.0.0.1:7000"),
+                        lease_id: group + 1,
+                        preempt: false,
+                    }),
+                );
+            }
+        }
+        let as_btree: std::collections::BTreeMap<String, crate::election::Group> = machine
+            .state
+            .groups
+            .iter()
+            .map(|(name, group)| (name.clone(), group.clone()))
+            .collect();
+        assert_eq!(as_btree.len(), 200);
+        assert_eq!(
+            postcard::to_allocvec(&machine.state.groups).expect("in memory"),
+            postcard::to_allocvec(&as_btree).expect("in memory")
+        );
+    }
+
     /// A frame writer holding the image's magic and `version`, as every format begins.
     fn image_header(version: u32) -> FrameWriter<Vec<u8>> {
         let mut frames = FrameWriter {
