@@ -17,11 +17,10 @@ use std::ops::Bound;
 
 use bytes::Bytes;
 use imbl::OrdMap;
-
-use crate::history::History;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
+use crate::history::History;
 
 /// One key's value as of some revision, as etcd's `mvccpb.KeyValue`.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]

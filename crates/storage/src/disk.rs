@@ -134,8 +134,8 @@ impl Disk for OsDisk {
     }
 
     fn remove_file(&self, path: &Path) -> io::Result<()> {
-        // Held open across the unlink, the file loses only its name here; the release thread
-        // frees its blocks a step at a time, not the Raft thread that called this at once.
+        // Held open across the unlink, the file loses only its name here. The release thread
+        // frees its blocks a step at a time, so the Raft thread that called this never waits.
         let held = OpenOptions::new().write(true).open(path).ok();
         fs::remove_file(path)?;
         if let Some(file) = held {
