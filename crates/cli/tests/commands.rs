@@ -202,7 +202,7 @@ async fn bench_reports_throughput_and_latency_percentiles() {
     let cluster = Cluster::start(3).await;
     let eps = cluster.endpoints();
     let eps = eps.as_str();
-    for op in ["put", "get", "txn", "lock"] {
+    for op in ["put", "get", "txn", "lock", "publish", "queue"] {
         let report = run(
             eps,
             &[
@@ -220,11 +220,36 @@ async fn bench_reports_throughput_and_latency_percentiles() {
         .data();
         assert_eq!(report["op"], op);
         assert!(report["ops"].as_u64().is_some_and(|n| n > 0), "{report}");
+        assert_eq!(report["errors"], 0, "{report}");
         assert!(report["ops_per_s"].as_f64().is_some_and(|r| r > 0.0));
         let latency = &report["latency_ms"];
         let p = |k: &str| latency[k].as_f64().unwrap_or(-1.0);
         assert!(0.0 < p("p50") && p("p50") <= p("p90") && p("p90") <= p("p99"));
         assert!(p("p99") <= p("p99_9") && p("p99_9") <= p("max"), "{report}");
+    }
+    // --spread: the clients' connections go to every member, followers included.
+    for op in ["put", "publish", "queue"] {
+        let report = run(
+            eps,
+            &[
+                "bench",
+                op,
+                "--clients",
+                "6",
+                "--duration",
+                "500ms",
+                "--spread",
+                "--json",
+            ],
+        )
+        .data();
+        assert_eq!(
+            report["endpoints"].as_array().map(Vec::len),
+            Some(3),
+            "{report}"
+        );
+        assert!(report["ops"].as_u64().is_some_and(|n| n > 0), "{report}");
+        assert_eq!(report["errors"], 0, "{report}");
     }
     let table = run(
         eps,

@@ -1,4 +1,4 @@
-//! Locks, elections and topics over real servers (in-process nodes on loopback ports), through
+//! Locks, elections, topics and queues over real servers (in-process nodes on loopback ports), through
 //! the tonic clients: etcd's v3lock and v3election, Conclave's own Election/Topic/Status, and
 //! `etcdctl lock` / `etcdctl elect` when etcdctl is installed.
 
@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use conclave_proto::conclave::v1 as cv1;
 use conclave_proto::conclave::v1::election_client::ElectionClient as GroupClient;
+use conclave_proto::conclave::v1::queue_client::QueueClient;
 use conclave_proto::conclave::v1::status_client::StatusClient;
 use conclave_proto::conclave::v1::topic_client::TopicClient;
 use conclave_proto::etcdserverpb::kv_client::KvClient;
@@ -931,5 +932,177 @@ async fn etcdctl_lock_serialises_two_processes_and_elect_reports_the_leader() {
     if let Ok(leader) = leader {
         assert_eq!(leader.into_inner().kv.expect("kv").value, b"alice"[..]);
     }
+    cluster.stop().await;
+}
+
+/// The member id and the leader's index, as a member's Status reports them.
+async fn member_and_leader(cluster: &Cluster, index: usize) -> (u64, u64) {
+    let status = MaintenanceClient::new(cluster.channel(index).await)
+        .status(StatusRequest {})
+        .await
+        .expect("status")
+        .into_inner();
+    (status.header.map_or(0, |h| h.member_id), status.leader)
+}
+
+/// Topic and queue writes that reach a follower go to the leader over the peer link, as KV
+/// writes do, and the follower answers them itself: its own member id in the header (a
+/// forwarded gRPC call would carry the leader's). Their answers and their errors are the ones
+/// the leader gives when called directly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn topic_and_queue_writes_through_a_follower_take_the_peer_link_and_keep_their_answers() {
+    let cluster = Cluster::start(3).await;
+    let follower = cluster.follower().await;
+    let (follower_id, leader_id) = member_and_leader(&cluster, follower).await;
+    assert_ne!(follower_id, leader_id, "a 3-member cluster has a follower");
+    let answered_by = |header: Option<cv1::ResponseHeader>| header.map_or(0, |h| h.member_id);
+
+    let mut topics = TopicClient::new(cluster.channel(follower).await);
+    let configured = topics
+        .configure(cv1::TopicConfigureRequest {
+            topic: "through".into(),
+            max_messages: 100,
+            max_age_ms: 0,
+        })
+        .await
+        .expect("configure through the follower")
+        .into_inner();
+    assert_eq!(answered_by(configured.header), follower_id, "configure");
+    for expected_seq in 1..=3 {
+        let published = topics
+            .publish(cv1::PublishRequest {
+                topic: "through".into(),
+                data: format!("m{expected_seq}").into_bytes().into(),
+                from: "agent-7".into(),
+            })
+            .await
+            .expect("publish through the follower")
+            .into_inner();
+        assert_eq!(published.seq, expected_seq, "dense sequence numbers");
+        assert_eq!(answered_by(published.header), follower_id, "publish");
+    }
+    let acked = topics
+        .ack(cv1::AckRequest {
+            consumer: "reader".into(),
+            topic: "through".into(),
+            seq: 2,
+        })
+        .await
+        .expect("ack through the follower")
+        .into_inner();
+    assert_eq!(acked.acked_seq, 2);
+    assert_eq!(answered_by(acked.header), follower_id, "topic ack");
+    // The sender named in each publish reached the log.
+    let read = topics
+        .read(cv1::ReadRequest {
+            topic: "through".into(),
+            from_seq: 1,
+            limit: 0,
+        })
+        .await
+        .expect("read")
+        .into_inner();
+    let senders: Vec<&str> = read.messages.iter().map(|m| m.from.as_str()).collect();
+    assert_eq!(senders, ["agent-7"; 3]);
+
+    let mut queues = QueueClient::new(cluster.channel(follower).await);
+    let pushed = queues
+        .push(cv1::QueuePushRequest {
+            queue: "work".into(),
+            payload: b"job".to_vec().into(),
+            ..Default::default()
+        })
+        .await
+        .expect("push through the follower")
+        .into_inner();
+    assert!(pushed.job_id > 0);
+    assert_eq!(answered_by(pushed.header), follower_id, "push");
+    let claimed = queues
+        .claim(cv1::QueueClaimRequest {
+            queue: "work".into(),
+            worker: "w1".into(),
+            visibility_timeout_ms: 30_000,
+            wait_ms: 0,
+        })
+        .await
+        .expect("claim through the follower")
+        .into_inner();
+    assert_eq!(answered_by(claimed.header), follower_id, "claim");
+    let job = claimed.job.expect("the pushed job is claimed");
+    assert_eq!(job.id, pushed.job_id);
+    let extended = queues
+        .extend(cv1::QueueExtendRequest {
+            queue: "work".into(),
+            job_id: job.id,
+            fence: job.fence,
+            visibility_timeout_ms: 60_000,
+        })
+        .await
+        .expect("extend through the follower")
+        .into_inner();
+    assert_eq!(answered_by(extended.header), follower_id, "extend");
+    let nacked = queues
+        .nack(cv1::QueueNackRequest {
+            queue: "work".into(),
+            job_id: job.id,
+            fence: job.fence,
+            delay_ms: 0,
+        })
+        .await
+        .expect("nack through the follower")
+        .into_inner();
+    assert_eq!(answered_by(nacked.header), follower_id, "nack");
+    assert!(!nacked.dead_lettered);
+    let again = queues
+        .claim(cv1::QueueClaimRequest {
+            queue: "work".into(),
+            worker: "w2".into(),
+            visibility_timeout_ms: 30_000,
+            wait_ms: 0,
+        })
+        .await
+        .expect("claim again")
+        .into_inner()
+        .job
+        .expect("the nacked job is claimable again");
+    assert_ne!(again.fence, job.fence, "a new claim, a new fence");
+
+    // An ack with the first claim's fence is refused the same way through the follower as
+    // on the leader.
+    let stale = cv1::QueueAckRequest {
+        queue: "work".into(),
+        job_id: job.id,
+        fence: job.fence,
+    };
+    let through_follower = queues
+        .ack(stale.clone())
+        .await
+        .expect_err("a stale fence is refused through the follower");
+    let leader = (0..3)
+        .find(|&index| index != follower)
+        .expect("another member");
+    let leader = if member_and_leader(&cluster, leader).await.0 == leader_id {
+        leader
+    } else {
+        (0..3)
+            .find(|&index| index != follower && index != leader)
+            .expect("the third member")
+    };
+    let on_leader = QueueClient::new(cluster.channel(leader).await)
+        .ack(stale)
+        .await
+        .expect_err("a stale fence is refused on the leader");
+    assert_eq!(through_follower.code(), on_leader.code());
+    assert_eq!(through_follower.message(), on_leader.message());
+    let acked = queues
+        .ack(cv1::QueueAckRequest {
+            queue: "work".into(),
+            job_id: again.id,
+            fence: again.fence,
+        })
+        .await
+        .expect("ack with the current fence")
+        .into_inner();
+    assert_eq!(answered_by(acked.header), follower_id, "queue ack");
     cluster.stop().await;
 }

@@ -1,6 +1,9 @@
-//! `bench put|get|txn|lock|elect`: a load generator. `put`, `get` and `txn` use the plain etcd
-//! v3 KV API (raw gRPC) and `lock` etcd's v3lock API, so those runs can be pointed at etcd for
-//! a side-by-side comparison; `elect` measures Conclave's failover time.
+//! `bench put|get|txn|lock|publish|queue|elect`: a load generator. `put`, `get` and `txn` use
+//! the plain etcd v3 KV API (raw gRPC) and `lock` etcd's v3lock API, so those runs can be
+//! pointed at etcd for a side-by-side comparison; `publish` and `queue` load Conclave's topics
+//! and work queues; `elect` measures Conclave's failover time. With `--spread` the clients'
+//! connections go to every endpoint in turn, as etcd's clients spread theirs, so writes also
+//! take the path through a follower.
 
 use std::io::{IsTerminal, Write};
 use std::sync::Arc;
@@ -9,6 +12,9 @@ use std::time::{Duration, Instant};
 
 use clap::{Args, Subcommand};
 use conclave_client::{CampaignOptions, Client, LockOptions};
+use conclave_proto::conclave::v1 as cv1;
+use conclave_proto::conclave::v1::queue_client::QueueClient;
+use conclave_proto::conclave::v1::topic_client::TopicClient;
 use conclave_proto::etcdserverpb::compare::{CompareResult, CompareTarget, TargetUnion};
 use conclave_proto::etcdserverpb::kv_client::KvClient;
 use conclave_proto::etcdserverpb::request_op::Request as RequestOpKind;
@@ -44,6 +50,11 @@ pub enum BenchCommand {
     Txn(BenchArgs),
     /// Lock and unlock (etcd v3lock) over --key-space lock names.
     Lock(BenchArgs),
+    /// Topic publishes of --value-size bytes over --key-space topics.
+    Publish(BenchArgs),
+    /// Work-queue rounds, each a push of --value-size bytes, a claim and an ack, on a queue
+    /// of the client's own.
+    Queue(BenchArgs),
     /// Failover time: kill a leader's session, time the next candidate's election.
     Elect(ElectBenchArgs),
     /// Scale run: N sessions kept alive once a second and N election groups of 3 candidates,
@@ -78,6 +89,10 @@ pub struct BenchArgs {
     /// gets only: serve reads from the answering member without a leader round trip.
     #[arg(long)]
     pub serializable: bool,
+    /// Open the connections to every endpoint of --endpoints in turn, not only to the leader
+    /// the client library finds: writes sent to a follower then go through it to the leader.
+    #[arg(long)]
+    pub spread: bool,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -86,6 +101,8 @@ enum Kind {
     Get,
     Txn,
     Lock,
+    Publish,
+    Queue,
 }
 
 impl Kind {
@@ -95,6 +112,8 @@ impl Kind {
             Kind::Get => "get",
             Kind::Txn => "txn",
             Kind::Lock => "lock",
+            Kind::Publish => "publish",
+            Kind::Queue => "queue",
         }
     }
 }
@@ -109,6 +128,8 @@ pub async fn run(ctx: &Ctx, command: BenchCommand) -> CmdResult {
         BenchCommand::Get(args) => (Kind::Get, args),
         BenchCommand::Txn(args) => (Kind::Txn, args),
         BenchCommand::Lock(args) => (Kind::Lock, args),
+        BenchCommand::Publish(args) => (Kind::Publish, args),
+        BenchCommand::Queue(args) => (Kind::Queue, args),
         BenchCommand::Elect(args) => return elect(ctx, args).await,
         BenchCommand::Scale(args) => return super::bench_scale::run(ctx, args).await,
     };
@@ -130,9 +151,14 @@ pub async fn run(ctx: &Ctx, command: BenchCommand) -> CmdResult {
     // The client library finds the Raft leader (Status + MemberList, which etcd serves too).
     let cluster = ctx.connect().await?;
     let target = cluster.current_endpoint().await?;
+    let targets = if args.spread {
+        cluster.endpoints().to_vec()
+    } else {
+        vec![target.clone()]
+    };
     let connections: Vec<Channel> = (0..args.clients.min(BENCH_CONNECTIONS_MAX))
-        .map(|_| {
-            conclave_client::endpoint(&target, ctx.tls.as_ref())
+        .map(|n| {
+            conclave_client::endpoint(&targets[n % targets.len()], ctx.tls.as_ref())
                 .map(|e| e.connect_timeout(ctx.timeout).connect_lazy())
                 .map_err(Failure::from)
         })
@@ -159,7 +185,10 @@ pub async fn run(ctx: &Ctx, command: BenchCommand) -> CmdResult {
     let stop_at = start + duration;
     let workers: Vec<_> = (0..args.clients)
         .map(|client| {
-            let mut kv = KvClient::new(connections[client % connections.len()].clone());
+            let channel = connections[client % connections.len()].clone();
+            let mut kv = KvClient::new(channel.clone());
+            let mut topics = TopicClient::new(channel.clone());
+            let mut queues = QueueClient::new(channel);
             let value = value.clone();
             let done = done.clone();
             let failed = failed.clone();
@@ -224,6 +253,16 @@ pub async fn run(ctx: &Ctx, command: BenchCommand) -> CmdResult {
                             request.set_timeout(timeout);
                             kv.txn(request).await.is_ok()
                         }
+                        Kind::Publish => {
+                            let mut request = tonic::Request::new(cv1::PublishRequest {
+                                topic: format!("bench/{}", i % key_space),
+                                data: value.clone().into(),
+                                from: String::new(),
+                            });
+                            request.set_timeout(timeout);
+                            topics.publish(request).await.is_ok()
+                        }
+                        Kind::Queue => queue_round(&mut queues, client, &value, timeout).await,
                         Kind::Lock => {
                             let name = format!("bench-lock/{}", i % key_space);
                             let options = LockOptions {
@@ -304,7 +343,7 @@ pub async fn run(ctx: &Ctx, command: BenchCommand) -> CmdResult {
     let op = kind.name();
     ctx.out.ok(
         json!({
-            "op": op, "endpoint": target, "clients": args.clients,
+            "op": op, "endpoint": target, "endpoints": targets, "clients": args.clients,
             "duration_s": elapsed.as_secs_f64(), "value_size": args.value_size,
             "ops": ops, "errors": errors, "ops_per_s": rate, "latency_ms": latency,
         }),
@@ -337,6 +376,47 @@ pub async fn run(ctx: &Ctx, command: BenchCommand) -> CmdResult {
         ));
     }
     Ok(0)
+}
+
+/// One `bench queue` round on the client's own queue: push a job, claim it, ack it. True when
+/// all three succeeded and the claim returned a job.
+async fn queue_round(
+    queues: &mut QueueClient<Channel>,
+    client: usize,
+    payload: &[u8],
+    timeout: Duration,
+) -> bool {
+    let queue = format!("bench-queue/{client}");
+    let mut push = tonic::Request::new(cv1::QueuePushRequest {
+        queue: queue.clone(),
+        payload: payload.to_vec().into(),
+        ..Default::default()
+    });
+    push.set_timeout(timeout);
+    if queues.push(push).await.is_err() {
+        return false;
+    }
+    let mut claim = tonic::Request::new(cv1::QueueClaimRequest {
+        queue: queue.clone(),
+        worker: format!("bench-{client}"),
+        ..Default::default()
+    });
+    claim.set_timeout(timeout);
+    let Some(job) = queues
+        .claim(claim)
+        .await
+        .ok()
+        .and_then(|c| c.into_inner().job)
+    else {
+        return false;
+    };
+    let mut ack = tonic::Request::new(cv1::QueueAckRequest {
+        queue,
+        job_id: job.id,
+        fence: job.fence,
+    });
+    ack.set_timeout(timeout);
+    queues.ack(ack).await.is_ok()
 }
 
 /// Percentiles of `values` (sorted here), in milliseconds.

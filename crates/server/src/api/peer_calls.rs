@@ -25,11 +25,12 @@
 //! failure, retried on whichever member leads by then (the write may have been applied, as
 //! with a broken gRPC connection; a client session makes the retry exactly-once). A call
 //! queued before its link failed is never sent afterwards ([`PeerCalls::link_failed`]).
-//! Only the KV writes (put, delete, txn, compact: `Api::write_self_contained`) take this
-//! path; calls that carry a lock fence, calls whose caller this member cannot verify (its
-//! auth state may lag the leader's), and every other write still go as gRPC calls, since
-//! some handlers check state before they build the command and count on the leader checking
-//! again.
+//! Only writes whose command is built from the request alone take this path
+//! (`Api::write_self_contained`: the KV writes, topic publish, ack and configure, and the
+//! work-queue writes); calls that carry a lock fence, calls whose caller this member cannot
+//! verify (its auth state may lag the leader's), and every other write still go as gRPC
+//! calls, since some handlers check state before they build the command and count on the
+//! leader checking again.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};

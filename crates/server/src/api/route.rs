@@ -555,10 +555,10 @@ impl Api {
     }
 
     /// [`Api::write`] for a write whose command is complete as the member that received it
-    /// built it (the KV writes): a follower may hand it to the leader over the peer link
-    /// ([`super::peer_calls`]). A handler that checks state before it builds the command, and
-    /// counts on a follower forwarding the whole call so the leader checks again (Resign),
-    /// must use [`Api::write`].
+    /// built it (the KV, topic and work-queue writes): a follower may hand it to the leader
+    /// over the peer link ([`super::peer_calls`]). A handler that checks state before it
+    /// builds the command, and counts on a follower forwarding the whole call so the leader
+    /// checks again (Resign), must use [`Api::write`].
     pub async fn write_self_contained<M, R>(
         &self,
         ctx: &CallContext,

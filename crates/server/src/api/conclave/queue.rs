@@ -126,7 +126,7 @@ impl Queue for QueueService {
             dedup_key: Some(message.dedup_key.clone()).filter(|key| !key.is_empty()),
             max_attempts: message.max_attempts,
         });
-        api.write(
+        api.write_self_contained(
             &ctx,
             command,
             &message,
@@ -178,7 +178,7 @@ impl Queue for QueueService {
             visibility_timeout_ms: message.visibility_timeout_ms,
         };
         let queue = message.queue.clone();
-        api.write(
+        api.write_self_contained(
             &ctx,
             command,
             &message,
@@ -210,7 +210,7 @@ impl Queue for QueueService {
             job_id: message.job_id,
             fence: message.fence,
         };
-        api.write(
+        api.write_self_contained(
             &ctx,
             command,
             &message,
@@ -239,7 +239,7 @@ impl Queue for QueueService {
             fence: message.fence,
             delay_ms: message.delay_ms,
         };
-        api.write(
+        api.write_self_contained(
             &ctx,
             command,
             &message,
@@ -269,7 +269,7 @@ impl Queue for QueueService {
             fence: message.fence,
             visibility_timeout_ms: message.visibility_timeout_ms,
         };
-        api.write(
+        api.write_self_contained(
             &ctx,
             command,
             &message,

@@ -53,7 +53,7 @@ async fn ack(
         topic: message.topic.clone(),
         seq: message.seq,
     };
-    api.write(
+    api.write_self_contained(
         ctx,
         command,
         &message,
@@ -101,7 +101,7 @@ impl Topic for TopicService {
                 from: message.from.clone(),
             }
         };
-        api.write(
+        api.write_self_contained(
             &ctx,
             command,
             &message,
@@ -134,7 +134,7 @@ impl Topic for TopicService {
                 max_age_ms: (message.max_age_ms > 0).then_some(message.max_age_ms),
             },
         };
-        api.write(
+        api.write_self_contained(
             &ctx,
             command,
             &message,
