@@ -305,10 +305,11 @@ async fn grant_time_to_live_leases_revoke_through_a_follower_with_etcd_errors() 
         .await
         .expect("revoke")
         .into_inner();
+    let header = revoked.header.expect("header");
+    assert_eq!(header.revision, before + 1, "both keys go in one revision");
     assert_eq!(
-        revoked.header.expect("header").revision,
-        before + 1,
-        "both keys go in one revision"
+        header.member_id, follower,
+        "the follower handed the revoke to the leader over the peer link and answered it"
     );
     assert_eq!(exists(&cluster, follower, "leased/a").await, Some(false));
     assert_eq!(exists(&cluster, follower, "leased/b").await, Some(false));

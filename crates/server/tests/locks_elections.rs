@@ -367,7 +367,9 @@ async fn lock_waits_fifo_fences_rise_expired_waiter_never_granted_stale_unlock_f
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn etcd_election_campaign_leader_proclaim_resign_observe_through_a_follower() {
     let cluster = Cluster::start(3).await;
-    let channel = cluster.channel(cluster.follower().await).await;
+    let follower = cluster.follower().await;
+    let (follower_id, _) = member_and_leader(&cluster, follower).await;
+    let channel = cluster.channel(follower).await;
     let mut election = ElectionClient::new(channel.clone());
     let alice_lease = grant(&channel, 60).await;
     let bob_lease = grant(&channel, 60).await;
@@ -408,13 +410,16 @@ async fn etcd_election_campaign_leader_proclaim_resign_observe_through_a_followe
     tokio::time::sleep(STILL_WAITING).await;
     assert!(!bob.is_finished(), "bob waits while alice leads");
 
-    election
+    let proclaimed = election
         .proclaim(epb::ProclaimRequest {
             leader: Some(alice.clone()),
             value: "alice-2".into(),
         })
         .await
-        .expect("proclaim");
+        .expect("proclaim")
+        .into_inner();
+    // Proclaim and Resign take the peer link to the leader; the follower answers them.
+    assert_eq!(proclaimed.header.map(|h| h.member_id), Some(follower_id));
     let proclaimed = observer.next().await.expect("second").expect("ok");
     assert_eq!(proclaimed.kv.expect("kv").value, b"alice-2"[..]);
     let leader = election
@@ -426,12 +431,14 @@ async fn etcd_election_campaign_leader_proclaim_resign_observe_through_a_followe
         .into_inner();
     assert_eq!(leader.kv.expect("kv").value, b"alice-2"[..]);
 
-    election
+    let resigned = election
         .resign(epb::ResignRequest {
             leader: Some(alice.clone()),
         })
         .await
-        .expect("resign");
+        .expect("resign")
+        .into_inner();
+    assert_eq!(resigned.header.map(|h| h.member_id), Some(follower_id));
     let bob = tokio::time::timeout(Duration::from_secs(5), bob)
         .await
         .expect("bob is elected promptly")
@@ -483,7 +490,9 @@ fn campaign(group: &str, id: &str, priority: i64, lease: i64) -> cv1::CampaignRe
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn priority_campaign_stability_preemption_wait_proclaim_and_observe_on_three_nodes() {
     let cluster = Cluster::start(3).await;
-    let channel = cluster.channel(cluster.follower().await).await;
+    let follower = cluster.follower().await;
+    let (follower_id, _) = member_and_leader(&cluster, follower).await;
+    let channel = cluster.channel(follower).await;
     let mut groups = GroupClient::new(channel.clone());
     let low_lease = grant(&channel, 60).await;
     let high_lease = grant(&channel, 60).await;
@@ -587,8 +596,9 @@ async fn priority_campaign_stability_preemption_wait_proclaim_and_observe_on_thr
     assert!(leader.fence > low_fence, "fences rise");
     assert!(!mid.is_finished(), "mid still waits behind high");
 
-    // Fenced proclaim: the leader's fence works, a stale one is refused.
-    groups
+    // Fenced proclaim: the leader's fence works, a stale one is refused. It takes the peer
+    // link to the leader; the follower answers it.
+    let proclaimed = groups
         .proclaim(cv1::ProclaimRequest {
             group: "workers".into(),
             candidate_id: "high".into(),
@@ -596,7 +606,9 @@ async fn priority_campaign_stability_preemption_wait_proclaim_and_observe_on_thr
             value: "high-2".into(),
         })
         .await
-        .expect("proclaim");
+        .expect("proclaim")
+        .into_inner();
+    assert_eq!(proclaimed.header.map(|h| h.member_id), Some(follower_id));
     let stale = groups
         .proclaim(cv1::ProclaimRequest {
             group: "workers".into(),

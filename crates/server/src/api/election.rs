@@ -124,7 +124,7 @@ impl Election for ElectionService {
             leader,
             value: message.value.clone(),
         };
-        api.write(
+        api.write_self_contained(
             &ctx,
             command,
             &message,
@@ -222,7 +222,7 @@ impl Election for ElectionService {
         let message = request.into_inner();
         let leader = leader_from_pb(message.leader.clone())?;
         let api = &self.api;
-        api.write(
+        api.write_self_contained(
             &ctx,
             Request::Resign { leader },
             &message,

@@ -567,7 +567,7 @@ impl Lease for LeaseService {
         let message = request.into_inner();
         let api = &shared.api;
         let command = Request::LeaseRevoke { id: message.id };
-        api.write(
+        api.write_self_contained(
             &ctx,
             command,
             &message,

@@ -26,8 +26,9 @@
 //! with a broken gRPC connection; a client session makes the retry exactly-once). A call
 //! queued before its link failed is never sent afterwards ([`PeerCalls::link_failed`]).
 //! Only writes whose command is built from the request alone take this path
-//! (`Api::write_self_contained`: the KV writes, topic publish, ack and configure, and the
-//! work-queue writes); calls that carry a lock fence, calls whose caller this member cannot
+//! (`Api::write_self_contained`: the KV writes, topic publish, ack and configure, the
+//! work-queue writes, lease revokes, etcd's Proclaim and Resign, a group's Proclaim and
+//! Configure); calls that carry a lock fence, calls whose caller this member cannot
 //! verify (its auth state may lag the leader's), and every other write still go as gRPC
 //! calls, since some handlers check state before they build the command and count on the
 //! leader checking again.

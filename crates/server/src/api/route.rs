@@ -555,10 +555,11 @@ impl Api {
     }
 
     /// [`Api::write`] for a write whose command is complete as the member that received it
-    /// built it (the KV, topic and work-queue writes): a follower may hand it to the leader
-    /// over the peer link ([`super::peer_calls`]). A handler that checks state before it
-    /// builds the command, and counts on a follower forwarding the whole call so the leader
-    /// checks again (Resign), must use [`Api::write`].
+    /// built it (the KV, topic and work-queue writes, lease revokes, some election writes): a
+    /// follower may hand it to the leader over the peer link ([`super::peer_calls`]). A
+    /// handler that checks state before it builds the command, and counts on a follower
+    /// forwarding the whole call so the leader checks again (a group's Resign), must use
+    /// [`Api::write`].
     pub async fn write_self_contained<M, R>(
         &self,
         ctx: &CallContext,

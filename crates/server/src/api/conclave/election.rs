@@ -205,7 +205,7 @@ impl Election for ElectionService {
             fence: i64::try_from(message.fence).map_err(|_| invalid("fence is out of range"))?,
             value: message.value.clone(),
         };
-        api.write(
+        api.write_self_contained(
             &ctx,
             command,
             &message,
@@ -299,7 +299,7 @@ impl Election for ElectionService {
                 policy,
             },
         };
-        api.write(
+        api.write_self_contained(
             &ctx,
             command,
             &message,
