@@ -1,7 +1,7 @@
 //! Conclave's fault suite: real `conclave serve` processes in network namespaces, a nemesis
 //! (partitions, kill -9, SIGSTOP, clock skew, member replacement), client workloads with
 //! recorded histories, and checkers of our own (linearizability, fencing, leases, watches,
-//! topics). See `docs/faults.md`.
+//! topics, work queues). See `docs/faults.md`.
 
 pub mod checkers;
 pub mod cluster;

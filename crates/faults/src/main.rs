@@ -33,7 +33,9 @@ const SKEW_DRIFT_PPM: u64 = 10_000;
 /// First port on loopback (below Linux's ephemeral range).
 const LOOPBACK_FIRST_PORT: u16 = 23_000;
 
-const WORKLOADS: &[&str] = &["register", "watch", "lock", "election", "lease", "topic"];
+const WORKLOADS: &[&str] = &[
+    "register", "watch", "lock", "election", "lease", "topic", "queue",
+];
 const NEGATIVE_CONTROLS: &[(&str, &str)] = &[
     ("register-serializable", "register"),
     ("watch-drop", "watch"),
@@ -42,6 +44,7 @@ const NEGATIVE_CONTROLS: &[(&str, &str)] = &[
     ("lease-short-ttl", "lease"),
     ("lease-fast-clock", "lease"),
     ("topic-ack-unread", "topic"),
+    ("queue-ack-unrecorded", "queue"),
 ];
 /// Clock rate of every member in the `lease-fast-clock` control: far beyond the clients'
 /// drift allowance, so leases end early in real time and the lease checker must say so.
@@ -85,10 +88,10 @@ struct RunArgs {
         value_delimiter = ','
     )]
     nemesis: Vec<String>,
-    /// Workloads: register, watch, lock, election, lease, topic.
+    /// Workloads: register, watch, lock, election, lease, topic, queue.
     #[arg(
         long,
-        default_value = "register,watch,lock,election,lease,topic",
+        default_value = "register,watch,lock,election,lease,topic,queue",
         value_delimiter = ','
     )]
     workload: Vec<String>,
@@ -108,7 +111,8 @@ struct RunArgs {
     election_timeout_ms: u64,
     /// Run a negative control instead: the named bug is planted and the run succeeds only if
     /// its checker catches it. One of register-serializable, watch-drop, lock-unfenced,
-    /// election-unfenced, lease-short-ttl, lease-fast-clock, topic-ack-unread.
+    /// election-unfenced, lease-short-ttl, lease-fast-clock, topic-ack-unread,
+    /// queue-ack-unrecorded.
     #[arg(long)]
     negative_control: Option<String>,
     /// Turn TLS on everywhere: members serve clients over TLS and require a client certificate
@@ -319,7 +323,7 @@ async fn run_async(
     let negative_name = negative.map(|(n, _)| n);
     let has = |w: &str| args.workload.iter().any(|x| x == w);
     let histories: BTreeMap<&str, Recorder> = [
-        "register", "watch", "lock", "election", "lease", "topic", "faults",
+        "register", "watch", "lock", "election", "lease", "topic", "queue", "faults",
     ]
     .into_iter()
     .map(|w| (w, Recorder::new(start)))
@@ -424,6 +428,24 @@ async fn run_async(
                 process,
                 histories["topic"].clone(),
                 ack_unread && process == 511,
+            )));
+        }
+    }
+    if has("queue") {
+        for process in 601..=602 {
+            tasks.push(tokio::spawn(workloads::producer(
+                ctx.clone(),
+                process,
+                histories["queue"].clone(),
+            )));
+        }
+        let ack_unrecorded = negative_name == Some("queue-ack-unrecorded");
+        for process in 611..=612 {
+            tasks.push(tokio::spawn(workloads::queue_worker(
+                ctx.clone(),
+                process,
+                histories["queue"].clone(),
+                ack_unrecorded && process == 611,
             )));
         }
     }
@@ -648,6 +670,15 @@ fn check_events(
             .or_default()
             .extend(found);
     }
+    if !get("queue").is_empty() {
+        let ops = paired("queue", get("queue"), &mut report);
+        let found = checkers::queue::check(&ops);
+        report
+            .anomalies
+            .entry("queue".into())
+            .or_default()
+            .extend(found);
+    }
     if !get("lease").is_empty() {
         let ops = paired("lease", get("lease"), &mut report);
         let bounds = LeaseBounds {
@@ -669,7 +700,7 @@ fn check_events(
 fn check_dir(dir: &Path, election_timeout_ms: u64) -> Result<Report, Error> {
     let mut histories = BTreeMap::new();
     for name in [
-        "register", "watch", "lock", "election", "lease", "topic", "faults",
+        "register", "watch", "lock", "election", "lease", "topic", "queue", "faults",
     ] {
         let path = dir.join(format!("{name}.jsonl"));
         if path.exists() {

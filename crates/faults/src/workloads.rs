@@ -782,3 +782,151 @@ pub async fn consumer(ctx: Ctx, process: u64, history: Recorder, ack_unread: boo
         }
     }
 }
+
+/// The work queue the queue workload pushes to and claims from.
+pub const QUEUE: &str = "faults-queue";
+/// How long a claim lasts: short, so a paused or partitioned worker's job is claimed again.
+const QUEUE_CLAIM_TIMEOUT: Duration = Duration::from_secs(1);
+/// How long a claim waits for a job to become ready.
+const QUEUE_CLAIM_WAIT: Duration = Duration::from_millis(200);
+/// Claims allowed per job before it is dead-lettered: the most a queue allows
+/// (`MAX_ATTEMPTS_MAX` in `conclave_state::queue`), so that faults never move a job out of the
+/// queue the workers drain.
+const QUEUE_MAX_ATTEMPTS: u32 = 10_000;
+/// How long the workers may take to empty the queue once the run is over.
+const QUEUE_DRAIN_MAX: Duration = Duration::from_secs(30);
+
+/// Pushes unique jobs (`p<process>-<n>`) to the queue, in the client's exactly-once session.
+pub async fn producer(ctx: Ctx, process: u64, history: Recorder) {
+    let mut rng = Rng::new(ctx.seed ^ (process * 0x51ed));
+    let queues = ctx.client.queues();
+    let mut counter = 0u64;
+    while ctx.running() {
+        counter += 1;
+        let payload = format!("p{process}-{counter}");
+        history.record(process, Kind::Invoke, "push", QUEUE, json!(payload));
+        let options = conclave_client::PushOptions {
+            max_attempts: QUEUE_MAX_ATTEMPTS,
+            ..Default::default()
+        };
+        match queues.push(QUEUE, payload.clone(), options).await {
+            Ok(pushed) => {
+                history.record(
+                    process,
+                    Kind::Ok,
+                    "push",
+                    QUEUE,
+                    json!({"id": pushed.job_id}),
+                );
+            }
+            Err(error) => {
+                history.record(
+                    process,
+                    outcome_of(&error),
+                    "push",
+                    QUEUE,
+                    json!(error.code()),
+                );
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(rng.below(20))).await;
+    }
+}
+
+/// A worker: claims a job, records it as delivered, and acknowledges it with the claim's
+/// fence; now and then it dawdles past the claim's timeout first, so its late ack must be
+/// refused. Once the run is over it drains the queue and records that it did.
+/// `ack_unrecorded` acknowledges one job without recording its claim (the queue checker's
+/// negative control: that job is done but was never delivered).
+pub async fn queue_worker(ctx: Ctx, process: u64, history: Recorder, ack_unrecorded: bool) {
+    let mut rng = Rng::new(ctx.seed ^ (process * 0x7a3b));
+    let queues = ctx.client.queues();
+    let worker = format!("faults-worker-{process}");
+    let mut cheated = !ack_unrecorded;
+    let mut claims = 0u64;
+    let mut drain_deadline: Option<Instant> = None;
+    let mut empty_since: Option<Instant> = None;
+    loop {
+        if !ctx.running() && drain_deadline.is_none() {
+            drain_deadline = Some(Instant::now() + QUEUE_DRAIN_MAX);
+            empty_since = None;
+        }
+        if let Some(deadline) = drain_deadline {
+            // Empty for longer than a claim lasts: no claim that was lost in flight can
+            // still hold a job back.
+            let empty_for = empty_since.map(|since| since.elapsed());
+            if empty_for.is_some_and(|d| d > QUEUE_CLAIM_TIMEOUT * 3) {
+                history.record(process, Kind::Invoke, "drained", &worker, Value::Null);
+                history.record(process, Kind::Ok, "drained", &worker, Value::Null);
+                return;
+            }
+            if Instant::now() >= deadline {
+                return;
+            }
+        }
+        let options = conclave_client::ClaimOptions {
+            worker: worker.clone(),
+            visibility_timeout: QUEUE_CLAIM_TIMEOUT,
+            wait: QUEUE_CLAIM_WAIT,
+        };
+        let hide = !cheated && claims >= 10;
+        if !hide {
+            history.record(process, Kind::Invoke, "claim", QUEUE, Value::Null);
+        }
+        let job = match queues.claim(QUEUE, options).await {
+            Ok(Some(job)) => job,
+            Ok(None) => {
+                if !hide {
+                    history.record(process, Kind::Ok, "claim", QUEUE, Value::Null);
+                }
+                empty_since.get_or_insert_with(Instant::now);
+                continue;
+            }
+            Err(error) => {
+                if !hide {
+                    history.record(
+                        process,
+                        outcome_of(&error),
+                        "claim",
+                        QUEUE,
+                        json!(error.code()),
+                    );
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        empty_since = None;
+        claims += 1;
+        let payload = String::from_utf8_lossy(&job.payload).to_string();
+        if !hide {
+            let delivered = json!({"id": job.id, "payload": payload, "fence": job.fence});
+            history.record(process, Kind::Ok, "claim", QUEUE, delivered);
+        }
+        if !hide && drain_deadline.is_none() && rng.below(20) == 0 {
+            tokio::time::sleep(QUEUE_CLAIM_TIMEOUT + Duration::from_millis(300)).await;
+        }
+        let acked = json!({"id": job.id, "fence": job.fence});
+        history.record(process, Kind::Invoke, "ack", QUEUE, acked);
+        match queues.ack(QUEUE, job.id, job.fence).await {
+            Ok(()) => {
+                // The hidden job is done now, and lost to the history if no claim delivered
+                // it before (its first attempt). Otherwise, or when the ack is refused and the
+                // job is claimed again, the control tries with the next one.
+                cheated |= hide && job.attempts == 1;
+                history.record(process, Kind::Ok, "ack", QUEUE, Value::Null)
+            }
+            // A refused fence: the claim ran out and the ack certainly did nothing.
+            Err(ClientError::LeadershipLost(_)) => {
+                history.record(process, Kind::Fail, "ack", QUEUE, json!("stale"))
+            }
+            Err(error) => history.record(
+                process,
+                outcome_of(&error),
+                "ack",
+                QUEUE,
+                json!(error.code()),
+            ),
+        };
+    }
+}

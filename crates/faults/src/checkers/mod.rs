@@ -4,6 +4,7 @@
 pub mod fence;
 pub mod lease;
 pub mod linearizable;
+pub mod queue;
 pub mod topic;
 pub mod watch;
 
