@@ -6,11 +6,15 @@
 #
 #   scripts/agents-seed-workflow.sh            # uses target/release/conclave
 #   CONCLAVE_BIN=conclave scripts/agents-seed-workflow.sh
-#   SEED_WORKFLOW_BASE_PORT=43000 ...           # client port of node 1 (default: random)
+#   SEED_WORKFLOW_BASE_PORT=23000 ...           # client port of node 1 (default: random)
 set -eu
 
 CONCLAVE_BIN=${CONCLAVE_BIN:-$(dirname "$0")/../target/release/conclave}
-BASE_PORT=${SEED_WORKFLOW_BASE_PORT:-$((40000 + $$ % 2000 * 10))}
+# Below Linux's ephemeral range (32768 and up): a port there can be taken as the source port
+# of an outgoing connection, the nodes' own dials to each other's peer ports included, before
+# the node meant to listen on it starts (seen once: "cannot listen for clients ... Address
+# already in use").
+BASE_PORT=${SEED_WORKFLOW_BASE_PORT:-$((20000 + $$ % 1200 * 10))}
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/conclave-seed-workflow.XXXXXX")
 DEV_PID=
 
