@@ -1090,16 +1090,13 @@ async fn topic_and_queue_writes_through_a_follower_take_the_peer_link_and_keep_t
         .ack(stale.clone())
         .await
         .expect_err("a stale fence is refused through the follower");
-    let leader = (0..3)
-        .find(|&index| index != follower)
-        .expect("another member");
-    let leader = if member_and_leader(&cluster, leader).await.0 == leader_id {
-        leader
-    } else {
-        (0..3)
-            .find(|&index| index != follower && index != leader)
-            .expect("the third member")
-    };
+    let mut leader = None;
+    for index in 0..3 {
+        if member_and_leader(&cluster, index).await.0 == leader_id {
+            leader = Some(index);
+        }
+    }
+    let leader = leader.expect("the leader is one of the three members");
     let on_leader = QueueClient::new(cluster.channel(leader).await)
         .ack(stale)
         .await
