@@ -7,6 +7,12 @@
 //!
 //! Errors end the process with one sentence on stderr and a non-zero exit code.
 
+/// jemalloc instead of the system allocator: 4-7% less CPU per put in alternating runs
+/// (docs/performance.md, "One program, optimised whole").
+#[cfg(not(target_env = "msvc"))]
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 mod certs;
 mod client_limits;
 mod cluster_spec;
