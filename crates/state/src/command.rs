@@ -18,6 +18,12 @@ use crate::txn::{
     DeleteRangeRequest, DeleteRangeResponse, PutRequest, PutResponse, TxnRequest, TxnResponse,
 };
 
+/// The exact length of `value`'s postcard encoding, so an entry's bytes are allocated once
+/// instead of grown several times while they are written: on the put path, on every member.
+fn encoded_len<T: Serialize>(value: &T) -> usize {
+    postcard::serialize_with_flavor(value, postcard::ser_flavors::Size::default()).unwrap_or(0)
+}
+
 /// Largest encoded command `decode` accepts (a guard against hostile lengths; real commands
 /// are bounded by `Config::request_bytes_max` plus framing).
 pub const ENCODED_COMMAND_BYTES_MAX: usize = 64 * 1024 * 1024;
@@ -90,10 +96,9 @@ impl Command {
         // Encoding plain data into a Vec cannot fail; a failure is a bug in a serde derive.
         match self.session {
             Some(session) if session.secret != 0 => {
-                let mut out = SECRET_COMMAND_PREFIX.to_vec();
-                let body = postcard::to_allocvec(self).expect("command encoding is infallible");
-                out.extend_from_slice(&body);
-                out
+                let mut out = Vec::with_capacity(SECRET_COMMAND_PREFIX.len() + encoded_len(self));
+                out.extend_from_slice(SECRET_COMMAND_PREFIX);
+                postcard::to_extend(self, out).expect("command encoding is infallible")
             }
             _ => {
                 let legacy = LegacyCommandRef {
@@ -104,7 +109,8 @@ impl Command {
                     }),
                     request: &self.request,
                 };
-                postcard::to_allocvec(&legacy).expect("command encoding is infallible")
+                let out = Vec::with_capacity(encoded_len(&legacy));
+                postcard::to_extend(&legacy, out).expect("command encoding is infallible")
             }
         }
     }

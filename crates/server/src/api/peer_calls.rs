@@ -148,7 +148,7 @@ impl Api {
         leader: NodeId,
         request: Request,
     ) -> Result<Applied, Status> {
-        let payload = postcard::to_allocvec(&WriteCall {
+        let payload = encode_exact(&WriteCall {
             request,
             session: ctx.session,
         })
@@ -243,8 +243,15 @@ impl Api {
             }
         };
         // Plain data into a Vec: only a bug in a serde derive could fail here.
-        postcard::to_allocvec(&answer).unwrap_or_default()
+        encode_exact(&answer).unwrap_or_default()
     }
+}
+
+/// `value`'s postcard encoding in a buffer allocated once at its exact length, not grown
+/// while it is written: a call and its answer carry every write through a follower.
+fn encode_exact<T: serde::Serialize>(value: &T) -> postcard::Result<Vec<u8>> {
+    let length = postcard::serialize_with_flavor(value, postcard::ser_flavors::Size::default())?;
+    postcard::to_extend(value, Vec::with_capacity(length))
 }
 
 /// A peer's bytes that are not what they must be: a bug or a hostile member, never retried.

@@ -317,11 +317,16 @@ impl Api {
     async fn known_leader(&self, ctx: &CallContext) -> Result<NodeId, Status> {
         let mut status = self.node.status.clone();
         loop {
-            let current = status.borrow_and_update().clone();
-            if current.stopped.is_some() {
+            // Two fields, not a clone of the whole status (its member records are strings):
+            // every routed call passes here.
+            let (stopped, leader) = {
+                let current = status.borrow_and_update();
+                (current.stopped.is_some(), current.leader)
+            };
+            if stopped {
                 return Err(to_status(Error::Stopped));
             }
-            if let Some(leader) = current.leader {
+            if let Some(leader) = leader {
                 return Ok(leader);
             }
             let remaining = ctx.remaining();
