@@ -47,6 +47,7 @@ pub struct ConfigFile {
     pub initial_cluster_state: Option<ClusterState>,
     pub initial_cluster_id: Option<ClusterIdHex>,
     pub snapshot_entries: Option<u64>,
+    pub snapshot_log_percent: Option<u64>,
     pub snapshot_bytes_max: Option<u64>,
     pub tick_ms: Option<u64>,
     pub heartbeat_ms: Option<u64>,
@@ -158,6 +159,7 @@ impl ServeCommandArgs {
             initial_cluster_state,
             initial_cluster_id,
             snapshot_entries,
+            snapshot_log_percent,
             snapshot_bytes_max,
             tick_ms,
             heartbeat_ms,
@@ -212,6 +214,7 @@ impl ServeCommandArgs {
         fill!(initial_cluster => serve.initial_cluster);
         fill!(initial_cluster_clients => serve.initial_cluster_clients);
         fill!(snapshot_entries => serve.snapshot_entries);
+        fill!(snapshot_log_percent => serve.snapshot_log_percent);
         fill!(snapshot_bytes_max => serve.snapshot_bytes_max);
         fill!(tick_ms => serve.tick_ms);
         fill!(heartbeat_ms => serve.heartbeat_ms);
@@ -302,6 +305,7 @@ initial-cluster-clients = "7=10.0.0.1:2379"
 initial-cluster-state = "existing"
 initial-cluster-id = "3f2a9c0d11b7e845"
 snapshot-entries = 500
+snapshot-log-percent = 250
 snapshot-bytes-max = 1073741824
 tick-ms = 5
 heartbeat-ms = 25
@@ -403,6 +407,7 @@ bcrypt-cost = 12
             Some("7=10.0.0.1:2379")
         );
         assert_eq!(s.snapshot_entries, 500);
+        assert_eq!(s.snapshot_log_percent, 250);
         assert_eq!(s.snapshot_bytes_max, 1 << 30);
         assert_eq!(s.client_limits.range_response_bytes_max, Some(1 << 20));
         assert_eq!(s.tick_ms, 5);
@@ -487,6 +492,7 @@ bcrypt-cost = 12
             ("request-timeout-ms", "0"),
             ("snapshot-entries", "0"),
             ("snapshot-entries", huge.as_str()),
+            ("snapshot-log-percent", "1001"),
             ("id", "0"),
         ];
         for (key, value) in cases {

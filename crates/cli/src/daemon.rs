@@ -87,6 +87,7 @@ impl ServeArgs {
             initial_cluster,
             initial_cluster_clients,
             snapshot_entries,
+            snapshot_log_percent,
             snapshot_bytes_max,
             tick_ms,
             heartbeat_ms,
@@ -123,6 +124,7 @@ impl ServeArgs {
         args.extend(tls.to_argv());
         for (flag, value) in [
             ("--snapshot-entries", snapshot_entries),
+            ("--snapshot-log-percent", snapshot_log_percent),
             ("--snapshot-bytes-max", snapshot_bytes_max),
             ("--tick-ms", tick_ms),
             ("--heartbeat-ms", heartbeat_ms),

@@ -187,9 +187,14 @@ pub struct ServeArgs {
     /// their peer port minus one (the `conclave dev` layout).
     #[arg(long, env = "CONCLAVE_INITIAL_CLUSTER_CLIENTS")]
     pub initial_cluster_clients: Option<String>,
-    /// Take a snapshot and compact the log every this many applied entries.
+    /// Take a snapshot and compact the log every this many applied entries...
     #[arg(long, env = "CONCLAVE_SNAPSHOT_ENTRIES", default_value_t = conclave_server::config::DEFAULT_SNAPSHOT_ENTRIES)]
     pub snapshot_entries: u64,
+    /// ...and once the log applied since the last snapshot is this percentage of its size
+    /// (0: entries alone decide). Snapshot work then stays in proportion to the log however
+    /// large the state grows; a large state keeps up to about its size in log on disk.
+    #[arg(long, env = "CONCLAVE_SNAPSHOT_LOG_PERCENT", default_value_t = conclave_server::config::DEFAULT_SNAPSHOT_LOG_PERCENT)]
+    pub snapshot_log_percent: u64,
     /// Largest snapshot accepted from a leader, in bytes (held in memory while it arrives);
     /// a larger transfer is refused. Set it alike on every member, above the state's size.
     #[arg(long, env = "CONCLAVE_SNAPSHOT_BYTES_MAX", default_value_t = conclave_server::config::DEFAULT_SNAPSHOT_BYTES_MAX)]
@@ -348,6 +353,7 @@ impl ServeArgs {
             )));
         }
         config.snapshot_entries = self.snapshot_entries;
+        config.snapshot_log_percent = self.snapshot_log_percent;
         config.snapshot_bytes_max = self.snapshot_bytes_max;
         config.request_timeout_ms = self.request_timeout_ms;
         config.peer_secret_file = self.peer_secret_file.clone();
@@ -407,6 +413,13 @@ impl ServeArgs {
                     "{flag} must be between 1 and {max}, not {value}"
                 )));
             }
+        }
+        let max = conclave_server::config::SNAPSHOT_LOG_PERCENT_MAX;
+        if self.snapshot_log_percent > max {
+            return Err(CliError::Usage(format!(
+                "--snapshot-log-percent must be between 0 and {max}, not {}",
+                self.snapshot_log_percent
+            )));
         }
         let (min, max) = (SNAPSHOT_BYTES_MAX_MIN, SNAPSHOT_BYTES_MAX_LIMIT);
         if !(min..=max).contains(&self.snapshot_bytes_max) {

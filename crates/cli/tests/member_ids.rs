@@ -130,6 +130,8 @@ fn spawn_joined(cluster: &Cluster, node: &Node) -> std::process::Child {
         "existing".into(),
         "--snapshot-entries".into(),
         "50".into(),
+        "--snapshot-log-percent".into(),
+        "0".into(),
     ];
     cluster.spawn_serve(node, &args)
 }

@@ -158,6 +158,7 @@ fn start_joining_node(cluster: &mut Cluster, id: u64, peer: String) {
         .args(["--initial-cluster-clients", &clients.join(",")])
         .args(["--initial-cluster-state", "existing"])
         .args(["--snapshot-entries", "50"])
+        .args(["--snapshot-log-percent", "0"])
         .arg("--peer-secret-file")
         .arg(cluster.peer_secret_file())
         .env("CONCLAVE_LOG", "info")

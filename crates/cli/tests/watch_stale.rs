@@ -79,6 +79,7 @@ async fn add_learner_that_cannot_catch_up(cluster: &mut Cluster, via: u64) -> u6
         .args(["--initial-cluster-clients", &clients.join(",")])
         .args(["--initial-cluster-state", "existing"])
         .args(["--snapshot-entries", "50"])
+        .args(["--snapshot-log-percent", "0"])
         .args(["--election-timeout-ms", ELECTION_TIMEOUT_MS])
         .args([
             "--snapshot-bytes-max",

@@ -163,7 +163,10 @@ impl Cluster {
             .args(["--initial-cluster", &initial])
             .args(["--initial-cluster-clients", &clients])
             .args(&join_args)
+            // Snapshots every 500 entries whatever the state's size, so that faults meet
+            // snapshots being written, sent and installed often.
             .args(["--snapshot-entries", "500"])
+            .args(["--snapshot-log-percent", "0"])
             .args([
                 "--initial-cluster-state",
                 if joined { "existing" } else { "new" },

@@ -46,8 +46,12 @@ pub struct ServerConfig {
     pub election_ticks: u64,
     /// Heartbeat interval in ticks.
     pub heartbeat_ticks: u64,
-    /// Take a snapshot (and compact the log) every this many applied entries.
+    /// Take a snapshot (and compact the log) every this many applied entries...
     pub snapshot_entries: u64,
+    /// ...once the entries applied since the last snapshot also add up to this percentage of
+    /// that snapshot's size (`--snapshot-log-percent`; 0: entries alone decide). See
+    /// [`DEFAULT_SNAPSHOT_LOG_PERCENT`].
+    pub snapshot_log_percent: u64,
     /// The largest snapshot this node accepts from a leader (`--snapshot-bytes-max`): a
     /// follower assembles an incoming snapshot in memory, and a transfer that grows past this
     /// is refused and discarded. Set it alike on every member, above the state's snapshot size.
@@ -267,6 +271,17 @@ pub const REQUEST_BYTES_LIMIT_MAX: usize = 32 * 1024 * 1024;
 /// thread writes the file), so more often costs tail latency; see docs/performance.md.
 pub const DEFAULT_SNAPSHOT_ENTRIES: u64 = 100_000;
 
+/// By default a snapshot also waits until the log since the last one is as large as that
+/// snapshot. Writing an image costs time in proportion to its size, and the image keeps
+/// growing with the key-value history; with a fixed entry count alone every write paid more
+/// and more for snapshots as the history grew. Waiting for as many bytes of log bounds the
+/// snapshot work per byte written, however large the state gets. The price, for a large state:
+/// a log on disk (and to replay at a restart) up to about the snapshot's size. See
+/// docs/performance.md, "Snapshots in proportion to the log".
+pub const DEFAULT_SNAPSHOT_LOG_PERCENT: u64 = 100;
+/// The largest `snapshot_log_percent`: ten times the snapshot's size in log.
+pub const SNAPSHOT_LOG_PERCENT_MAX: u64 = 1_000;
+
 impl ServerConfig {
     /// A single-node configuration with Conclave's defaults.
     pub fn single(data_dir: impl Into<PathBuf>, listen_client: &str, listen_peer: &str) -> Self {
@@ -285,6 +300,7 @@ impl ServerConfig {
             election_ticks: 15,
             heartbeat_ticks: 5,
             snapshot_entries: DEFAULT_SNAPSHOT_ENTRIES,
+            snapshot_log_percent: DEFAULT_SNAPSHOT_LOG_PERCENT,
             snapshot_bytes_max: DEFAULT_SNAPSHOT_BYTES_MAX,
             request_timeout_ms: 5_000,
             proposals_inflight_max: 10_000,
@@ -410,6 +426,12 @@ impl ServerConfig {
             SNAPSHOT_ENTRIES_MAX,
         )?;
         in_range(
+            "snapshot_log_percent",
+            self.snapshot_log_percent,
+            0,
+            SNAPSHOT_LOG_PERCENT_MAX,
+        )?;
+        in_range(
             "snapshot_bytes_max",
             self.snapshot_bytes_max,
             SNAPSHOT_BYTES_MAX_MIN,
@@ -527,7 +549,7 @@ mod tests {
     fn every_value_out_of_its_range_is_refused_without_overflow() {
         let base = ServerConfig::single("/tmp/x", "127.0.0.1:2379", "127.0.0.1:2380");
         type Spoil = fn(&mut ServerConfig);
-        let cases: [(&str, Spoil); 12] = [
+        let cases: [(&str, Spoil); 13] = [
             ("tick_ms", |c| c.tick_ms = TICK_MS_MAX + 1),
             ("election timeout", |c| {
                 c.tick_ms = 1;
@@ -536,6 +558,9 @@ mod tests {
             ("election timeout", |c| c.election_ticks = u64::MAX / 2),
             ("heartbeat", |c| c.heartbeat_ticks = u64::MAX),
             ("snapshot_entries", |c| c.snapshot_entries = 0),
+            ("snapshot_log_percent", |c| {
+                c.snapshot_log_percent = SNAPSHOT_LOG_PERCENT_MAX + 1
+            }),
             ("snapshot_bytes_max", |c| c.snapshot_bytes_max = 0),
             ("snapshot_bytes_max", |c| c.snapshot_bytes_max = u64::MAX),
             ("request_timeout_ms", |c| c.request_timeout_ms = u64::MAX),

@@ -93,24 +93,48 @@ pub trait ReplicatedMachine: Send + Sync + 'static {
 
 /// A machine's state frozen at one applied index, not yet encoded: see
 /// [`ReplicatedMachine::snapshot_frozen`].
-pub struct FrozenImage(Box<dyn FnOnce() -> Vec<u8> + Send>);
+pub struct FrozenImage(Box<dyn FnOnce(Vec<u8>) -> Vec<u8> + Send>);
 
 impl FrozenImage {
     /// An image already encoded.
     pub fn ready(image: Vec<u8>) -> FrozenImage {
-        FrozenImage(Box::new(move || image))
+        FrozenImage(Box::new(move |out| append(out, image)))
     }
 
     /// An image `encode` produces when called, on whichever thread calls it; it must give the
     /// bytes [`ReplicatedMachine::snapshot`] gave when this was made.
     pub fn deferred(encode: impl FnOnce() -> Vec<u8> + Send + 'static) -> FrozenImage {
-        FrozenImage(Box::new(encode))
+        FrozenImage(Box::new(move |out| append(out, encode())))
+    }
+
+    /// Like [`FrozenImage::deferred`], for a machine that can write its image at the end of a
+    /// buffer it is given: `encode_after` appends exactly the bytes
+    /// [`ReplicatedMachine::snapshot`] gave and returns the buffer. The node puts the
+    /// snapshot's own header in front, so a large image is never copied whole.
+    pub fn deferred_into(
+        encode_after: impl FnOnce(Vec<u8>) -> Vec<u8> + Send + 'static,
+    ) -> FrozenImage {
+        FrozenImage(Box::new(encode_after))
     }
 
     /// The image's bytes.
     pub fn encode(self) -> Vec<u8> {
-        (self.0)()
+        self.encode_after(Vec::new())
     }
+
+    /// `out` followed by the image's bytes.
+    pub fn encode_after(self, out: Vec<u8>) -> Vec<u8> {
+        (self.0)(out)
+    }
+}
+
+/// `out` followed by `image`, without a copy when `out` is empty.
+fn append(mut out: Vec<u8>, image: Vec<u8>) -> Vec<u8> {
+    if out.is_empty() {
+        return image;
+    }
+    out.extend_from_slice(&image);
+    out
 }
 
 impl std::fmt::Debug for FrozenImage {

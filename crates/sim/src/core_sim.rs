@@ -491,6 +491,13 @@ impl CoreSimulation {
             proposals_inflight_max: 10_000,
             reads_inflight_max: 10_000,
             snapshot_entries: self.params.snapshot_every,
+            // The server's rule on the seeds that snapshot every 10 entries; entries alone on
+            // the others, so that snapshots stay frequent there.
+            snapshot_log_percent: if self.params.snapshot_every == 10 {
+                conclave_server::config::DEFAULT_SNAPSHOT_LOG_PERCENT
+            } else {
+                0
+            },
         };
         let now = self.now_ms;
         let bug = self.bug;
@@ -839,7 +846,8 @@ impl CoreSimulation {
         // Encoded at once here; the real shell does it on a helper thread while it applies on,
         // which `conclave_state`'s tests show gives the same bytes.
         let data = plan.data.encode();
-        let recorded = core.snapshot_written(index, |store| match store {
+        let image_bytes = data.len() as u64;
+        let recorded = core.snapshot_written(index, image_bytes, |store| match store {
             NodeStorage::Mem(mem) => {
                 mem.create_snapshot(index, plan.meta.conf_state, data);
                 Ok(())

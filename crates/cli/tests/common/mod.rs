@@ -318,6 +318,9 @@ impl Cluster {
             clients,
             "--snapshot-entries".into(),
             "50".into(),
+            // Every 50 entries whatever the state's size: the tests count on compaction.
+            "--snapshot-log-percent".into(),
+            "0".into(),
         ];
         args.extend(self.extra_args.iter().cloned());
         if let Some(tls) = &self.tls {

@@ -60,7 +60,7 @@ impl ReplicatedMachine for StateMachine {
         // The key-value store is a persistent map, so this clone is O(1) for it (the smaller
         // tables are copied); the writer thread encodes it while the driver applies on.
         let frozen = self.clone();
-        FrozenImage::deferred(move || frozen.snapshot_to_vec())
+        FrozenImage::deferred_into(move |out| frozen.snapshot_after(out))
     }
 
     fn restore(&mut self, image: &[u8]) -> Result<(), MachineError> {
@@ -263,7 +263,7 @@ pub fn state_config(config: &ServerConfig) -> conclave_state::Config {
 /// the state machine from the newest snapshot. The log after it is replayed by the core.
 pub fn open_storage(config: &ServerConfig) -> Result<(WalStorage, StateMachine), Error> {
     let machine = StateMachine::new(state_config(config));
-    driver::open_storage(config, machine).map(|(store, state, _)| (store, state))
+    driver::open_storage(config, machine).map(|(store, state, _, _)| (store, state))
 }
 
 /// Starts the driver thread for the coordination machine. Returns the handle for the API and

@@ -214,8 +214,15 @@ pub struct CoreSettings {
     pub proposals_inflight_max: usize,
     /// Linearizable reads waiting at most.
     pub reads_inflight_max: usize,
-    /// Snapshot once this many entries were applied since the last snapshot.
+    /// Snapshot once this many entries were applied since the last snapshot...
     pub snapshot_entries: u64,
+    /// ...and the entries applied since then are at least this percentage of the last
+    /// snapshot's size in bytes (0: entries alone decide). Writing a snapshot costs time in
+    /// proportion to the image, which keeps growing with the key-value history; waiting for
+    /// as many bytes of log keeps that cost per applied byte bounded however large the state
+    /// gets. The price is a longer log on disk, and to replay at restart, when the state is
+    /// large.
+    pub snapshot_log_percent: u64,
 }
 
 impl CoreSettings {
@@ -224,6 +231,7 @@ impl CoreSettings {
             proposals_inflight_max: config.proposals_inflight_max,
             reads_inflight_max: config.reads_inflight_max,
             snapshot_entries: config.snapshot_entries,
+            snapshot_log_percent: config.snapshot_log_percent,
         }
     }
 }
@@ -340,14 +348,17 @@ pub struct SnapshotData {
 }
 
 impl SnapshotData {
-    /// The snapshot's bytes (see `entries::snapshot_bytes`).
+    /// The snapshot's bytes (see `entries::snapshot_header`).
     pub fn encode(self) -> Bytes {
-        let image = self.image.encode();
-        Bytes::from(entries::snapshot_bytes(
-            self.member_id_high,
-            self.members.iter(),
-            &image,
-        ))
+        self.encode_with_capacity(0)
+    }
+
+    /// [`SnapshotData::encode`] into a buffer that holds `capacity_bytes` before it grows. The
+    /// last image's size is a good guess: each doubling of a large buffer copies it again.
+    pub fn encode_with_capacity(self, capacity_bytes: usize) -> Bytes {
+        let mut out = Vec::with_capacity(capacity_bytes);
+        entries::write_snapshot_header(&mut out, self.member_id_high, self.members.iter());
+        Bytes::from(self.image.encode_after(out))
     }
 }
 
@@ -423,6 +434,14 @@ pub struct NodeCore<M: ReplicatedMachine, S: NodeStore> {
     snapshot_index: u64,
     /// The index of a snapshot the shell is writing, until it reports it written.
     snapshot_pending: Option<u64>,
+    /// Bytes of entries applied since the core started.
+    applied_bytes: u64,
+    /// `applied_bytes` when the state of the last snapshot was taken.
+    snapshot_applied_bytes: u64,
+    /// `applied_bytes` when the state of the pending snapshot was taken.
+    snapshot_pending_applied_bytes: u64,
+    /// The size of the last snapshot taken, installed or started from (0: none yet).
+    snapshot_image_bytes: u64,
     /// The replicated member records, by id: founding members or the snapshot's, then
     /// applied member entries.
     members: BTreeMap<NodeId, Member>,
@@ -544,6 +563,10 @@ impl<M: ReplicatedMachine, S: NodeStore> NodeCore<M, S> {
             next_read_context: 1,
             snapshot_index,
             snapshot_pending: None,
+            applied_bytes: 0,
+            snapshot_applied_bytes: 0,
+            snapshot_pending_applied_bytes: 0,
+            snapshot_image_bytes: 0,
             members: members.records,
             member_id_high: members.id_high,
             members_changed: true,
@@ -553,6 +576,13 @@ impl<M: ReplicatedMachine, S: NodeStore> NodeCore<M, S> {
             #[cfg(feature = "negative-controls")]
             bugs: CoreBugs::default(),
         }
+    }
+
+    /// The size of the snapshot the storage holds, which the next snapshot waits for as much
+    /// log as (see [`CoreSettings::snapshot_log_percent`]).
+    pub fn with_snapshot_image_bytes(mut self, image_bytes: u64) -> Self {
+        self.snapshot_image_bytes = image_bytes;
+        self
     }
 
     /// Opens a core over `store` (restoring `machine` from its snapshot). `founders` are the
@@ -570,6 +600,7 @@ impl<M: ReplicatedMachine, S: NodeStore> NodeCore<M, S> {
             .map_err(|e| Error::StateRestore(e.to_string()))?;
         let members = restore_machine(&mut machine, &snapshot)?.into_table(founders);
         let snapshot_index = snapshot.meta.index;
+        let image_bytes = snapshot.data.len() as u64;
         let raw = RawNode::new(raft_config, store).map_err(Error::RaftStart)?;
         Ok(NodeCore::new(
             settings,
@@ -578,7 +609,8 @@ impl<M: ReplicatedMachine, S: NodeStore> NodeCore<M, S> {
             members,
             snapshot_index,
             now_ms,
-        ))
+        )
+        .with_snapshot_image_bytes(image_bytes))
     }
 
     /// The first turn: tells the duties where the node stands, and a one-member cluster
@@ -1019,6 +1051,8 @@ impl<M: ReplicatedMachine, S: NodeStore> NodeCore<M, S> {
                 self.members_changed = true;
             }
             self.snapshot_index = snapshot.meta.index;
+            self.snapshot_applied_bytes = self.applied_bytes;
+            self.snapshot_image_bytes = snapshot.data.len() as u64;
             tracing::info!(
                 index = snapshot.meta.index,
                 term = snapshot.meta.term,
@@ -1068,6 +1102,8 @@ impl<M: ReplicatedMachine, S: NodeStore> NodeCore<M, S> {
         if ready.committed_entries.is_empty() {
             return;
         }
+        let batch_bytes: usize = ready.committed_entries.iter().map(|e| e.data.len()).sum();
+        self.applied_bytes = self.applied_bytes.saturating_add(batch_bytes as u64);
         let mut answers = Vec::new();
         {
             let mut machine = self
@@ -1240,8 +1276,9 @@ impl<M: ReplicatedMachine, S: NodeStore> NodeCore<M, S> {
         std::mem::take(&mut self.members_changed)
     }
 
-    /// Every `snapshot_entries` applied entries: the snapshot the shell should write now.
-    /// Only one at a time; [`NodeCore::snapshot_written`] records it.
+    /// Every `snapshot_entries` applied entries, once as many bytes of log as
+    /// `snapshot_log_percent` asks were applied too: the snapshot the shell should
+    /// write now. Only one at a time; [`NodeCore::snapshot_written`] records it.
     ///
     /// A leader postpones it, by up to [`SNAPSHOT_POSTPONE_MAX_ENTRIES`] more entries, while a
     /// follower being brought back by a snapshot still needs the log past that snapshot:
@@ -1253,6 +1290,7 @@ impl<M: ReplicatedMachine, S: NodeStore> NodeCore<M, S> {
         if self.snapshot_pending.is_some()
             || self.settings.snapshot_entries == 0
             || applied < due_at
+            || !self.enough_log_for_a_snapshot()
         {
             return Ok(None);
         }
@@ -1280,15 +1318,30 @@ impl<M: ReplicatedMachine, S: NodeStore> NodeCore<M, S> {
             conf_state: self.raw.conf_state().clone(),
         };
         self.snapshot_pending = Some(applied);
+        self.snapshot_pending_applied_bytes = self.applied_bytes;
         Ok(Some(SnapshotPlan { meta, data }))
+    }
+
+    /// Whether the log applied since the last snapshot is large enough, against that
+    /// snapshot's size, for the next (see [`CoreSettings::snapshot_log_percent`]).
+    fn enough_log_for_a_snapshot(&self) -> bool {
+        let log_bytes = self
+            .applied_bytes
+            .saturating_sub(self.snapshot_applied_bytes);
+        let wanted_bytes = self
+            .snapshot_image_bytes
+            .saturating_mul(self.settings.snapshot_log_percent)
+            / 100;
+        log_bytes >= wanted_bytes
     }
 
     /// The shell wrote the snapshot at `index`; `record` makes the storage adopt it (and drop
     /// the log below it) unless a snapshot from the leader installed meanwhile supersedes it.
-    /// Returns whether it was recorded.
+    /// Returns whether it was recorded. `image_bytes` is the snapshot's size.
     pub fn snapshot_written(
         &mut self,
         index: u64,
+        image_bytes: u64,
         record: impl FnOnce(&mut S) -> Result<(), Error>,
     ) -> Result<bool, Error> {
         assert_eq!(
@@ -1311,6 +1364,8 @@ impl<M: ReplicatedMachine, S: NodeStore> NodeCore<M, S> {
         }
         record(store)?;
         self.snapshot_index = index;
+        self.snapshot_applied_bytes = self.snapshot_pending_applied_bytes;
+        self.snapshot_image_bytes = image_bytes;
         Ok(true)
     }
 
@@ -1512,6 +1567,12 @@ mod tests {
     /// Opens (bootstrapping on first use) a one-voter cluster of member 1 over `dir` and
     /// runs it until it leads.
     fn open_leader(dir: &Path) -> TestCore {
+        open_leader_with(dir, 0)
+    }
+
+    /// [`open_leader`] with a snapshot after every entry, once the log since the last one
+    /// is `snapshot_log_percent` of it.
+    fn open_leader_with(dir: &Path, snapshot_log_percent: u64) -> TestCore {
         let mut store = WalStorage::open(Arc::new(OsDisk), dir, StorageOptions::default())
             .expect("open the log");
         if store.is_fresh() {
@@ -1523,6 +1584,7 @@ mod tests {
             proposals_inflight_max: 100,
             reads_inflight_max: 100,
             snapshot_entries: 1,
+            snapshot_log_percent,
         };
         let mut core = NodeCore::open(
             settings,
@@ -1564,6 +1626,10 @@ mod tests {
 
     fn take_snapshot(core: &mut TestCore) {
         let plan = core.snapshot_due().expect("snapshot").expect("one is due");
+        write_snapshot(core, plan);
+    }
+
+    fn write_snapshot(core: &mut TestCore, plan: SnapshotPlan) {
         let index = plan.meta.index;
         let mut writer = core
             .raw()
@@ -1574,7 +1640,7 @@ mod tests {
         writer.write_chunk(&data).expect("write the snapshot");
         let file = writer.finish().expect("finish the snapshot");
         let recorded = core
-            .snapshot_written(index, |store| {
+            .snapshot_written(index, data.len() as u64, |store| {
                 Ok(store.record_created_snapshot_with_data(file, data)?)
             })
             .expect("record the snapshot");
@@ -1620,6 +1686,71 @@ mod tests {
         assert_eq!((first, second), (2, 3));
         run(&mut core);
         assert_eq!(core.member_id_high(), 3);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Entries applied one at a time until a snapshot is due, which it then takes; how many
+    /// it took.
+    fn entries_until_a_snapshot_is_due(core: &mut TestCore) -> usize {
+        for entries in 1..=10_000 {
+            core.propose(()).expect("proposed");
+            run(core);
+            if let Some(plan) = core.snapshot_due().expect("snapshot check") {
+                write_snapshot(core, plan);
+                return entries;
+            }
+        }
+        panic!("no snapshot came due in 10,000 entries");
+    }
+
+    fn stored_snapshot_bytes(core: &TestCore) -> usize {
+        core.raw()
+            .store()
+            .snapshot()
+            .expect("stored snapshot")
+            .data
+            .len()
+    }
+
+    #[test]
+    fn a_snapshot_waits_for_as_much_log_as_the_last_image() {
+        let dir = temp_dir("snapshot-log-ratio");
+        let mut core = open_leader_with(&dir, 100);
+        core.propose(()).expect("proposed");
+        run(&mut core);
+        take_snapshot(&mut core);
+        let image_bytes = stored_snapshot_bytes(&core);
+        let entry_bytes = entries::machine_entry(Nothing::encode(())).len();
+        // The first entry past `snapshot_entries` does not carry as many bytes as the image:
+        // the rule holds the snapshot back until the log is as large.
+        assert!(entry_bytes < image_bytes, "{entry_bytes} < {image_bytes}");
+        let waited = entries_until_a_snapshot_is_due(&mut core);
+        assert_eq!(
+            waited,
+            image_bytes.div_ceil(entry_bytes),
+            "entries of {entry_bytes} bytes against an image of {image_bytes}"
+        );
+        // After a restart the size comes from the snapshot on disk (the leader's no-op of the
+        // new term is an empty entry and counts nothing).
+        let image_bytes = stored_snapshot_bytes(&core);
+        drop(core);
+        let mut core = open_leader_with(&dir, 100);
+        assert_eq!(
+            entries_until_a_snapshot_is_due(&mut core),
+            image_bytes.div_ceil(entry_bytes)
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn without_the_log_rule_a_snapshot_is_due_after_snapshot_entries() {
+        // The control for the test above: the same cluster with the rule off.
+        let dir = temp_dir("snapshot-log-ratio-off");
+        let mut core = open_leader_with(&dir, 0);
+        core.propose(()).expect("proposed");
+        run(&mut core);
+        take_snapshot(&mut core);
+        assert_eq!(entries_until_a_snapshot_is_due(&mut core), 1);
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -38,6 +38,11 @@ const DRAIN_BATCH_MAX: usize = 1024;
 /// log's fsyncs on the same disk queue behind at most one piece, not the whole image.
 const SNAPSHOT_SYNC_CHUNK_BYTES: usize = 1 << 20;
 
+/// The next snapshot's buffer starts at the last one's size plus this fraction of it
+/// (1/8), so a growing state rarely makes the buffer double (and copy) at the end. Pages never
+/// written are never touched, so a state that shrank costs address space, not memory.
+const SNAPSHOT_BUFFER_HEADROOM_DIVISOR: usize = 8;
+
 /// The nice value of the snapshot thread (the lowest CPU priority). Encoding a large state
 /// takes a core for most of a second on this kind of machine; at this priority the driver,
 /// the gRPC tasks and the peer links run first. Only the log between snapshots grows a little
@@ -328,10 +333,12 @@ impl<M: ReplicatedMachine, R> Handle<M, R> {
 /// restores `machine` from the newest snapshot. The log after it is replayed by the core.
 /// Returns the member table too: the snapshot's records (or the founding members) and the
 /// highest member id used up to it.
+/// Opens the data directory and restores `machine` from its newest snapshot. Returns the
+/// storage, the machine, the member table and the snapshot's size in bytes.
 pub(crate) fn open_storage<M: ReplicatedMachine>(
     config: &ServerConfig,
     mut machine: M,
-) -> Result<(WalStorage, M, MemberTable), Error> {
+) -> Result<(WalStorage, M, MemberTable, u64), Error> {
     let mut store = WalStorage::open(
         Arc::new(OsDisk),
         &config.data_dir,
@@ -356,7 +363,8 @@ pub(crate) fn open_storage<M: ReplicatedMachine>(
         .snapshot()
         .map_err(|e| Error::StateRestore(e.to_string()))?;
     let members = restore_machine(&mut machine, &snapshot)?.into_table(config.members.clone());
-    Ok((store, machine, members))
+    let snapshot_bytes = snapshot.data.len() as u64;
+    Ok((store, machine, members, snapshot_bytes))
 }
 
 /// Says what opening the data directory changed or passed over: an operator must hear of every
@@ -420,6 +428,8 @@ struct Shell<O> {
     waiters: Waiters<O>,
     /// A snapshot being written on its own thread, recorded in the log once written.
     snapshot_job: Option<SnapshotJob>,
+    /// The size of the last snapshot this node wrote, to size the next one's buffer.
+    snapshot_bytes_last: usize,
     /// The caller's runtime, which has the IO driver the peer links need (the driver's own
     /// runtime has timers only).
     peer_runtime: tokio::runtime::Handle,
@@ -519,7 +529,7 @@ pub(crate) fn spawn<M: ReplicatedMachine, D: ShellDuties<M>>(
     shutdown: oneshot::Receiver<()>,
 ) -> Result<(Handle<M, D::Request>, DriverThread), Error> {
     config.validate()?;
-    let (store, machine, members) = open_storage(&config, machine)?;
+    let (store, machine, members, snapshot_bytes) = open_storage(&config, machine)?;
     let raft_config = raft_config(&config)?;
     let snapshot_index = store
         .first_index()
@@ -537,7 +547,8 @@ pub(crate) fn spawn<M: ReplicatedMachine, D: ShellDuties<M>>(
         members,
         snapshot_index,
         now_ms(),
-    );
+    )
+    .with_snapshot_image_bytes(snapshot_bytes);
     let metrics = Arc::new(NodeMetrics::default());
     let shell = Shell {
         metrics: metrics.clone(),
@@ -550,6 +561,7 @@ pub(crate) fn spawn<M: ReplicatedMachine, D: ShellDuties<M>>(
         applied_waits: StopWaitsOnDrop(applied_waits.clone()),
         waiters: Waiters::new(),
         snapshot_job: None,
+        snapshot_bytes_last: 0,
         peer_runtime: tokio::runtime::Handle::try_current()
             .map_err(|e| Error::RaftStart(format!("no tokio runtime for the peer links: {e}")))?,
     };
@@ -940,12 +952,15 @@ impl<M: ReplicatedMachine, D: ShellDuties<M>> Driver<M, D> {
         let index = meta.index;
         let mut writer = self.core.raw().store().begin_snapshot(meta)?;
         let (done, written) = std::sync::mpsc::channel();
+        // A little over the last image, which the state has most likely grown past.
+        let last = self.shell.snapshot_bytes_last;
+        let capacity_bytes = last.saturating_add(last / SNAPSHOT_BUFFER_HEADROOM_DIVISOR);
         std::thread::Builder::new()
             .name("conclave-snapshot".into())
             .spawn(move || {
                 lower_this_thread_priority(SNAPSHOT_THREAD_NICE);
                 let encoding = Instant::now();
-                let data = data.encode();
+                let data = data.encode_with_capacity(capacity_bytes);
                 let encode_ms = encoding.elapsed().as_secs_f64() * 1e3;
                 let file = data
                     .chunks(SNAPSHOT_SYNC_CHUNK_BYTES)
@@ -1000,10 +1015,13 @@ impl<M: ReplicatedMachine, D: ShellDuties<M>> Driver<M, D> {
         })?;
         let file = file?;
         let bytes = data.len();
+        self.shell.snapshot_bytes_last = bytes;
         let recording = Instant::now();
-        let recorded = self.core.snapshot_written(job.index, |store| {
-            Ok(store.record_created_snapshot_with_data(file, data)?)
-        })?;
+        let recorded = self
+            .core
+            .snapshot_written(job.index, bytes as u64, |store| {
+                Ok(store.record_created_snapshot_with_data(file, data)?)
+            })?;
         let record_ms = recording.elapsed().as_secs_f64() * 1e3;
         if recorded {
             self.shell

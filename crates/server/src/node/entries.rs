@@ -139,19 +139,30 @@ pub(crate) struct SnapshotMembers {
 /// A snapshot's bytes: the highest member id ever used and the member records, so a node that
 /// catches up by snapshot (a joining one above all) learns every member's address and which
 /// ids are taken, then the machine's image.
+#[cfg(test)]
 pub(crate) fn snapshot_bytes<'a>(
     member_id_high: NodeId,
     members: impl ExactSizeIterator<Item = &'a Member>,
     image: &[u8],
 ) -> Vec<u8> {
-    let mut framed = SNAPSHOT_MEMBER_IDS_MAGIC.to_vec();
-    framed.extend_from_slice(&member_id_high.to_be_bytes());
-    framed.extend_from_slice(&(members.len() as u32).to_be_bytes());
-    for member in members {
-        encode_member_into(&mut framed, member);
-    }
+    let mut framed = Vec::new();
+    write_snapshot_header(&mut framed, member_id_high, members);
     framed.extend_from_slice(image);
     framed
+}
+
+/// Appends what [`snapshot_bytes`] puts before the image.
+pub(crate) fn write_snapshot_header<'a>(
+    out: &mut Vec<u8>,
+    member_id_high: NodeId,
+    members: impl ExactSizeIterator<Item = &'a Member>,
+) {
+    out.extend_from_slice(SNAPSHOT_MEMBER_IDS_MAGIC);
+    out.extend_from_slice(&member_id_high.to_be_bytes());
+    out.extend_from_slice(&(members.len() as u32).to_be_bytes());
+    for member in members {
+        encode_member_into(out, member);
+    }
 }
 
 /// Splits a snapshot into what it says about the members (if anything) and the machine's
