@@ -689,7 +689,12 @@ impl StateMachine {
 
     /// Performs a put that passed `check_put`.
     fn put_checked(&mut self, put: &PutRequest) -> PutResponse {
-        let current = self.state.kv.get(&put.key);
+        // Only the ignore flags need the current value first; a plain put is one lookup fewer.
+        let current = if put.ignore_value || put.ignore_lease {
+            self.state.kv.get(&put.key)
+        } else {
+            None
+        };
         let value = match (&current, put.ignore_value) {
             (Some(current), true) => current.value.clone(),
             _ => put.value.clone(),

@@ -348,7 +348,8 @@ pub struct SnapshotData {
 }
 
 impl SnapshotData {
-    /// The snapshot's bytes (see `entries::snapshot_header`).
+    /// The snapshot's bytes: the member header (`entries::write_snapshot_header`), then the
+    /// machine's image.
     pub fn encode(self) -> Bytes {
         self.encode_with_capacity(0)
     }
@@ -578,8 +579,8 @@ impl<M: ReplicatedMachine, S: NodeStore> NodeCore<M, S> {
         }
     }
 
-    /// The size of the snapshot the storage holds, which the next snapshot waits for as much
-    /// log as (see [`CoreSettings::snapshot_log_percent`]).
+    /// Sets the size of the snapshot the storage starts from: the next snapshot waits until
+    /// that much log was applied (see [`CoreSettings::snapshot_log_percent`]).
     pub fn with_snapshot_image_bytes(mut self, image_bytes: u64) -> Self {
         self.snapshot_image_bytes = image_bytes;
         self
