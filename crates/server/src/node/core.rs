@@ -1690,6 +1690,38 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
+    #[test]
+    fn a_snapshot_encoded_in_place_is_the_header_then_the_image() {
+        let members = vec![member(1), member(2)];
+        let image: Vec<u8> = (0..10_000u32).flat_map(|i| i.to_le_bytes()).collect();
+        let expected = entries::snapshot_bytes(7, members.iter(), &image);
+        let frozen: [fn(Vec<u8>) -> FrozenImage; 3] = [
+            FrozenImage::ready,
+            |image| FrozenImage::deferred(move || image),
+            |image| {
+                FrozenImage::deferred_into(move |mut out| {
+                    out.extend_from_slice(&image);
+                    out
+                })
+            },
+        ];
+        for (kind, make) in frozen.iter().enumerate() {
+            // No capacity, too little, and more than enough.
+            for capacity_bytes in [0, 100, 1 << 20] {
+                let data = SnapshotData {
+                    member_id_high: 7,
+                    members: members.clone(),
+                    image: make(image.clone()),
+                };
+                assert_eq!(
+                    data.encode_with_capacity(capacity_bytes),
+                    expected,
+                    "image kind {kind}, capacity {capacity_bytes}"
+                );
+            }
+        }
+    }
+
     /// Entries applied one at a time until a snapshot is due, which it then takes; how many
     /// it took.
     fn entries_until_a_snapshot_is_due(core: &mut TestCore) -> usize {

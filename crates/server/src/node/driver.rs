@@ -332,9 +332,7 @@ impl<M: ReplicatedMachine, R> Handle<M, R> {
 /// Opens the data directory (bootstrapping a fresh one with the founding members) and
 /// restores `machine` from the newest snapshot. The log after it is replayed by the core.
 /// Returns the member table too: the snapshot's records (or the founding members) and the
-/// highest member id used up to it.
-/// Opens the data directory and restores `machine` from its newest snapshot. Returns the
-/// storage, the machine, the member table and the snapshot's size in bytes.
+/// highest member id used up to it; and the snapshot's size in bytes.
 pub(crate) fn open_storage<M: ReplicatedMachine>(
     config: &ServerConfig,
     mut machine: M,

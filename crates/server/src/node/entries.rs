@@ -136,9 +136,9 @@ pub(crate) struct SnapshotMembers {
     pub member_id_high: Option<NodeId>,
 }
 
-/// A snapshot's bytes: the highest member id ever used and the member records, so a node that
-/// catches up by snapshot (a joining one above all) learns every member's address and which
-/// ids are taken, then the machine's image.
+/// A snapshot's bytes: [`write_snapshot_header`]'s, then the machine's image. The node writes
+/// the image into the same buffer instead (`SnapshotData::encode_with_capacity`); tests
+/// build snapshots with this.
 #[cfg(test)]
 pub(crate) fn snapshot_bytes<'a>(
     member_id_high: NodeId,
@@ -151,7 +151,9 @@ pub(crate) fn snapshot_bytes<'a>(
     framed
 }
 
-/// Appends what [`snapshot_bytes`] puts before the image.
+/// Appends a snapshot's header: the highest member id ever used and the member records, so a
+/// node that catches up by snapshot (a joining one above all) learns every member's address
+/// and which ids are taken. The machine's image follows it.
 pub(crate) fn write_snapshot_header<'a>(
     out: &mut Vec<u8>,
     member_id_high: NodeId,
