@@ -267,8 +267,9 @@ pub const QUEUE_LIMIT_MAX: usize = 1_000_000;
 pub const REQUEST_BYTES_LIMIT_MAX: usize = 32 * 1024 * 1024;
 
 /// Snapshot the state machine every this many applied entries unless told otherwise (etcd's
-/// default too). The Raft driver thread encodes the snapshot and pauses while it does (a helper
-/// thread writes the file), so more often costs tail latency; see docs/performance.md.
+/// default too). The Raft driver thread only freezes the state; a helper thread encodes and
+/// writes it, at the lowest CPU priority, and more often still costs CPU; see
+/// docs/performance.md.
 pub const DEFAULT_SNAPSHOT_ENTRIES: u64 = 100_000;
 
 /// By default a snapshot also waits until the log since the last one is as large as that
