@@ -1745,13 +1745,19 @@ mod tests {
             .len()
     }
 
-    #[test]
-    fn a_snapshot_waits_for_as_much_log_as_the_last_image() {
-        let dir = temp_dir("snapshot-log-ratio");
-        let mut core = open_leader_with(&dir, 100);
+    /// A one-voter leader over `dir` that applied one entry and took a snapshot of it.
+    fn leader_after_a_snapshot(dir: &Path, snapshot_log_percent: u64) -> TestCore {
+        let mut core = open_leader_with(dir, snapshot_log_percent);
         core.propose(()).expect("proposed");
         run(&mut core);
         take_snapshot(&mut core);
+        core
+    }
+
+    #[test]
+    fn a_snapshot_waits_for_as_much_log_as_the_last_image() {
+        let dir = temp_dir("snapshot-log-ratio");
+        let mut core = leader_after_a_snapshot(&dir, 100);
         let image_bytes = stored_snapshot_bytes(&core);
         let entry_bytes = entries::machine_entry(Nothing::encode(())).len();
         // The first entry past `snapshot_entries` does not carry as many bytes as the image:
@@ -1779,10 +1785,7 @@ mod tests {
     fn without_the_log_rule_a_snapshot_is_due_after_snapshot_entries() {
         // The control for the test above: the same cluster with the rule off.
         let dir = temp_dir("snapshot-log-ratio-off");
-        let mut core = open_leader_with(&dir, 0);
-        core.propose(()).expect("proposed");
-        run(&mut core);
-        take_snapshot(&mut core);
+        let mut core = leader_after_a_snapshot(&dir, 0);
         assert_eq!(entries_until_a_snapshot_is_due(&mut core), 1);
         let _ = std::fs::remove_dir_all(&dir);
     }
