@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{Cluster, EtcdctlLines};
+use common::{Cluster, EtcdctlLines, WRITES_PAST_HELD_APPENDS};
 use conclave_proto::etcdserverpb::auth_client::AuthClient;
 use conclave_proto::etcdserverpb::kv_client::KvClient;
 use conclave_proto::etcdserverpb::{AuthenticateRequest, PutRequest};
@@ -316,8 +316,9 @@ async fn etcdctl_sees_the_same_auth_as_on_etcd() {
     assert_eq!(refused.error, "Error: etcdserver: permission denied");
 
     // A member that catches up by snapshot enforces the same permissions: a follower misses
-    // a permission change and far more entries than a snapshot's interval (the harness's
-    // --snapshot-entries 50), so only a snapshot can bring it back.
+    // a permission change and enough entries that the leader's log is compacted past all it
+    // still holds for the follower (see `WRITES_PAST_HELD_APPENDS`), so only a snapshot can
+    // bring it back.
     let leader = cluster.wait_for_leader(WAIT_TIMEOUT).await;
     let follower = (1..=3).find(|&id| id != leader).expect("a follower");
     cluster.kill(follower);
@@ -346,7 +347,7 @@ async fn etcdctl_sees_the_same_auth_as_on_etcd() {
         .into_inner()
         .token;
     let mut kv = KvClient::new(channel);
-    for i in 0..300 {
+    for i in 0..WRITES_PAST_HELD_APPENDS {
         let mut put = tonic::Request::new(PutRequest {
             key: format!("fill/{i:04}").into_bytes().into(),
             value: b"x".to_vec().into(),

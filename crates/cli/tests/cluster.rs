@@ -5,7 +5,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::Cluster;
+use common::{Cluster, WRITES_PAST_HELD_APPENDS};
 use conclave_proto::etcdserverpb::compare::{CompareResult, CompareTarget, TargetUnion};
 use conclave_proto::etcdserverpb::request_op::Request as Op;
 use conclave_proto::etcdserverpb::{
@@ -243,9 +243,9 @@ async fn requests_fail_with_no_leader_when_quorum_is_lost() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_follower_restarted_after_compaction_catches_up_by_snapshot() {
-    // The harness snapshots every 50 entries, so 300 writes compact the log well past the
-    // point the stopped follower had reached: only a snapshot can bring it back.
-    const WRITES: usize = 300;
+    // Enough writes that the leader's log is compacted past everything it still holds for
+    // the stopped follower: only a snapshot can bring it back.
+    const WRITES: usize = WRITES_PAST_HELD_APPENDS;
     let mut cluster = Cluster::start(3).await;
     let leader = cluster.wait_for_leader(Duration::from_secs(5)).await;
     let follower = (1..=3).find(|&id| id != leader).expect("a follower");

@@ -16,6 +16,15 @@ use tonic::transport::Channel;
 /// How long a cluster may take to elect its first leader.
 pub const STARTUP_TIMEOUT: Duration = Duration::from_secs(15);
 
+/// Writes, one at a time, that a stopped follower must miss for only a snapshot to bring it
+/// back. The leader keeps sending appends to a member it cannot reach, up to its in-flight
+/// limit (256, one entry each for a lone sequential writer), and its transport holds them
+/// for the reconnect; so a restarted follower first catches up through those. With the
+/// harness compacting every 50 entries, 1,000 writes leave the leader's log compacted far
+/// past anything they carry. (300 did not: the follower caught up from the held appends and
+/// the leader's uncompacted tail.)
+pub const WRITES_PAST_HELD_APPENDS: usize = 1000;
+
 static NEXT_DIR: AtomicU32 = AtomicU32::new(0);
 
 /// Ports for test nodes come from below Linux's ephemeral range (32768 and up), so a restarted
