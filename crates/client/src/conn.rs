@@ -99,6 +99,11 @@ pub struct ClientOptions {
     /// `None` sends no token (fine while auth is off, or under common-name authentication
     /// with a client certificate).
     pub credentials: Option<Credentials>,
+    /// Move to the Raft leader when the member reached knows one (on): writes then skip the
+    /// member's forwarding hop. Off: stay on the first member that answers and knows a leader,
+    /// so writes go through that member; for spreading clients over members, and for tests
+    /// of the forwarding path.
+    pub prefer_leader: bool,
 }
 
 impl Default for ClientOptions {
@@ -111,6 +116,7 @@ impl Default for ClientOptions {
             exactly_once: true,
             tls: None,
             credentials: None,
+            prefer_leader: true,
         }
     }
 }
@@ -426,8 +432,9 @@ impl Inner {
     }
 
     /// Connects to `endpoint` and asks for its status; when it knows a leader other than
-    /// itself, tries to connect to the leader instead (writes then skip a forwarding hop).
-    /// Learns the members' client URLs for later reconnects.
+    /// itself, tries to connect to the leader instead (writes then skip a forwarding hop),
+    /// unless [`ClientOptions::prefer_leader`] is off. Learns the members' client URLs for
+    /// later reconnects.
     async fn probe(&self, endpoint: &str) -> std::result::Result<Probed, String> {
         let channel = self.connect_channel(endpoint).await?;
         let timeout = self.options.connect_timeout;
@@ -460,7 +467,7 @@ impl Inner {
                 }
             }
         }
-        if status.leader != 0 && status.leader != member_id {
+        if self.options.prefer_leader && status.leader != 0 && status.leader != member_id {
             let leader_urls = members
                 .iter()
                 .find(|m| m.id == status.leader)

@@ -4,7 +4,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{Cluster, supported};
+use common::{Cluster, supported, test_options};
 use conclave_client::{
     Client, ClientOptions, Compare, CompareOp, DeleteOptions, EventType, GetOptions, Op,
     OpResponse, PutOptions, Txn, WatchOptions,
@@ -218,4 +218,64 @@ async fn reads_fail_over_to_another_member() {
     assert_eq!(answer.kvs[0].value_str(), "v");
     let now_used = client.current_endpoint().await.expect("endpoint");
     assert_ne!(now_used, used);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_does_not_prefer_the_leader_writes_through_its_member() {
+    let cluster = Cluster::start(3);
+    let on_leader = cluster.client().await;
+    let leader_endpoint = on_leader.current_endpoint().await.expect("endpoint");
+    let status = on_leader.status().await.expect("status");
+    let header = status.header.expect("a status header");
+    assert_eq!(
+        header.member_id, status.leader,
+        "a client that prefers the leader sits on it"
+    );
+    let follower = cluster
+        .nodes
+        .iter()
+        .find(|n| !leader_endpoint.ends_with(&n.client_addr))
+        .expect("a follower")
+        .client_addr
+        .clone();
+
+    // Control: given only the follower, a client that prefers the leader moves to it.
+    let moved = Client::connect_with([follower.clone()], test_options())
+        .await
+        .expect("connect through the follower");
+    let moved_to = moved.current_endpoint().await.expect("endpoint");
+    assert_eq!(
+        moved_to, leader_endpoint,
+        "the default client moves to the leader"
+    );
+
+    let options = ClientOptions {
+        prefer_leader: false,
+        ..test_options()
+    };
+    let through_follower = Client::connect_with([follower.clone()], options)
+        .await
+        .expect("connect to the follower");
+    let stays_on = through_follower.current_endpoint().await.expect("endpoint");
+    assert!(
+        stays_on.ends_with(&follower),
+        "the client stays on {follower}, not {stays_on}"
+    );
+    let answered_by = through_follower.status().await.expect("status");
+    let follower_id = answered_by.header.expect("a status header").member_id;
+    assert_ne!(
+        follower_id, answered_by.leader,
+        "the member answering is a follower"
+    );
+
+    // Its writes go through the follower and are the cluster's.
+    through_follower
+        .put("through-a-follower", "v1", PutOptions::default())
+        .await
+        .expect("put through the follower");
+    let read = on_leader
+        .get("through-a-follower", GetOptions::default())
+        .await
+        .expect("get on the leader");
+    assert_eq!(read.kvs[0].value_str(), "v1");
 }

@@ -282,6 +282,34 @@ async fn wait_for_leader(cluster: &tokio::sync::Mutex<Cluster>) -> Result<(), Er
     Err(Error::Cluster(format!("no leader within {LEADER_WAIT:?}")))
 }
 
+/// One client per member, each staying on its member ([`ClientOptions::prefer_leader`] off):
+/// given the endpoints with that member first, it uses the member while it answers and knows
+/// a leader, and moves on to the next one only when it does not.
+async fn member_clients(
+    endpoints: &[String],
+    options: &ClientOptions,
+) -> Result<Vec<Client>, Error> {
+    let options = ClientOptions {
+        prefer_leader: false,
+        ..options.clone()
+    };
+    let mut clients = Vec::with_capacity(endpoints.len());
+    for first in 0..endpoints.len() {
+        let mut order = endpoints.to_vec();
+        order.rotate_left(first);
+        let client = Client::connect_with(&order, options.clone())
+            .await
+            .map_err(|e| Error::Cluster(e.to_string()))?;
+        let on = client
+            .current_endpoint()
+            .await
+            .map_err(|e| Error::Cluster(e.to_string()))?;
+        println!("client staying on one member: starts on {on}");
+        clients.push(client);
+    }
+    Ok(clients)
+}
+
 async fn run_async(
     args: RunArgs,
     families: Vec<Family>,
@@ -308,9 +336,10 @@ async fn run_async(
         tls: tls.clone(),
         ..Default::default()
     };
-    let client = Client::connect_with(&endpoints, options)
+    let client = Client::connect_with(&endpoints, options.clone())
         .await
         .map_err(|e| Error::Cluster(e.to_string()))?;
+    let member_clients = member_clients(&endpoints, &options).await?;
     let start = Instant::now();
     let until = start + Duration::from_secs_f64(args.minutes * 60.0);
     let ctx = Ctx {
@@ -319,6 +348,18 @@ async fn run_async(
         tls: tls.clone(),
         until,
         seed: args.seed,
+    };
+    // Odd processes write through the leader; even ones each stay on one member, so their
+    // writes take a follower's forwarding path under the same faults.
+    let ctx_for = |process: u64| -> Ctx {
+        if process % 2 == 1 {
+            return ctx.clone();
+        }
+        let member = (process / 2) as usize % member_clients.len();
+        Ctx {
+            client: member_clients[member].clone(),
+            ..ctx.clone()
+        }
     };
     let negative_name = negative.map(|(n, _)| n);
     let has = |w: &str| args.workload.iter().any(|x| x == w);
@@ -334,7 +375,7 @@ async fn run_async(
             .then(|| PinnedReads::new(&endpoints, tls.as_ref()));
         for process in 1..=5 {
             tasks.push(tokio::spawn(workloads::register(
-                ctx.clone(),
+                ctx_for(process),
                 process,
                 histories["register"].clone(),
                 pinned.clone(),
@@ -416,7 +457,7 @@ async fn run_async(
     if has("topic") {
         for process in 501..=502 {
             tasks.push(tokio::spawn(workloads::publisher(
-                ctx.clone(),
+                ctx_for(process),
                 process,
                 histories["topic"].clone(),
             )));
@@ -424,7 +465,7 @@ async fn run_async(
         let ack_unread = negative_name == Some("topic-ack-unread");
         for process in 511..=512 {
             tasks.push(tokio::spawn(workloads::consumer(
-                ctx.clone(),
+                ctx_for(process),
                 process,
                 histories["topic"].clone(),
                 ack_unread && process == 511,
@@ -434,7 +475,7 @@ async fn run_async(
     if has("queue") {
         for process in 601..=602 {
             tasks.push(tokio::spawn(workloads::producer(
-                ctx.clone(),
+                ctx_for(process),
                 process,
                 histories["queue"].clone(),
             )));
@@ -442,7 +483,7 @@ async fn run_async(
         let ack_unrecorded = negative_name == Some("queue-ack-unrecorded");
         for process in 611..=612 {
             tasks.push(tokio::spawn(workloads::queue_worker(
-                ctx.clone(),
+                ctx_for(process),
                 process,
                 histories["queue"].clone(),
                 ack_unrecorded && process == 611,
