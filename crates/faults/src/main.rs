@@ -417,7 +417,7 @@ async fn run_async(
         let pause = if unfenced { 500 } else { 200 };
         for process in 201..=203 {
             tasks.push(tokio::spawn(workloads::lock(
-                ctx.clone(),
+                ctx_for(process),
                 process,
                 histories["lock"].clone(),
                 resource.clone(),
@@ -431,7 +431,7 @@ async fn run_async(
         let pause = if unfenced { 500 } else { 200 };
         for process in 301..=303 {
             tasks.push(tokio::spawn(workloads::election(
-                ctx.clone(),
+                ctx_for(process),
                 process,
                 histories["election"].clone(),
                 resource.clone(),
@@ -447,7 +447,7 @@ async fn run_async(
         };
         for process in 401..=402 {
             tasks.push(tokio::spawn(workloads::lease(
-                ctx.clone(),
+                ctx_for(process),
                 process,
                 histories["lease"].clone(),
                 extra,
