@@ -110,7 +110,9 @@ pub use config::{Config, TXN_RANGE_BYTES_MAX};
 pub use election::{ElectionEvent, ElectionEventKind, GroupPolicy, PreemptPolicy, Seat};
 pub use error::{Error, Result};
 pub use lease::{LeaseCheckpoint, LeaseKeeper, LeaseResume, Renewal};
-pub use machine::{QueueStatus, RESERVED_PREFIX, StateMachine, group_leader_key, queue_key};
+pub use machine::{
+    GroupTimerMemo, QueueStatus, RESERVED_PREFIX, StateMachine, group_leader_key, queue_key,
+};
 pub use mvcc::{
     EventKind, KeyValue, RangeRequest, RangeResponse, SortOrder, SortTarget, WatchEvent,
     range_answer_bytes,

@@ -1615,6 +1615,17 @@ impl StateMachine {
     /// timeout, a topic's age retention, a queue's delay or claim running out). The leader proposes a `Tick` then.
     pub fn next_timer_ms(&self) -> Option<u64> {
         let handoffs = self.state.groups.values().filter_map(Group::timer_ms).min();
+        self.next_timer_ms_after(handoffs)
+    }
+
+    /// [`StateMachine::next_timer_ms`] for a caller that asks every tick: the election groups
+    /// are walked only when they changed since `memo` last saw them.
+    pub fn next_timer_ms_memo(&self, memo: &mut GroupTimerMemo) -> Option<u64> {
+        let handoffs = memo.earliest_ms(&self.state.groups);
+        self.next_timer_ms_after(handoffs)
+    }
+
+    fn next_timer_ms_after(&self, handoffs: Option<u64>) -> Option<u64> {
         let retention = self.state.topics.next_expiry_ms();
         let queues = self.queues.next_timer_ms();
         [handoffs, retention, queues].into_iter().flatten().min()
@@ -1817,5 +1828,39 @@ fn txn_accesses(txn: &TxnRequest, accesses: &mut Vec<Access>) {
             RequestOp::DeleteRange(delete) => delete_accesses(delete, accesses),
             RequestOp::Txn(inner) => txn_accesses(inner, accesses),
         }
+    }
+}
+
+/// The earliest election-group timer, remembered for one version of the groups.
+///
+/// A leader with 10,000 groups spent about a third of its driver thread walking them every
+/// tick for the earliest handoff or settle timer, though most ticks find no group changed.
+/// The memo keeps a clone of the groups it walked (a persistent map: the clone shares every
+/// node) and walks again only when the live map is no longer the same map. Holding the clone
+/// makes any change to the groups copy the path it touches, so the root differs after every
+/// change and the comparison is exact, never stale.
+#[derive(Debug, Default)]
+pub struct GroupTimerMemo {
+    seen: Option<OrdMap<String, Group>>,
+    earliest_ms: Option<u64>,
+    walks: u64,
+}
+
+impl GroupTimerMemo {
+    fn earliest_ms(&mut self, groups: &OrdMap<String, Group>) -> Option<u64> {
+        if let Some(seen) = &self.seen
+            && seen.ptr_eq(groups)
+        {
+            return self.earliest_ms;
+        }
+        self.walks += 1;
+        self.earliest_ms = groups.values().filter_map(Group::timer_ms).min();
+        self.seen = Some(groups.clone());
+        self.earliest_ms
+    }
+
+    /// How many times the groups were walked.
+    pub fn walks(&self) -> u64 {
+        self.walks
     }
 }

@@ -145,6 +145,52 @@ fn handoff_timeout_moves_the_seat_on_tick() {
 }
 
 #[test]
+fn the_group_timer_memo_walks_again_only_after_a_change_and_agrees_with_the_walk() {
+    let mut driver = Driver::new();
+    let mut memo = conclave_state::GroupTimerMemo::default();
+    let expect = |driver: &Driver, memo: &mut conclave_state::GroupTimerMemo, want| {
+        assert_eq!(driver.machine.next_timer_ms(), want);
+        assert_eq!(driver.machine.next_timer_ms_memo(memo), want);
+    };
+    expect(&driver, &mut memo, None);
+    driver.configure(
+        "g",
+        GroupPolicy {
+            preempt_never: false,
+            preempt: true,
+            handoff_timeout_ms: Some(500),
+            settle_ms: None,
+        },
+    );
+    let (low, high) = (driver.grant(100_000), driver.grant(100_000));
+    driver.register("g", "low", 1, low);
+    expect(&driver, &mut memo, None);
+    let walks = memo.walks();
+    // Asked again with nothing changed: no walk.
+    expect(&driver, &mut memo, None);
+    expect(&driver, &mut memo, None);
+    assert_eq!(memo.walks(), walks, "no group changed, so no walk");
+    // A write that touches no group leaves the memo alone too.
+    driver.ok(Request::Put(conclave_state::PutRequest {
+        key: Bytes::from_static(b"unrelated"),
+        value: Bytes::from_static(b"v"),
+        ..Default::default()
+    }));
+    expect(&driver, &mut memo, None);
+    assert_eq!(memo.walks(), walks, "a put touches no group");
+    // Same group count, a timer appears: the challenger starts a handoff.
+    driver.now_ms = 1000;
+    driver.register("g", "high", 9, high);
+    expect(&driver, &mut memo, Some(1500));
+    assert_eq!(memo.walks(), walks + 1);
+    // The handoff completes on the Tick and the timer is gone again.
+    driver.now_ms = 1500;
+    driver.ok(Request::Tick);
+    expect(&driver, &mut memo, None);
+    assert_eq!(driver.leader_of("g").as_deref(), Some("high"));
+}
+
+#[test]
 fn challenger_preempt_flag_works_in_a_non_preempting_group() {
     let mut driver = Driver::new();
     let (low, high) = (driver.grant(10_000), driver.grant(10_000));

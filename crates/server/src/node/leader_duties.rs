@@ -5,7 +5,9 @@
 //! times come from the core's clock ([`NodeCore::now_ms`]).
 
 use conclave_raft::Role;
-use conclave_state::{ApplyOutput, Event, LeaseCheckpoint, LeaseKeeper, Request, StateMachine};
+use conclave_state::{
+    ApplyOutput, Event, GroupTimerMemo, LeaseCheckpoint, LeaseKeeper, Request, StateMachine,
+};
 
 use super::core::{Duties, NodeCore, NodeStore, Token};
 use crate::error::Error;
@@ -69,6 +71,8 @@ pub struct LeaderDuties {
     /// The leader time of the last `Tick` known applied: a timer at or before it that is still
     /// pending waits for the machine to move it, rather than drawing one `Tick` per turn.
     tick_fired_ms: Option<u64>,
+    /// The earliest election-group timer, walked for again only when the groups changed.
+    group_timers: GroupTimerMemo,
     /// Events of the batch being applied, taken by the shell after it.
     batch_events: Vec<Event>,
     /// The revision after the last command of the batch being applied.
@@ -87,6 +91,7 @@ impl LeaderDuties {
             expire_pending: None,
             tick_pending: None,
             tick_fired_ms: None,
+            group_timers: GroupTimerMemo::default(),
             batch_events: Vec::new(),
             batch_revision: 0,
             #[cfg(feature = "negative-controls")]
@@ -230,6 +235,8 @@ impl LeaderDuties {
                 self.expire_pending = None;
                 self.tick_pending = None;
                 self.tick_fired_ms = None;
+                // Lets go of the groups it last saw; a follower does not ask.
+                self.group_timers = GroupTimerMemo::default();
             }
             return;
         }
@@ -307,7 +314,7 @@ impl LeaderDuties {
         let fired = self.tick_fired_ms;
         let due = core
             .machine()
-            .next_timer_ms()
+            .next_timer_ms_memo(&mut self.group_timers)
             .is_some_and(|at| at <= now && fired.is_none_or(|fired| at > fired));
         if !due {
             return;
