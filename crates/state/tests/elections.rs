@@ -119,9 +119,9 @@ fn preemption_hands_off_only_when_the_incumbent_resigns() {
     );
 }
 
-#[test]
-fn handoff_timeout_moves_the_seat_on_tick() {
-    let mut driver = Driver::new();
+/// Group "g" preempts with a 500 ms handoff timeout, and "low" (priority 1) holds its seat.
+/// Returns the leases of "low" and of a "high" candidate not registered yet.
+fn group_with_handoff_timeout(driver: &mut Driver) -> (i64, i64) {
     driver.configure(
         "g",
         GroupPolicy {
@@ -133,6 +133,13 @@ fn handoff_timeout_moves_the_seat_on_tick() {
     );
     let (low, high) = (driver.grant(100_000), driver.grant(100_000));
     driver.register("g", "low", 1, low);
+    (low, high)
+}
+
+#[test]
+fn handoff_timeout_moves_the_seat_on_tick() {
+    let mut driver = Driver::new();
+    let (_, high) = group_with_handoff_timeout(&mut driver);
     driver.now_ms = 1000;
     driver.register("g", "high", 9, high);
     assert_eq!(driver.machine.next_timer_ms(), Some(1500));
@@ -153,17 +160,7 @@ fn the_group_timer_memo_walks_again_only_after_a_change_and_agrees_with_the_walk
         assert_eq!(driver.machine.next_timer_ms_memo(memo), want);
     };
     expect(&driver, &mut memo, None);
-    driver.configure(
-        "g",
-        GroupPolicy {
-            preempt_never: false,
-            preempt: true,
-            handoff_timeout_ms: Some(500),
-            settle_ms: None,
-        },
-    );
-    let (low, high) = (driver.grant(100_000), driver.grant(100_000));
-    driver.register("g", "low", 1, low);
+    let (_, high) = group_with_handoff_timeout(&mut driver);
     expect(&driver, &mut memo, None);
     let walks = memo.walks();
     // Asked again with nothing changed: no walk.
