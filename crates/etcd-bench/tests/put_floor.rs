@@ -1,0 +1,167 @@
+//! `put-floor` does the work it claims to measure: each answered put is in the leader's log
+//! and in both followers' logs, and the answers count up.
+
+use std::net::{SocketAddr, TcpListener};
+use std::path::Path;
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+
+use conclave_proto::etcdserverpb::PutRequest;
+use conclave_proto::etcdserverpb::kv_client::KvClient;
+use prost::Message;
+
+/// How long a put or a log's catching up may take before the test fails.
+const ANSWER_WAIT: Duration = Duration::from_secs(10);
+
+struct Processes(Vec<Child>);
+
+impl Drop for Processes {
+    fn drop(&mut self) {
+        for child in &mut self.0 {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+fn free_addr() -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
+    listener.local_addr().expect("local address")
+}
+
+fn floor(dir: &Path, inline: bool) -> (Processes, SocketAddr) {
+    let binary = env!("CARGO_BIN_EXE_put-floor");
+    let (leader, first, second) = (free_addr(), free_addr(), free_addr());
+    let mut children = Vec::new();
+    for (name, addr) in [("f1", first), ("f2", second)] {
+        children.push(
+            Command::new(binary)
+                .args(["follower", "--listen", &addr.to_string()])
+                .arg("--dir")
+                .arg(dir.join(name))
+                .spawn()
+                .expect("start a follower"),
+        );
+    }
+    let mut command = Command::new(binary);
+    command
+        .args(["leader", "--listen", &leader.to_string()])
+        .args(["--followers", &format!("{first},{second}")])
+        .arg("--dir")
+        .arg(dir.join("leader"));
+    if inline {
+        command.arg("--inline");
+    }
+    children.push(command.spawn().expect("start the leader"));
+    (Processes(children), leader)
+}
+
+async fn connect(addr: SocketAddr) -> KvClient<tonic::transport::Channel> {
+    let started = Instant::now();
+    loop {
+        match KvClient::connect(format!("http://{addr}")).await {
+            Ok(client) => return client,
+            Err(error) if started.elapsed() > Duration::from_secs(20) => {
+                panic!("put-floor's leader at {addr} did not answer: {error}")
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    }
+}
+
+/// The first `count` records of a log (each a little-endian u32 length and the record), or
+/// None while the log holds fewer.
+fn logged_records(log: &Path, count: usize) -> Option<Vec<Vec<u8>>> {
+    let bytes = std::fs::read(log).expect("read a log file");
+    let mut records = Vec::new();
+    let mut at = 0;
+    while records.len() < count {
+        let len = u32::from_le_bytes(bytes.get(at..at + 4)?.try_into().ok()?) as usize;
+        if len == 0 {
+            return None; // the pre-written zeros: nothing appended here yet
+        }
+        records.push(bytes.get(at + 4..at + 4 + len)?.to_vec());
+        at += 4 + len;
+    }
+    Some(records)
+}
+
+async fn every_put_is_in_three_logs(inline: bool) {
+    let dir = tempfile_dir(inline);
+    let (_processes, leader) = floor(&dir, inline);
+    let mut client = connect(leader).await;
+    let mut sent = Vec::new();
+    for i in 1..=3u8 {
+        let request = PutRequest {
+            key: format!("floor/{i}").into_bytes().into(),
+            value: vec![i; 256].into(),
+            ..Default::default()
+        };
+        let answer = tokio::time::timeout(ANSWER_WAIT, client.put(request.clone()))
+            .await
+            .expect("put-floor answers a put within the wait")
+            .expect("put")
+            .into_inner();
+        let revision = answer.header.expect("a header").revision;
+        assert_eq!(revision, i64::from(i), "one frame per put, one client");
+        sent.push(request.encode_to_vec());
+    }
+    // The leader answered after one follower's acknowledgement; the other may lag a little.
+    let started = Instant::now();
+    for name in ["leader", "f1", "f2"] {
+        let log = dir.join(name).join("log");
+        let logged = loop {
+            if let Some(records) = logged_records(&log, sent.len()) {
+                break records;
+            }
+            assert!(
+                started.elapsed() < ANSWER_WAIT,
+                "{name}'s log lacks the three puts"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        assert_eq!(logged, sent, "{name}'s log");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+fn tempfile_dir(inline: bool) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "put-floor-test-{}-{}",
+        std::process::id(),
+        if inline { "inline" } else { "writer" }
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_put_through_the_writer_thread_is_in_three_logs() {
+    every_put_is_in_three_logs(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_inline_put_is_in_three_logs() {
+    every_put_is_in_three_logs(true).await;
+}
+
+#[test]
+fn a_leader_needs_two_followers() {
+    let output = Command::new(env!("CARGO_BIN_EXE_put-floor"))
+        .args([
+            "leader",
+            "--listen",
+            "127.0.0.1:0",
+            "--followers",
+            "127.0.0.1:1",
+        ])
+        .args(["--dir", "/nonexistent"])
+        .output()
+        .expect("run put-floor");
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("--followers needs two addresses, got 1"),
+        "{stderr}"
+    );
+}
