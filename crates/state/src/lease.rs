@@ -287,6 +287,78 @@ pub struct Renewal {
 /// the lease end up to a millisecond before its TTL had run from the moment it was handled.
 pub const LEASE_CLOCK_RESOLUTION_MS: u64 = 1;
 
+/// The keeper's deadlines, by lease ID and in time order. A leader asks every tick which
+/// deadlines have passed; with 10,000 sessions a walk of every deadline was the largest part of
+/// its timer work left, and the time order makes the question a range lookup. Every change
+/// goes through here, so the two orders always hold the same pairs.
+#[derive(Clone, Debug, Default)]
+struct Deadlines {
+    by_id: BTreeMap<i64, u64>,
+    by_time: BTreeSet<(u64, i64)>,
+}
+
+impl Deadlines {
+    fn clear(&mut self) {
+        self.by_id.clear();
+        self.by_time.clear();
+    }
+
+    fn len(&self) -> usize {
+        self.by_id.len()
+    }
+
+    fn get(&self, id: i64) -> Option<u64> {
+        self.by_id.get(&id).copied()
+    }
+
+    fn set(&mut self, id: i64, deadline_ms: u64) {
+        if let Some(old_ms) = self.by_id.insert(id, deadline_ms) {
+            self.by_time.remove(&(old_ms, id));
+        }
+        self.by_time.insert((deadline_ms, id));
+    }
+
+    /// The deadline of `id`, set to `deadline_ms()` first if it has none.
+    fn get_or_set(&mut self, id: i64, deadline_ms: impl FnOnce() -> u64) -> u64 {
+        match self.get(id) {
+            Some(kept_ms) => kept_ms,
+            None => {
+                let deadline_ms = deadline_ms();
+                self.set(id, deadline_ms);
+                deadline_ms
+            }
+        }
+    }
+
+    fn retain(&mut self, mut keep: impl FnMut(i64) -> bool) {
+        let Deadlines { by_id, by_time } = self;
+        by_id.retain(|&id, &mut deadline_ms| {
+            let kept = keep(id);
+            if !kept {
+                by_time.remove(&(deadline_ms, id));
+            }
+            kept
+        });
+    }
+
+    /// Up to `max_count` leases whose deadline is at or before `now_ms`, the earliest
+    /// deadlines first, returned in ID order.
+    fn passed(&self, now_ms: u64, max_count: usize) -> Vec<i64> {
+        let mut ids: Vec<i64> = self
+            .by_time
+            .range(..=(now_ms, i64::MAX))
+            .map(|&(_, id)| id)
+            .take(max_count)
+            .collect();
+        ids.sort_unstable();
+        ids
+    }
+
+    fn earliest_ms(&self) -> Option<u64> {
+        self.by_time.first().map(|&(deadline_ms, _)| deadline_ms)
+    }
+}
+
 /// Leader-side lease deadlines. Pure: the server feeds it the leader clock and proposes what it
 /// returns. Only the Raft leader keeps one; followers drop theirs ([`LeaseKeeper::demote`]).
 #[derive(Clone, Debug, Default)]
@@ -294,7 +366,7 @@ pub struct LeaseKeeper {
     election_timeout_ms: u64,
     checkpoint_interval_ms: u64,
     /// Lease ID -> leader-clock deadline.
-    deadlines: BTreeMap<i64, u64>,
+    deadlines: Deadlines,
     /// Lease ID -> the deadline it resumed at on promotion: what a deposed leader may still
     /// have promised its holder, so a keepalive here never moves the deadline below it.
     floors: BTreeMap<i64, u64>,
@@ -316,7 +388,7 @@ impl LeaseKeeper {
         LeaseKeeper {
             election_timeout_ms: config.election_timeout_ms,
             checkpoint_interval_ms: config.lease_checkpoint_interval_ms,
-            deadlines: BTreeMap::new(),
+            deadlines: Deadlines::default(),
             floors: BTreeMap::new(),
             promoted_at_ms: 0,
             last_renewals: BTreeMap::new(),
@@ -352,7 +424,7 @@ impl LeaseKeeper {
                 .saturating_add(lease.ttl_ms)
                 .saturating_add(self.checkpoint_interval_ms);
             let deadline_ms = bound_ms.min(cap_ms).max(grace_until_ms);
-            self.deadlines.insert(lease.id, deadline_ms);
+            self.deadlines.set(lease.id, deadline_ms);
             self.floors.insert(lease.id, deadline_ms);
             checkpoints.push(LeaseCheckpoint {
                 id: lease.id,
@@ -382,14 +454,14 @@ impl LeaseKeeper {
             return false;
         }
         self.synced_generation = Some(table.generation());
-        self.deadlines.retain(|id, _| table.get(*id).is_some());
+        self.deadlines.retain(|id| table.get(id).is_some());
         self.floors.retain(|id, _| table.get(*id).is_some());
         self.last_renewals.retain(|id, _| table.get(*id).is_some());
         for lease in table.iter() {
             let bound_ms = lease
                 .resume
                 .promise_bound_ms(lease.ttl_ms, self.checkpoint_interval_ms);
-            self.deadlines.entry(lease.id).or_insert(bound_ms);
+            self.deadlines.get_or_set(lease.id, || bound_ms);
         }
         true
     }
@@ -399,21 +471,21 @@ impl LeaseKeeper {
     pub fn renew(&mut self, table: &LeaseTable, id: i64, now_ms: u64) -> Result<Renewal> {
         let lease = table.get(id).ok_or(Error::LeaseNotFound)?;
         let interval_ms = self.checkpoint_interval_ms;
-        let deadline_ms = self
-            .deadlines
-            .entry(id)
-            .or_insert_with(|| lease.resume.promise_bound_ms(lease.ttl_ms, interval_ms));
-        if *deadline_ms <= now_ms {
+        let deadline_ms = self.deadlines.get_or_set(id, || {
+            lease.resume.promise_bound_ms(lease.ttl_ms, interval_ms)
+        });
+        if deadline_ms <= now_ms {
             return Err(Error::LeaseNotFound);
         }
         // Never below what this leader resumed the lease at: a deposed leader may have
         // promised the holder that much (the simulator caught a keepalive on the new leader
         // shortening a promise the old one had made moments before).
         let floor_ms = self.floors.get(&id).copied().unwrap_or(0);
-        *deadline_ms = now_ms
+        let renewed_ms = now_ms
             .saturating_add(LEASE_CLOCK_RESOLUTION_MS)
             .saturating_add(lease.ttl_ms)
             .max(floor_ms);
+        self.deadlines.set(id, renewed_ms);
         // Without a fresh enough "renewed" record, a later leader could resume the lease at a
         // deadline earlier than the one just promised. A record from before this leader's
         // promotion does not count: the promotion's deadline checkpoint overwrites it, and a
@@ -453,12 +525,12 @@ impl LeaseKeeper {
         if self.last_renewals.get(&id).map(|(last, _)| *last) != Some(stamp) {
             return None;
         }
-        let deadline_ms = self.deadlines.get_mut(&id)?;
+        let deadline_ms = self.deadlines.get(id)?;
         let shortened_ms = now_ms.saturating_add(grace_ms);
-        if *deadline_ms <= shortened_ms {
+        if deadline_ms <= shortened_ms {
             return None;
         }
-        *deadline_ms = shortened_ms;
+        self.deadlines.set(id, shortened_ms);
         // The floor kept a deposed leader's promise; the holder that had it is gone.
         self.floors.remove(&id);
         Some(LeaseCheckpoint {
@@ -475,33 +547,97 @@ impl LeaseKeeper {
             .map(|(_, at_ms)| now_ms.saturating_sub(*at_ms))
     }
 
-    /// Leases whose deadline has passed, by ID; propose `LeaseExpire` with them. At most
-    /// `max_count`, to bound one command.
+    /// Leases whose deadline has passed, in ID order; propose `LeaseExpire` with them. At
+    /// most `max_count` (those past their deadline longest), to bound one command.
     pub fn expired(&self, now_ms: u64, max_count: usize) -> Vec<i64> {
-        self.deadlines
-            .iter()
-            .filter(|(_, deadline_ms)| **deadline_ms <= now_ms)
-            .map(|(id, _)| *id)
-            .take(max_count)
-            .collect()
+        self.deadlines.passed(now_ms, max_count)
     }
 
     /// Remaining time to live on this leader, for `LeaseTimeToLive`.
     pub fn remaining_ms(&self, id: i64, now_ms: u64) -> Option<u64> {
         self.deadlines
-            .get(&id)
+            .get(id)
             .map(|deadline_ms| deadline_ms.saturating_sub(now_ms))
     }
 
     /// The earliest deadline kept, for the leader's timer.
     pub fn next_deadline_ms(&self) -> Option<u64> {
-        self.deadlines.values().min().copied()
+        self.deadlines.earliest_ms()
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    #[derive(Clone, Debug)]
+    enum DeadlineStep {
+        Set(i64, u64),
+        GetOrSet(i64, u64),
+        /// Keeps the IDs whose bit is set.
+        Retain(u32),
+        Clear,
+    }
+
+    fn deadline_step() -> impl Strategy<Value = DeadlineStep> {
+        prop_oneof![
+            8 => (0i64..24, 0u64..60).prop_map(|(id, ms)| DeadlineStep::Set(id, ms)),
+            3 => (0i64..24, 0u64..60).prop_map(|(id, ms)| DeadlineStep::GetOrSet(id, ms)),
+            1 => any::<u32>().prop_map(DeadlineStep::Retain),
+            1 => Just(DeadlineStep::Clear),
+        ]
+    }
+
+    proptest! {
+        /// The time order answers as a walk of every deadline would: after any sequence of
+        /// changes, the leases past their deadline at any time, the earliest deadline, and
+        /// (when fewer may be taken) those past their deadline longest.
+        #[test]
+        fn the_deadline_index_answers_as_a_walk_of_every_deadline(
+            steps in proptest::collection::vec(deadline_step(), 0..200),
+        ) {
+            let mut deadlines = Deadlines::default();
+            let mut model: BTreeMap<i64, u64> = BTreeMap::new();
+            for step in steps {
+                match step {
+                    DeadlineStep::Set(id, ms) => {
+                        deadlines.set(id, ms);
+                        model.insert(id, ms);
+                    }
+                    DeadlineStep::GetOrSet(id, ms) => {
+                        let kept = deadlines.get_or_set(id, || ms);
+                        prop_assert_eq!(kept, *model.entry(id).or_insert(ms));
+                    }
+                    DeadlineStep::Retain(mask) => {
+                        deadlines.retain(|id| mask & (1 << id) != 0);
+                        model.retain(|id, _| mask & (1 << id) != 0);
+                    }
+                    DeadlineStep::Clear => {
+                        deadlines.clear();
+                        model.clear();
+                    }
+                }
+                prop_assert_eq!(deadlines.len(), model.len());
+                prop_assert_eq!(deadlines.earliest_ms(), model.values().min().copied());
+                for now_ms in [0, 10, 30, 59, 60] {
+                    let walked: Vec<i64> = model
+                        .iter()
+                        .filter(|&(_, &ms)| ms <= now_ms)
+                        .map(|(&id, _)| id)
+                        .collect();
+                    prop_assert_eq!(&deadlines.passed(now_ms, usize::MAX), &walked);
+                    let few = deadlines.passed(now_ms, 3);
+                    prop_assert_eq!(few.len(), walked.len().min(3));
+                    prop_assert!(few.windows(2).all(|pair| pair[0] < pair[1]));
+                    let latest_taken = few.iter().map(|id| model[id]).max();
+                    for id in walked.iter().filter(|id| !few.contains(id)) {
+                        prop_assert!(latest_taken.is_some_and(|ms| ms <= model[id]));
+                    }
+                }
+            }
+        }
+    }
 
     fn config() -> Config {
         Config {
