@@ -12,8 +12,8 @@
 //! `scripts/bench-put-floor` runs `etcd-bench` against it beside etcd and Conclave: if the
 //! floor itself cannot do twice etcd's puts at one client, no server on this machine can.
 //!
-//!   put-floor follower --listen 127.0.0.1:19502 --dir /tmp/f1
-//!   put-floor leader --listen 127.0.0.1:19501 --followers 127.0.0.1:19502,127.0.0.1:19503 --dir /tmp/l
+//!   put-floor follower --listen 127.0.0.1:19702 --dir /tmp/f1
+//!   put-floor leader --listen 127.0.0.1:19701 --followers 127.0.0.1:19702,127.0.0.1:19703 --dir /tmp/l
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Read, Write};
