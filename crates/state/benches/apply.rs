@@ -11,8 +11,8 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use conclave_state::{
-    Command, Compare, CompareResult, CompareTarget, Config, GroupPolicy, GroupRegister, PutRequest,
-    RangeRequest, Request, RequestOp, StateMachine, TxnRequest,
+    Command, Compare, CompareResult, CompareTarget, Config, GroupPolicy, GroupRegister,
+    LeaseKeeper, PutRequest, RangeRequest, Request, RequestOp, StateMachine, TxnRequest,
 };
 
 /// Counts live heap bytes so memory per key is measured, not estimated.
@@ -277,6 +277,45 @@ fn bench_freeze_at_scale(groups: u64) -> (String, String) {
     )
 }
 
+/// The leader's question every tick, "which leases are past their deadline?", with `leases`
+/// leases kept alive (none past it), against the walk of every deadline it replaced.
+fn bench_lease_tick(leases: u64) -> (String, String) {
+    let mut runner = Runner::new();
+    for id in 1..=leases as i64 {
+        runner.apply(Request::LeaseGrant { id, ttl_ms: 60_000 });
+    }
+    let mut keeper = LeaseKeeper::new(&Config::default());
+    keeper.promote(runner.machine.leases(), 0);
+    let walked: std::collections::BTreeMap<i64, u64> =
+        (1..=leases as i64).map(|id| (id, 61_000)).collect();
+    let ticks = 2_000u32;
+    let per_tick_us = |tick: &dyn Fn(u64) -> usize| {
+        (0..3)
+            .map(|_| {
+                let start = Instant::now();
+                let mut found = 0;
+                for now_ms in 0..u64::from(ticks) {
+                    found += tick(now_ms);
+                }
+                assert_eq!(found, 0, "no lease is past its deadline in this benchmark");
+                start.elapsed().as_secs_f64() * 1e6 / f64::from(ticks)
+            })
+            .fold(f64::MAX, f64::min)
+    };
+    let indexed_us = per_tick_us(&|now_ms| keeper.expired(now_ms, 1000).len());
+    let walk_us = per_tick_us(&|now_ms| {
+        walked
+            .iter()
+            .filter(|(_, deadline_ms)| **deadline_ms <= now_ms)
+            .take(1000)
+            .count()
+    });
+    (
+        format!("{indexed_us:.3} µs per tick (a walk: {walk_us:.1} µs)"),
+        format!("the leader's expiry check with {leases} leases kept alive"),
+    )
+}
+
 fn bench_memory(keys: u64) -> (String, String, String) {
     let before = LIVE_BYTES.load(Ordering::Relaxed);
     let mut runner = Runner::new();
@@ -323,6 +362,10 @@ fn main() {
     println!("| puts after a freeze | {value} | {detail} |");
     let (value, detail) = bench_freeze_at_scale(10_000 / scale);
     println!("| freeze at scale | {value} | {detail} |");
+    for leases in [10_000, 100_000] {
+        let (value, detail) = bench_lease_tick(leases / scale);
+        println!("| lease expiry check | {value} | {detail} |");
+    }
     let (value, detail, snapshot) = bench_memory(1_000_000 / scale);
     println!("| memory per key | {value} | {detail} |");
     println!();
