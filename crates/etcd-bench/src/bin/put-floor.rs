@@ -9,7 +9,7 @@
 //! acknowledges. There is no consensus, no state machine, no recovery, and the log files are
 //! pre-written with zeros so that a sync flushes data only.
 //!
-//! `scripts/bench-put-floor` runs `etcd-bench` against it beside etcd and Conclave: if the
+//! `scripts/bench-cpu-per-put` runs `etcd-bench` against it beside etcd and Conclave: if the
 //! floor itself cannot do twice etcd's puts at one client, no server on this machine can.
 //!
 //!   put-floor follower --listen 127.0.0.1:19702 --dir /tmp/f1
