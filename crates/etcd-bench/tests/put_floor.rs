@@ -36,7 +36,7 @@ fn floor(dir: &Path, inline: bool) -> (Processes, SocketAddr) {
     for (name, addr) in [("f1", first), ("f2", second)] {
         children.push(
             Command::new(binary)
-                .args(["follower", "--listen", &addr.to_string()])
+                .args(["follower", "--listen", &addr.to_string(), "--log-mib", "1"])
                 .arg("--dir")
                 .arg(dir.join(name))
                 .spawn()
@@ -45,7 +45,7 @@ fn floor(dir: &Path, inline: bool) -> (Processes, SocketAddr) {
     }
     let mut command = Command::new(binary);
     command
-        .args(["leader", "--listen", &leader.to_string()])
+        .args(["leader", "--listen", &leader.to_string(), "--log-mib", "1"])
         .args(["--followers", &format!("{first},{second}")])
         .arg("--dir")
         .arg(dir.join("leader"));
@@ -143,6 +143,27 @@ async fn a_put_through_the_writer_thread_is_in_three_logs() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_inline_put_is_in_three_logs() {
     every_put_is_in_three_logs(true).await;
+}
+
+#[test]
+fn a_log_size_out_of_range_is_refused() {
+    let output = Command::new(env!("CARGO_BIN_EXE_put-floor"))
+        .args([
+            "follower",
+            "--listen",
+            "127.0.0.1:0",
+            "--dir",
+            "/nonexistent",
+        ])
+        .args(["--log-mib", "0"])
+        .output()
+        .expect("run put-floor");
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("--log-mib must be 1 to 4096, got 0"),
+        "{stderr}"
+    );
 }
 
 #[test]

@@ -35,8 +35,11 @@ use prost::Message;
 use tokio::sync::oneshot;
 use tonic::{Request, Response, Status};
 
-/// Size of each log file, written with zeros before the first put; writes wrap around in it.
-const LOG_FILE_BYTES: u64 = 64 << 20;
+/// Default size of each log file in MiB, written with zeros before the first put; writes wrap
+/// around in it.
+const LOG_FILE_MIB_DEFAULT: u64 = 64;
+/// The largest log file `--log-mib` allows.
+const LOG_FILE_MIB_MAX: u64 = 4096;
 /// Largest frame a follower accepts (a frame carries one batch of encoded put requests).
 const FRAME_BYTES_MAX: usize = 64 << 20;
 /// How long the leader keeps trying to reach a follower that is still starting.
@@ -47,6 +50,9 @@ const CONNECT_WAIT: Duration = Duration::from_secs(10);
     about = "The floor of a replicated put: gRPC in, two followers and three fsyncs, gRPC out"
 )]
 struct Args {
+    /// Size of this process's log file in MiB (1 to 4096), written with zeros at the start.
+    #[arg(long, global = true, default_value_t = LOG_FILE_MIB_DEFAULT)]
+    log_mib: u64,
     #[command(subcommand)]
     role: Role,
 }
@@ -96,10 +102,11 @@ enum FloorError {
 struct Log {
     file: File,
     offset: u64,
+    size_bytes: u64,
 }
 
 impl Log {
-    fn create(dir: &Path) -> Result<Log, FloorError> {
+    fn create(dir: &Path, size_mib: u64) -> Result<Log, FloorError> {
         let path = dir.join("log");
         let failed = |source| FloorError::Log {
             path: path.clone(),
@@ -114,15 +121,19 @@ impl Log {
             .open(&path)
             .map_err(failed)?;
         let zeros = vec![0u8; 1 << 20];
-        for _ in 0..LOG_FILE_BYTES / zeros.len() as u64 {
+        for _ in 0..size_mib {
             file.write_all(&zeros).map_err(failed)?;
         }
         file.sync_all().map_err(failed)?;
-        Ok(Log { file, offset: 0 })
+        Ok(Log {
+            file,
+            offset: 0,
+            size_bytes: size_mib << 20,
+        })
     }
 
     fn append_and_sync(&mut self, bytes: &[u8]) -> io::Result<()> {
-        if self.offset + bytes.len() as u64 > LOG_FILE_BYTES {
+        if self.offset + bytes.len() as u64 > self.size_bytes {
             self.offset = 0;
         }
         self.file.write_all_at(bytes, self.offset)?;
@@ -131,8 +142,8 @@ impl Log {
     }
 }
 
-fn follower(listen: SocketAddr, dir: &Path) -> Result<(), FloorError> {
-    let mut log = Log::create(dir)?;
+fn follower(listen: SocketAddr, dir: &Path, log_mib: u64) -> Result<(), FloorError> {
+    let mut log = Log::create(dir, log_mib)?;
     let peer = |source| FloorError::Peer {
         addr: listen,
         source,
@@ -257,9 +268,9 @@ struct Replicator {
 }
 
 impl Replicator {
-    fn start(followers: &[SocketAddr], dir: &Path) -> Result<Replicator, FloorError> {
+    fn start(followers: &[SocketAddr], dir: &Path, log_mib: u64) -> Result<Replicator, FloorError> {
         Ok(Replicator {
-            log: Log::create(dir)?,
+            log: Log::create(dir, log_mib)?,
             log_path: dir.join("log"),
             links: followers
                 .iter()
@@ -394,6 +405,7 @@ fn leader(
     followers: Vec<SocketAddr>,
     dir: PathBuf,
     inline: bool,
+    log_mib: u64,
 ) -> Result<(), FloorError> {
     if followers.len() != 2 {
         return Err(FloorError::Usage(format!(
@@ -401,7 +413,7 @@ fn leader(
             followers.len()
         )));
     }
-    let replicator = Replicator::start(&followers, &dir)?;
+    let replicator = Replicator::start(&followers, &dir, log_mib)?;
     let path = if inline {
         PutPath::Inline(std::sync::Mutex::new(replicator))
     } else {
@@ -433,14 +445,21 @@ fn leader(
 
 fn main() {
     let args = Args::parse();
-    let result = match args.role {
-        Role::Follower { listen, dir } => follower(listen, &dir),
-        Role::Leader {
-            listen,
-            followers,
-            dir,
-            inline,
-        } => leader(listen, followers, dir, inline),
+    let log_mib = args.log_mib;
+    let result = if !(1..=LOG_FILE_MIB_MAX).contains(&log_mib) {
+        Err(FloorError::Usage(format!(
+            "--log-mib must be 1 to {LOG_FILE_MIB_MAX}, got {log_mib}"
+        )))
+    } else {
+        match args.role {
+            Role::Follower { listen, dir } => follower(listen, &dir, log_mib),
+            Role::Leader {
+                listen,
+                followers,
+                dir,
+                inline,
+            } => leader(listen, followers, dir, inline, log_mib),
+        }
     };
     if let Err(error) = result {
         eprintln!("put-floor: {error}");
