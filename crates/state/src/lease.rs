@@ -288,9 +288,9 @@ pub struct Renewal {
 pub const LEASE_CLOCK_RESOLUTION_MS: u64 = 1;
 
 /// The keeper's deadlines, by lease ID and in time order. A leader asks every tick which
-/// deadlines have passed; with 10,000 sessions a walk of every deadline was the largest part of
-/// its timer work left, and the time order makes the question a range lookup. Every change
-/// goes through here, so the two orders always hold the same pairs.
+/// deadlines have passed; a walk of every deadline costs in proportion to the leases kept
+/// alive, and the time order makes the question a range lookup. Every change goes through
+/// here, so the two orders always hold the same pairs.
 #[derive(Clone, Debug, Default)]
 struct Deadlines {
     by_id: BTreeMap<i64, u64>,
