@@ -145,21 +145,27 @@ async fn an_inline_put_is_in_three_logs() {
     every_put_is_in_three_logs(true).await;
 }
 
-#[test]
-fn a_log_size_out_of_range_is_refused() {
+/// Runs put-floor with `args`, which it must refuse, and returns what it said.
+fn refused(args: &[&str]) -> String {
     let output = Command::new(env!("CARGO_BIN_EXE_put-floor"))
-        .args([
-            "follower",
-            "--listen",
-            "127.0.0.1:0",
-            "--dir",
-            "/nonexistent",
-        ])
-        .args(["--log-mib", "0"])
+        .args(args)
         .output()
         .expect("run put-floor");
-    assert!(!output.status.success());
-    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "put-floor accepted {args:?}");
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+#[test]
+fn a_log_size_out_of_range_is_refused() {
+    let stderr = refused(&[
+        "follower",
+        "--listen",
+        "127.0.0.1:0",
+        "--dir",
+        "/nonexistent",
+        "--log-mib",
+        "0",
+    ]);
     assert!(
         stderr.contains("--log-mib must be 1 to 4096, got 0"),
         "{stderr}"
@@ -168,19 +174,15 @@ fn a_log_size_out_of_range_is_refused() {
 
 #[test]
 fn a_leader_needs_two_followers() {
-    let output = Command::new(env!("CARGO_BIN_EXE_put-floor"))
-        .args([
-            "leader",
-            "--listen",
-            "127.0.0.1:0",
-            "--followers",
-            "127.0.0.1:1",
-        ])
-        .args(["--dir", "/nonexistent"])
-        .output()
-        .expect("run put-floor");
-    assert!(!output.status.success());
-    let stderr = String::from_utf8_lossy(&output.stderr);
+    let stderr = refused(&[
+        "leader",
+        "--listen",
+        "127.0.0.1:0",
+        "--followers",
+        "127.0.0.1:1",
+        "--dir",
+        "/nonexistent",
+    ]);
     assert!(
         stderr.contains("--followers needs two addresses, got 1"),
         "{stderr}"
