@@ -27,12 +27,16 @@ use hdrhistogram::Histogram;
 use serde_json::json;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::transport::{Channel, Endpoint};
+
+mod conn;
+use conn::Conn;
 
 /// Most concurrent clients (or watchers) one run starts.
 const CLIENTS_MAX: usize = 10_000;
 /// Most gRPC connections one run opens; HTTP/2 multiplexes the clients over them.
 const CONNECTIONS_MAX: usize = 256;
+/// Most `--threads`.
+const THREADS_MAX: usize = 64;
 /// Largest `--value-size` (etcd's default request limit is 1.5 MiB).
 const VALUE_BYTES_MAX: usize = 1024 * 1024;
 /// Longest `--duration`, so a typo cannot start an hour-long run.
@@ -127,6 +131,11 @@ struct Args {
     /// gRPC connections (default: one per client, at most 16).
     #[arg(long)]
     connections: Option<usize>,
+    /// Threads running the clients. One thread (the default) spends the least CPU per
+    /// request: the members measured share this machine's cores with the load generator, and
+    /// more threads mostly add wake-ups between them.
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
     /// A name for the system measured, printed with the figures.
     #[arg(long, default_value = "")]
     label: String,
@@ -188,7 +197,7 @@ fn parse_duration(text: &str) -> Result<Duration, BenchError> {
     Ok(duration)
 }
 
-async fn connect(endpoints: &[String], count: usize) -> Result<Vec<Channel>, BenchError> {
+async fn connect(endpoints: &[String], count: usize) -> Result<Vec<Conn>, BenchError> {
     let mut channels = Vec::with_capacity(count);
     for i in 0..count {
         let endpoint = &endpoints[i % endpoints.len()];
@@ -196,13 +205,10 @@ async fn connect(endpoints: &[String], count: usize) -> Result<Vec<Channel>, Ben
             endpoint: endpoint.clone(),
             reason,
         };
-        let channel = Endpoint::from_shared(format!("http://{endpoint}"))
-            .map_err(|e| failed(e.to_string()))?
-            .tcp_nodelay(true)
-            .connect_timeout(SETUP_TIMEOUT)
-            .connect()
+        let channel = tokio::time::timeout(SETUP_TIMEOUT, Conn::connect(endpoint))
             .await
-            .map_err(|e| failed(e.to_string()))?;
+            .map_err(|_| failed(format!("no connection within {SETUP_TIMEOUT:?}")))?
+            .map_err(failed)?;
         channels.push(channel);
     }
     Ok(channels)
@@ -225,7 +231,7 @@ fn key(index: u64) -> Vec<u8> {
 }
 
 /// Writes every key of the key space once, so gets find values.
-async fn fill_keys(channels: &[Channel], args: &Args) -> Result<(), BenchError> {
+async fn fill_keys(channels: &[Conn], args: &Args) -> Result<(), BenchError> {
     let value = vec![b'v'; args.value_size];
     let workers = channels.len().max(1) as u64;
     let mut tasks = Vec::new();
@@ -275,7 +281,7 @@ where
 async fn run_client(
     op: Op,
     id: usize,
-    channel: Channel,
+    channel: Conn,
     args: Arc<Args>,
     deadline: Instant,
 ) -> Result<Tally, BenchError> {
@@ -439,7 +445,7 @@ fn expected_deliveries(args: &Args, puts: u64) -> u64 {
 /// `--watch-own-prefix`); a put's value starts with its send time (µs since `epoch`), so each
 /// receipt yields one latency.
 async fn run_watch(
-    channels: &[Channel],
+    channels: &[Conn],
     args: Arc<Args>,
     duration: Duration,
 ) -> Result<(Vec<Tally>, u64), BenchError> {
@@ -587,7 +593,7 @@ async fn run_watch(
 /// transactions in flight. A tally's count is keys written; its latencies are per
 /// transaction (recorded once per key, so quantiles weigh every key alike).
 async fn run_fill(
-    channels: &[Channel],
+    channels: &[Conn],
     args: Arc<Args>,
     duration: Duration,
 ) -> Result<Vec<Tally>, BenchError> {
@@ -799,7 +805,21 @@ async fn run(args: Args) -> Result<(), BenchError> {
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    let runtime = match tokio::runtime::Runtime::new() {
+    if args.threads == 0 || args.threads > THREADS_MAX {
+        eprintln!("etcd-bench: invalid argument: --threads must be 1 to {THREADS_MAX}");
+        return ExitCode::FAILURE;
+    }
+    let runtime = if args.threads == 1 {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+    } else {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(args.threads)
+            .enable_all()
+            .build()
+    };
+    let runtime = match runtime {
         Ok(runtime) => runtime,
         Err(error) => {
             eprintln!("etcd-bench: cannot start the runtime: {error}");
