@@ -7,6 +7,10 @@
 //! Each of `--clients` clients keeps one request in flight for `--duration` and records every
 //! latency in an HDR histogram; the output is ops/s and p50/p99/p99.9/max, as a table row or
 //! (`--json`) one JSON object.
+//!
+//! The generator runs on the machine it measures, so its own CPU is taken from the members':
+//! by default every client runs on one thread (`--threads`), and requests go straight to an
+//! HTTP/2 connection (src/conn.rs) rather than through tonic's balancing channel.
 
 use std::process::ExitCode;
 use std::sync::Arc;
