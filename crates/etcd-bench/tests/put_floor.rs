@@ -1,10 +1,13 @@
 //! `put-floor` does the work it claims to measure: each answered put is in the leader's log
 //! and in both followers' logs, and the answers count up.
 
-use std::net::{SocketAddr, TcpListener};
-use std::path::Path;
-use std::process::{Child, Command};
+mod common;
+
+use std::net::SocketAddr;
+use std::process::Command;
 use std::time::{Duration, Instant};
+
+use common::{floor, logged_records};
 
 use conclave_proto::etcdserverpb::PutRequest;
 use conclave_proto::etcdserverpb::kv_client::KvClient;
@@ -12,49 +15,6 @@ use prost::Message;
 
 /// How long a put or a log's catching up may take before the test fails.
 const ANSWER_WAIT: Duration = Duration::from_secs(10);
-
-struct Processes(Vec<Child>);
-
-impl Drop for Processes {
-    fn drop(&mut self) {
-        for child in &mut self.0 {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
-
-fn free_addr() -> SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
-    listener.local_addr().expect("local address")
-}
-
-fn floor(dir: &Path, inline: bool) -> (Processes, SocketAddr) {
-    let binary = env!("CARGO_BIN_EXE_put-floor");
-    let (leader, first, second) = (free_addr(), free_addr(), free_addr());
-    let mut children = Vec::new();
-    for (name, addr) in [("f1", first), ("f2", second)] {
-        children.push(
-            Command::new(binary)
-                .args(["follower", "--listen", &addr.to_string(), "--log-mib", "1"])
-                .arg("--dir")
-                .arg(dir.join(name))
-                .spawn()
-                .expect("start a follower"),
-        );
-    }
-    let mut command = Command::new(binary);
-    command
-        .args(["leader", "--listen", &leader.to_string(), "--log-mib", "1"])
-        .args(["--followers", &format!("{first},{second}")])
-        .arg("--dir")
-        .arg(dir.join("leader"));
-    if inline {
-        command.arg("--inline");
-    }
-    children.push(command.spawn().expect("start the leader"));
-    (Processes(children), leader)
-}
 
 async fn connect(addr: SocketAddr) -> KvClient<tonic::transport::Channel> {
     let started = Instant::now();
@@ -67,23 +27,6 @@ async fn connect(addr: SocketAddr) -> KvClient<tonic::transport::Channel> {
             Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
         }
     }
-}
-
-/// The first `count` records of a log (each a little-endian u32 length and the record), or
-/// None while the log holds fewer.
-fn logged_records(log: &Path, count: usize) -> Option<Vec<Vec<u8>>> {
-    let bytes = std::fs::read(log).expect("read a log file");
-    let mut records = Vec::new();
-    let mut at = 0;
-    while records.len() < count {
-        let len = u32::from_le_bytes(bytes.get(at..at + 4)?.try_into().ok()?) as usize;
-        if len == 0 {
-            return None; // the pre-written zeros: nothing appended here yet
-        }
-        records.push(bytes.get(at + 4..at + 4 + len)?.to_vec());
-        at += 4 + len;
-    }
-    Some(records)
 }
 
 async fn every_put_is_in_three_logs(inline: bool) {
