@@ -33,8 +33,7 @@ use segment::{SEGMENT_HEADER_BYTES, TEMP_SUFFIX};
 pub struct WalOptions {
     /// A segment is rotated once the next record would take it past this size.
     pub segment_size_bytes: u64,
-    /// Reserve each segment's full size when creating it, and write zeros ahead of the
-    /// records (see [`ZERO_AHEAD_BYTES`]).
+    /// Reserve each segment's full size when creating it.
     pub preallocate: bool,
     /// Appended records are written to the file (not synced) once this many bytes wait.
     pub write_buffer_bytes: usize,
@@ -49,19 +48,6 @@ impl Default for WalOptions {
         }
     }
 }
-
-/// With preallocation, how far past the end of its records the log keeps the file written
-/// with zeros. A reserved block that was never written is marked unwritten, and the first
-/// `fdatasync` after a write into it must also record the block as written: on ext4 that is
-/// one more metadata write per sync whenever a sync's records reach a new block (under load,
-/// nearly every sync). Zeros written ahead, a stretch at a time, pay that once per stretch;
-/// alone on this project's machine, a 4 KiB write and `fdatasync` took 128-134 µs and 46-55 µs
-/// of CPU with 256 KiB of zeros ahead against 162-201 µs and 60-83 µs without
-/// (docs/storage.md). The sync that carries a stretch writes 256 KiB more, once per 256 KiB
-/// of log.
-pub const ZERO_AHEAD_BYTES: u64 = 256 << 10;
-/// Zeros written per call when the log writes ahead.
-static ZERO_CHUNK: [u8; 64 << 10] = [0; 64 << 10];
 
 /// The largest segment size the options may ask for.
 pub const SEGMENT_SIZE_BYTES_MAX: u64 = 1 << 30;
@@ -92,33 +78,10 @@ struct Segment {
     file: Box<dyn DiskFile>,
     /// Bytes of header and records written to the file (the rest of the file is zeros).
     written_bytes: u64,
-    /// The file holds records or written zeros up to here (see [`ZERO_AHEAD_BYTES`]); never
-    /// below `written_bytes`, so zeros never land on a record.
-    zeroed_bytes: u64,
     record_count: u64,
     /// The log's last index when this segment's checkpoint was written; `u64::MAX` while the
     /// segment has no checkpoint yet.
     checkpoint_last_index: Index,
-}
-
-impl Segment {
-    /// Writes zeros from the end of the records to [`ZERO_AHEAD_BYTES`] past it (not past the
-    /// segment's size).
-    fn write_zeros_ahead(&mut self, segment_size_bytes: u64) -> std::io::Result<()> {
-        let mut at = self.written_bytes.max(self.zeroed_bytes);
-        let until = (self.written_bytes + ZERO_AHEAD_BYTES).min(segment_size_bytes);
-        while at < until {
-            let len = (until - at).min(ZERO_CHUNK.len() as u64) as usize;
-            self.file.write_at(at, &ZERO_CHUNK[..len])?;
-            at += len as u64;
-        }
-        self.zeroed_bytes = at;
-        assert!(
-            self.zeroed_bytes >= self.written_bytes,
-            "the log's zeros start past its records"
-        );
-        Ok(())
-    }
 }
 
 /// What recovery found and did.
@@ -326,7 +289,6 @@ impl Wal {
             path,
             file,
             written_bytes: offset as u64,
-            zeroed_bytes: offset as u64,
             record_count,
             checkpoint_last_index,
         });
@@ -445,14 +407,9 @@ impl Wal {
             return Ok(());
         }
         let pending = std::mem::take(&mut self.pending);
-        let zero_ahead = self.options.preallocate;
-        let segment_size = self.options.segment_size_bytes;
         let active = self.active();
-        let mut result = active.file.write_at(active.written_bytes, &pending);
+        let result = active.file.write_at(active.written_bytes, &pending);
         active.written_bytes += pending.len() as u64;
-        if result.is_ok() && zero_ahead && active.written_bytes > active.zeroed_bytes {
-            result = active.write_zeros_ahead(segment_size);
-        }
         let path = active.path.clone();
         self.pending = pending;
         self.pending.clear();
@@ -505,7 +462,6 @@ impl Wal {
             path,
             file,
             written_bytes: SEGMENT_HEADER_BYTES as u64,
-            zeroed_bytes: SEGMENT_HEADER_BYTES as u64,
             record_count: 0,
             checkpoint_last_index: u64::MAX,
         });
