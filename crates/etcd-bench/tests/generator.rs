@@ -5,11 +5,10 @@
 mod common;
 
 use std::net::{SocketAddr, TcpStream};
-use std::path::PathBuf;
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
-use common::{floor, free_addr, record_count};
+use common::{floor, free_addr, logged_records, scratch_dir};
 
 /// How long put-floor's leader may take to listen.
 const START_WAIT: Duration = Duration::from_secs(20);
@@ -30,12 +29,6 @@ fn wait_listening(addr: SocketAddr) {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
-}
-
-fn scratch_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("etcd-bench-test-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    dir
 }
 
 fn counted_puts_are_logged_puts(threads: &str) {
@@ -69,7 +62,7 @@ fn counted_puts_are_logged_puts(threads: &str) {
     assert!(ops > 0, "no put answered in 300 ms: {stdout}");
     // Every put the generator counted was answered, so the leader logged it first; and the
     // generator sent nothing else.
-    let logged = record_count(&dir.join("leader").join("log"));
+    let logged = logged_records(&dir.join("leader").join("log")).len();
     assert_eq!(
         logged as u64, ops,
         "puts logged by the leader against puts counted"

@@ -7,7 +7,7 @@ use std::net::SocketAddr;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{floor, logged_records};
+use common::{floor, logged_records, scratch_dir};
 
 use conclave_proto::etcdserverpb::PutRequest;
 use conclave_proto::etcdserverpb::kv_client::KvClient;
@@ -30,7 +30,11 @@ async fn connect(addr: SocketAddr) -> KvClient<tonic::transport::Channel> {
 }
 
 async fn every_put_is_in_three_logs(inline: bool) {
-    let dir = tempfile_dir(inline);
+    let dir = scratch_dir(if inline {
+        "floor-inline"
+    } else {
+        "floor-writer"
+    });
     let (_processes, leader) = floor(&dir, inline);
     let mut client = connect(leader).await;
     let mut sent = Vec::new();
@@ -54,8 +58,9 @@ async fn every_put_is_in_three_logs(inline: bool) {
     for name in ["leader", "f1", "f2"] {
         let log = dir.join(name).join("log");
         let logged = loop {
-            if let Some(records) = logged_records(&log, sent.len()) {
-                break records;
+            let records = logged_records(&log);
+            if records.len() >= sent.len() {
+                break records[..sent.len()].to_vec();
             }
             assert!(
                 started.elapsed() < ANSWER_WAIT,
@@ -66,16 +71,6 @@ async fn every_put_is_in_three_logs(inline: bool) {
         assert_eq!(logged, sent, "{name}'s log");
     }
     let _ = std::fs::remove_dir_all(&dir);
-}
-
-fn tempfile_dir(inline: bool) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!(
-        "put-floor-test-{}-{}",
-        std::process::id(),
-        if inline { "inline" } else { "writer" }
-    ));
-    let _ = std::fs::remove_dir_all(&dir);
-    dir
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
