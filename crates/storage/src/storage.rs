@@ -59,6 +59,7 @@ impl StorageOptions {
                 segment_size_bytes: 64 << 10,
                 preallocate: false,
                 write_buffer_bytes: 16 << 10,
+                zero_ahead_write_bytes_min: crate::wal::ZERO_AHEAD_WRITE_BYTES_MIN,
             },
             cache_entries_max: 256,
             cache_bytes_max: 1 << 20,

@@ -18,6 +18,9 @@ pub fn small_options() -> StorageOptions {
             segment_size_bytes: 4096,
             preallocate: false,
             write_buffer_bytes: 1024,
+            // Every write may start a stretch of zeros, so tests that turn preallocation on
+            // exercise it with their small writes.
+            zero_ahead_write_bytes_min: 0,
         },
         cache_entries_max: 8,
         cache_bytes_max: 1 << 20,
