@@ -63,12 +63,12 @@ impl Default for WalOptions {
 /// 128-134 µs and 46-55 µs of CPU with 256 KiB of zeros ahead against 162-201 µs and 60-83 µs
 /// without (docs/storage.md). The sync that carries a stretch writes 256 KiB more.
 pub const ZERO_AHEAD_BYTES: u64 = 256 << 10;
-/// The smallest write of records that starts a new stretch of zeros by default (one
-/// file-system block).
-/// A write this large reaches a new block every time, so the stretch pays for itself; a quiet
-/// member, whose syncs carry a few hundred bytes and reach a new block once in a dozen, would
-/// gain nothing from a stretch and would put its 256 KiB on one request's latency (a 1-client
-/// benchmark's p99.9 went above etcd's when every write could start one: docs/performance.md).
+/// The smallest write of records that starts a new stretch of zeros by default: one
+/// file-system block. A write this large reaches a new block every time, so the stretch pays
+/// for itself; a quiet member, whose syncs carry a few hundred bytes and reach a new block
+/// once in a dozen, would gain little from a stretch and would put its 256 KiB on one
+/// request's latency (a 1-client benchmark's p99.9 went above etcd's when every write could
+/// start one: docs/performance.md).
 pub const ZERO_AHEAD_WRITE_BYTES_MIN: usize = 4 << 10;
 /// Zeros written per call when the log writes ahead.
 static ZERO_CHUNK: [u8; 64 << 10] = [0; 64 << 10];
