@@ -169,6 +169,13 @@ pub enum Error {
     #[error("state machine snapshot cannot be restored: {0}")]
     StateRestore(String),
 
+    /// The machine's encoder failed while writing a snapshot's image (the file itself did not:
+    /// that is [`Error::Storage`]).
+    #[error(
+        "the state machine's image for the snapshot at index {index} cannot be encoded: {reason}"
+    )]
+    SnapshotEncode { index: u64, reason: String },
+
     /// The Raft core cannot start over the stored state.
     #[error("raft core cannot start: {0}")]
     RaftStart(String),
@@ -196,6 +203,7 @@ impl Error {
             | Error::OtherCluster { .. }
             | Error::Identity { .. }
             | Error::StateRestore(_)
+            | Error::SnapshotEncode { .. }
             | Error::RaftStart(_)
             | Error::ClientServe(_) => true,
             Error::NoLeader

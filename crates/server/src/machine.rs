@@ -8,6 +8,8 @@
 //! coordination state machine (`conclave_state::StateMachine`) is one implementation; an
 //! embedding program supplies its own (see [`crate::embed`] and `examples/embedded_counter.rs`).
 
+use std::io::{self, Write};
+
 /// Why a machine refused an entry or a snapshot image. Any error type converts into it, so
 /// `?` works inside [`ReplicatedMachine::apply`] and [`ReplicatedMachine::restore`].
 pub type MachineError = Box<dyn std::error::Error + Send + Sync>;
@@ -93,48 +95,48 @@ pub trait ReplicatedMachine: Send + Sync + 'static {
 
 /// A machine's state frozen at one applied index, not yet encoded: see
 /// [`ReplicatedMachine::snapshot_frozen`].
-pub struct FrozenImage(Box<dyn FnOnce(Vec<u8>) -> Vec<u8> + Send>);
+pub struct FrozenImage(Box<dyn ImageWriter>);
+
+/// Writes a frozen image's bytes, once, on whichever thread the node picks.
+trait ImageWriter: FnOnce(&mut dyn Write) -> io::Result<()> + Send {}
+
+impl<F: FnOnce(&mut dyn Write) -> io::Result<()> + Send> ImageWriter for F {}
 
 impl FrozenImage {
     /// An image already encoded.
     pub fn ready(image: Vec<u8>) -> FrozenImage {
-        FrozenImage(Box::new(move |out| append(out, image)))
+        FrozenImage(Box::new(move |out| out.write_all(&image)))
     }
 
     /// An image `encode` produces when called, on whichever thread calls it; it must give the
     /// bytes [`ReplicatedMachine::snapshot`] gave when this was made.
     pub fn deferred(encode: impl FnOnce() -> Vec<u8> + Send + 'static) -> FrozenImage {
-        FrozenImage(Box::new(move |out| append(out, encode())))
+        FrozenImage(Box::new(move |out| out.write_all(&encode())))
     }
 
-    /// Like [`FrozenImage::deferred`], for a machine that can write its image at the end of a
-    /// buffer it is given: `encode_after` appends exactly the bytes
-    /// [`ReplicatedMachine::snapshot`] gave and returns the buffer. The node puts the
-    /// snapshot's own header in front, so a large image is never copied whole.
-    pub fn deferred_into(
-        encode_after: impl FnOnce(Vec<u8>) -> Vec<u8> + Send + 'static,
+    /// Like [`FrozenImage::deferred`], for a machine that can stream its image: `write_to`
+    /// writes exactly the bytes [`ReplicatedMachine::snapshot`] gave into the writer it is
+    /// given. The node hands it the snapshot file itself, so a large image is never held in
+    /// memory whole.
+    pub fn deferred_to(
+        write_to: impl FnOnce(&mut dyn Write) -> io::Result<()> + Send + 'static,
     ) -> FrozenImage {
-        FrozenImage(Box::new(encode_after))
+        FrozenImage(Box::new(write_to))
     }
 
-    /// The image's bytes.
+    /// The image's bytes, in memory.
     pub fn encode(self) -> Vec<u8> {
-        self.encode_after(Vec::new())
+        let mut out = Vec::new();
+        // Only the encoder can fail here, and a machine's encoder into memory does not.
+        self.write_to(&mut out)
+            .expect("a frozen image encodes into memory");
+        out
     }
 
-    /// `out` followed by the image's bytes.
-    pub fn encode_after(self, out: Vec<u8>) -> Vec<u8> {
+    /// Writes the image's bytes to `out`.
+    pub fn write_to(self, out: &mut dyn Write) -> io::Result<()> {
         (self.0)(out)
     }
-}
-
-/// `out` followed by `image`, without a copy when `out` is empty.
-fn append(mut out: Vec<u8>, image: Vec<u8>) -> Vec<u8> {
-    if out.is_empty() {
-        return image;
-    }
-    out.extend_from_slice(&image);
-    out
 }
 
 impl std::fmt::Debug for FrozenImage {

@@ -127,14 +127,8 @@ impl StateMachine {
 
     /// A snapshot in memory.
     pub fn snapshot_to_vec(&self) -> Vec<u8> {
-        self.snapshot_after(Vec::new())
-    }
-
-    /// `out` followed by a snapshot: [`StateMachine::snapshot_to_vec`] for a caller that puts
-    /// its own header in front and would otherwise copy the whole image behind it.
-    pub fn snapshot_after(&self, out: Vec<u8>) -> Vec<u8> {
         // Writing to a Vec cannot fail.
-        self.snapshot(out)
+        self.snapshot(Vec::new())
             .expect("snapshot into memory is infallible")
     }
 

@@ -44,7 +44,7 @@ pub use disk::{Disk, DiskFile, OsDisk};
 pub use error::{Error, FatalError, Result};
 pub use repair::{RepairCut, RepairMode, RepairReport, repair, repair_with};
 pub use sim_disk::{SimDisk, SimDiskOptions};
-pub use snapshot::{SnapshotFile, SnapshotReader, SnapshotWriter};
+pub use snapshot::{SnapshotFile, SnapshotReader, SnapshotWriter, SyncedPieceWriter};
 pub use storage::{RecoveryReport, StorageOptions, Ticket, WalStorage};
 pub use wal::record::RECORD_BYTES_MAX;
 pub use wal::{DroppedTail, WalOptions, WalRecovery};

@@ -436,7 +436,10 @@ impl WalStorage {
     }
 
     /// Records a snapshot the application took at an index it has applied (like
-    /// `MemStorage::create_snapshot`) and drops the log up to it. Durable on return.
+    /// `MemStorage::create_snapshot`) and drops the log up to it. Its writer from
+    /// [`WalStorage::begin_snapshot`] may have run on another thread while the log moved on.
+    /// The image is not kept in memory: the first follower that needs it has it read back
+    /// from the file. Durable on return.
     pub fn record_created_snapshot(&mut self, file: SnapshotFile) -> Result<()> {
         let index = file.meta.index;
         let last = self.wal.model().last_index();
@@ -452,19 +455,6 @@ impl WalStorage {
         );
         self.record_snapshot(file, false)?;
         self.finish_snapshot(index)
-    }
-
-    /// [`WalStorage::record_created_snapshot`] for a file written apart from the log (its
-    /// writer from [`WalStorage::begin_snapshot`] may run on another thread while the log moves
-    /// on), keeping `data` for followers that need it. Durable on return.
-    pub fn record_created_snapshot_with_data(
-        &mut self,
-        file: SnapshotFile,
-        data: Bytes,
-    ) -> Result<()> {
-        self.record_created_snapshot(file)?;
-        self.set_snapshot_data(Some(data));
-        Ok(())
     }
 
     /// Writes `data` as a snapshot at `index` and drops the log up to it.

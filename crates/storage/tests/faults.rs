@@ -329,9 +329,7 @@ fn a_snapshot_written_on_another_thread_while_the_log_grows_is_recorded() {
     }
     storage.sync().expect("sync");
     let file = writing.join().expect("writer thread");
-    storage
-        .record_created_snapshot_with_data(file, "state@100".into())
-        .expect("record");
+    storage.record_created_snapshot(file).expect("record");
     assert_eq!(storage.first_index(), Ok(101));
     assert_eq!(storage.last_index(), Ok(140));
     assert_eq!(

@@ -58,9 +58,15 @@ impl ReplicatedMachine for StateMachine {
 
     fn snapshot_frozen(&self) -> FrozenImage {
         // The key-value store is a persistent map, so this clone is O(1) for it (the smaller
-        // tables are copied); the writer thread encodes it while the driver applies on.
+        // tables are copied); the writer thread encodes it into the snapshot file while the
+        // driver applies on.
         let frozen = self.clone();
-        FrozenImage::deferred_into(move |out| frozen.snapshot_after(out))
+        FrozenImage::deferred_to(move |out| {
+            frozen
+                .snapshot(out)
+                .map(|_| ())
+                .map_err(std::io::Error::other)
+        })
     }
 
     fn restore(&mut self, image: &[u8]) -> Result<(), MachineError> {

@@ -10,6 +10,7 @@
 //! it; the simulator (`conclave-sim`) is another, over a simulated disk and virtual time.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::io::Write;
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use bytes::Bytes;
@@ -348,18 +349,23 @@ pub struct SnapshotData {
 }
 
 impl SnapshotData {
-    /// The snapshot's bytes: the member header (`entries::write_snapshot_header`), then the
-    /// machine's image.
+    /// The snapshot's bytes in memory: the member header (`entries::write_snapshot_header`),
+    /// then the machine's image.
     pub fn encode(self) -> Bytes {
-        self.encode_with_capacity(0)
+        let mut out = Vec::new();
+        // Writing into memory fails only if the machine's encoder does, which it does not.
+        self.write_to(&mut out)
+            .expect("a snapshot encodes into memory");
+        Bytes::from(out)
     }
 
-    /// [`SnapshotData::encode`] into a buffer that holds `capacity_bytes` before it grows. The
-    /// last image's size is a good guess: each doubling of a large buffer copies it again.
-    pub fn encode_with_capacity(self, capacity_bytes: usize) -> Bytes {
-        let mut out = Vec::with_capacity(capacity_bytes);
-        entries::write_snapshot_header(&mut out, self.member_id_high, self.members.iter());
-        Bytes::from(self.image.encode_after(out))
+    /// Writes the bytes [`SnapshotData::encode`] gives to `out` as they are encoded: the
+    /// shell streams them into the snapshot file, with no image-sized buffer in between.
+    pub fn write_to(self, out: &mut dyn Write) -> std::io::Result<()> {
+        let mut header = Vec::new();
+        entries::write_snapshot_header(&mut header, self.member_id_high, self.members.iter());
+        out.write_all(&header)?;
+        self.image.write_to(out)
     }
 }
 
@@ -1632,17 +1638,18 @@ mod tests {
 
     fn write_snapshot(core: &mut TestCore, plan: SnapshotPlan) {
         let index = plan.meta.index;
-        let mut writer = core
+        let writer = core
             .raw()
             .store()
             .begin_snapshot(plan.meta)
             .expect("begin the snapshot");
-        let data = plan.data.encode();
-        writer.write_chunk(&data).expect("write the snapshot");
-        let file = writer.finish().expect("finish the snapshot");
+        // Streamed into the file in small pieces, as the shell's snapshot thread does.
+        let mut pieces = conclave_storage::SyncedPieceWriter::new(writer, 1 << 10);
+        plan.data.write_to(&mut pieces).expect("write the snapshot");
+        let file = pieces.finish().expect("finish the snapshot");
         let recorded = core
-            .snapshot_written(index, data.len() as u64, |store| {
-                Ok(store.record_created_snapshot_with_data(file, data)?)
+            .snapshot_written(index, file.data_len_bytes, |store| {
+                Ok(store.record_created_snapshot(file)?)
             })
             .expect("record the snapshot");
         assert!(recorded);
@@ -1691,7 +1698,7 @@ mod tests {
     }
 
     #[test]
-    fn a_snapshot_encoded_in_place_is_the_header_then_the_image() {
+    fn a_snapshot_streamed_is_the_header_then_the_image() {
         let members = vec![member(1), member(2)];
         let image: Vec<u8> = (0..10_000u32).flat_map(|i| i.to_le_bytes()).collect();
         let expected = entries::snapshot_bytes(7, members.iter(), &image);
@@ -1699,26 +1706,22 @@ mod tests {
             FrozenImage::ready,
             |image| FrozenImage::deferred(move || image),
             |image| {
-                FrozenImage::deferred_into(move |mut out| {
-                    out.extend_from_slice(&image);
-                    out
+                // Written in uneven pieces, as a streaming encoder does.
+                FrozenImage::deferred_to(move |out| {
+                    image.chunks(777).try_for_each(|piece| out.write_all(piece))
                 })
             },
         ];
         for (kind, make) in frozen.iter().enumerate() {
-            // No capacity, too little, and more than enough.
-            for capacity_bytes in [0, 100, 1 << 20] {
-                let data = SnapshotData {
-                    member_id_high: 7,
-                    members: members.clone(),
-                    image: make(image.clone()),
-                };
-                assert_eq!(
-                    data.encode_with_capacity(capacity_bytes),
-                    expected,
-                    "image kind {kind}, capacity {capacity_bytes}"
-                );
-            }
+            let data = || SnapshotData {
+                member_id_high: 7,
+                members: members.clone(),
+                image: make(image.clone()),
+            };
+            assert_eq!(data().encode(), expected, "image kind {kind}, in memory");
+            let mut streamed = Vec::new();
+            data().write_to(&mut streamed).expect("written");
+            assert_eq!(streamed, expected, "image kind {kind}, streamed");
         }
     }
 

@@ -11,11 +11,10 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use bytes::Bytes;
 use conclave_raft::{
     ConfChangeStep, ConfState, Config as RaftConfig, Message, NodeId, RawNode, Storage,
 };
-use conclave_storage::{OsDisk, RecoveryReport, StorageOptions, WalStorage};
+use conclave_storage::{OsDisk, RecoveryReport, StorageOptions, SyncedPieceWriter, WalStorage};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use super::applied_waits::{AppliedWaits, StopWaitsOnDrop};
@@ -34,14 +33,10 @@ use crate::transport::{InboundMessage, PeerTransport};
 /// fsync covers a whole batch (group commit) without starving the ticker.
 const DRAIN_BATCH_MAX: usize = 1024;
 
-/// The snapshot thread writes its file this many bytes at a time and syncs each piece, so the
-/// log's fsyncs on the same disk queue behind at most one piece, not the whole image.
+/// The snapshot thread streams the image into its file this many bytes at a time and syncs
+/// each piece, so the log's fsyncs on the same disk queue behind at most one piece, not the
+/// whole image, and no image-sized buffer is held.
 const SNAPSHOT_SYNC_CHUNK_BYTES: usize = 1 << 20;
-
-/// The next snapshot's buffer starts at the last one's size plus this fraction of it
-/// (1/8), so a growing state rarely makes the buffer double (and copy) at the end. Pages never
-/// written are never touched, so a state that shrank costs address space, not memory.
-const SNAPSHOT_BUFFER_HEADROOM_DIVISOR: usize = 8;
 
 /// The nice value of the snapshot thread (the lowest CPU priority). Encoding a large state
 /// takes a core for most of a second on this kind of machine; at this priority the driver,
@@ -410,9 +405,9 @@ struct SnapshotJob {
 
 /// What the snapshot writer thread hands back.
 struct SnapshotWritten {
-    file: Result<conclave_storage::SnapshotFile, conclave_storage::Error>,
-    data: Bytes,
-    encode_ms: f64,
+    file: Result<conclave_storage::SnapshotFile, Error>,
+    /// Encoding and writing together: the image is written as it is encoded.
+    write_ms: f64,
 }
 
 /// The shell's I/O: the peer transport, the status channel, the reply channels and the
@@ -426,8 +421,6 @@ struct Shell<O> {
     waiters: Waiters<O>,
     /// A snapshot being written on its own thread, recorded in the log once written.
     snapshot_job: Option<SnapshotJob>,
-    /// The size of the last snapshot this node wrote, to size the next one's buffer.
-    snapshot_bytes_last: usize,
     /// The caller's runtime, which has the IO driver the peer links need (the driver's own
     /// runtime has timers only).
     peer_runtime: tokio::runtime::Handle,
@@ -559,7 +552,6 @@ pub(crate) fn spawn<M: ReplicatedMachine, D: ShellDuties<M>>(
         applied_waits: StopWaitsOnDrop(applied_waits.clone()),
         waiters: Waiters::new(),
         snapshot_job: None,
-        snapshot_bytes_last: 0,
         peer_runtime: tokio::runtime::Handle::try_current()
             .map_err(|e| Error::RaftStart(format!("no tokio runtime for the peer links: {e}")))?,
     };
@@ -948,29 +940,28 @@ impl<M: ReplicatedMachine, D: ShellDuties<M>> Driver<M, D> {
         };
         let freeze_ms = started.elapsed().as_secs_f64() * 1e3;
         let index = meta.index;
-        let mut writer = self.core.raw().store().begin_snapshot(meta)?;
+        let writer = self.core.raw().store().begin_snapshot(meta)?;
+        let mut pieces = SyncedPieceWriter::new(writer, SNAPSHOT_SYNC_CHUNK_BYTES);
         let (done, written) = std::sync::mpsc::channel();
-        // A little over the last image, which the state has most likely grown past.
-        let last = self.shell.snapshot_bytes_last;
-        let capacity_bytes = last.saturating_add(last / SNAPSHOT_BUFFER_HEADROOM_DIVISOR);
         std::thread::Builder::new()
             .name("conclave-snapshot".into())
             .spawn(move || {
                 lower_this_thread_priority(SNAPSHOT_THREAD_NICE);
-                let encoding = Instant::now();
-                let data = data.encode_with_capacity(capacity_bytes);
-                let encode_ms = encoding.elapsed().as_secs_f64() * 1e3;
-                let file = data
-                    .chunks(SNAPSHOT_SYNC_CHUNK_BYTES)
-                    .try_for_each(|chunk| {
-                        writer.write_chunk(chunk)?;
-                        writer.sync_written()
-                    })
-                    .and_then(|()| writer.finish());
+                let writing = Instant::now();
+                let file = match data.write_to(&mut pieces) {
+                    Ok(()) => pieces.finish().map_err(Error::Storage),
+                    // The file's own error, if it was the file that failed.
+                    Err(encoder) => Err(pieces.take_error().map_or_else(
+                        || Error::SnapshotEncode {
+                            index,
+                            reason: encoder.to_string(),
+                        },
+                        Error::Storage,
+                    )),
+                };
                 let _ = done.send(SnapshotWritten {
                     file,
-                    data,
-                    encode_ms,
+                    write_ms: writing.elapsed().as_secs_f64() * 1e3,
                 });
             })
             .map_err(|e| Error::RaftStart(format!("cannot start the snapshot writer: {e}")))?;
@@ -1001,25 +992,20 @@ impl<M: ReplicatedMachine, D: ShellDuties<M>> Driver<M, D> {
                 Err(std::sync::mpsc::TryRecvError::Disconnected) => None,
             }
         };
-        let SnapshotWritten {
-            file,
-            data,
-            encode_ms,
-        } = result.ok_or_else(|| {
+        let SnapshotWritten { file, write_ms } = result.ok_or_else(|| {
             Error::RaftStart(format!(
                 "the snapshot writer for index {} stopped without an answer",
                 job.index
             ))
         })?;
         let file = file?;
-        let bytes = data.len();
-        self.shell.snapshot_bytes_last = bytes;
+        let bytes = file.data_len_bytes;
         let recording = Instant::now();
-        let recorded = self
-            .core
-            .snapshot_written(job.index, bytes as u64, |store| {
-                Ok(store.record_created_snapshot_with_data(file, data)?)
-            })?;
+        // The image is not kept in memory: the first follower that needs it has it read back
+        // from the file.
+        let recorded = self.core.snapshot_written(job.index, bytes, |store| {
+            Ok(store.record_created_snapshot(file)?)
+        })?;
         let record_ms = recording.elapsed().as_secs_f64() * 1e3;
         if recorded {
             self.shell
@@ -1030,7 +1016,7 @@ impl<M: ReplicatedMachine, D: ShellDuties<M>> Driver<M, D> {
                 index = job.index,
                 bytes,
                 freeze_ms = job.freeze_ms,
-                encode_ms,
+                write_ms,
                 record_ms,
                 total_ms = job.started.elapsed().as_secs_f64() * 1e3,
                 "snapshot taken, log compacted"

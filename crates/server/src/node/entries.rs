@@ -136,9 +136,9 @@ pub(crate) struct SnapshotMembers {
     pub member_id_high: Option<NodeId>,
 }
 
-/// A snapshot's bytes: [`write_snapshot_header`]'s, then the machine's image. The node writes
-/// the image into the same buffer instead (`SnapshotData::encode_with_capacity`); tests
-/// build snapshots with this.
+/// A snapshot's bytes: [`write_snapshot_header`]'s, then the machine's image. The node streams
+/// both into the snapshot file instead (`SnapshotData::write_to`); tests build snapshots with
+/// this.
 #[cfg(test)]
 pub(crate) fn snapshot_bytes<'a>(
     member_id_high: NodeId,
