@@ -192,7 +192,7 @@ pub struct ServeArgs {
     pub snapshot_entries: u64,
     /// ...and once the log applied since the last snapshot is this percentage of its size
     /// (0: entries alone decide). Snapshot work then stays in proportion to the log however
-    /// large the state grows; a large state keeps up to about its size in log on disk.
+    /// large the state grows; a large state keeps up to about twice its size in log on disk.
     #[arg(long, env = "CONCLAVE_SNAPSHOT_LOG_PERCENT", default_value_t = conclave_server::config::DEFAULT_SNAPSHOT_LOG_PERCENT)]
     pub snapshot_log_percent: u64,
     /// Largest snapshot accepted from a leader, in bytes (held in memory while it arrives);
