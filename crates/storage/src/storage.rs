@@ -38,6 +38,13 @@ pub struct StorageOptions {
     pub cache_bytes_max: u64,
     /// Snapshot files kept after a new one is recorded (at least 1: the current one).
     pub snapshots_retained: usize,
+    /// Whether [`Storage::snapshot`] reads an image that is not in memory on a helper thread,
+    /// answering [`StorageError::SnapshotTemporarilyUnavailable`] until it is read, rather
+    /// than on the caller's. A large image takes a quarter of a second to read here, longer
+    /// than a leader may go without heartbeats; the server turns this on. Off by default (and
+    /// in the simulator, which has no threads); [`WalStorage::load_snapshot`] always reads at
+    /// once.
+    pub snapshot_read_in_background: bool,
 }
 
 impl Default for StorageOptions {
@@ -47,6 +54,7 @@ impl Default for StorageOptions {
             cache_entries_max: 4096,
             cache_bytes_max: 16 << 20,
             snapshots_retained: 2,
+            snapshot_read_in_background: false,
         }
     }
 }
@@ -64,6 +72,7 @@ impl StorageOptions {
             cache_entries_max: 256,
             cache_bytes_max: 1 << 20,
             snapshots_retained: 2,
+            snapshot_read_in_background: false,
         }
     }
 
@@ -150,6 +159,15 @@ impl EntryCache {
     }
 }
 
+/// Where the current snapshot's image is: a follower that falls behind the log needs it whole.
+enum HeldImage {
+    /// Only in its file (read when a follower first needs it).
+    Absent,
+    Loaded(Bytes),
+    /// Being read from its file on a helper thread.
+    Loading(std::sync::mpsc::Receiver<Result<Bytes>>),
+}
+
 /// Durable Raft storage: a write-ahead log plus snapshot files, in one locked directory.
 pub struct WalStorage {
     disk: Arc<dyn Disk>,
@@ -158,8 +176,8 @@ pub struct WalStorage {
     wal: Wal,
     /// The current snapshot's file; `None` only for a log never bootstrapped nor snapshotted.
     snapshot_file: Option<SnapshotFile>,
-    /// The current snapshot's data, loaded on first use.
-    snapshot_data: Mutex<Option<Bytes>>,
+    /// The current snapshot's image, when it is in memory or being read.
+    snapshot_data: Mutex<HeldImage>,
     cache: EntryCache,
     recovery: RecoveryReport,
     _lock: Box<dyn DirLock>,
@@ -217,7 +235,7 @@ impl WalStorage {
             options,
             wal,
             snapshot_file: None,
-            snapshot_data: Mutex::new(None),
+            snapshot_data: Mutex::new(HeldImage::Absent),
             cache: EntryCache::default(),
             recovery,
             _lock: lock,
@@ -557,6 +575,72 @@ impl WalStorage {
         Ok(())
     }
 
+    /// The current snapshot, its image read from the file now if it is not in memory (or
+    /// waited for, if a helper thread is reading it): for start-up, before the node serves.
+    pub fn load_snapshot(&self) -> std::result::Result<Snapshot, StorageError> {
+        self.held_snapshot(ImageRead::Now)
+    }
+
+    /// The current snapshot with its image, read as `read` says if it is not in memory yet.
+    fn held_snapshot(&self, read: ImageRead) -> std::result::Result<Snapshot, StorageError> {
+        let Some(file) = &self.snapshot_file else {
+            return Ok(Snapshot::default());
+        };
+        let mut held = self.lock_snapshot_data();
+        if let HeldImage::Loading(reading) = &*held {
+            let answer = match read {
+                ImageRead::Now => reading.recv().ok(),
+                ImageRead::InBackground => match reading.try_recv() {
+                    Ok(answer) => Some(answer),
+                    Err(std::sync::mpsc::TryRecvError::Empty) => {
+                        return Err(StorageError::SnapshotTemporarilyUnavailable);
+                    }
+                    Err(std::sync::mpsc::TryRecvError::Disconnected) => None,
+                },
+            };
+            match answer {
+                Some(Ok(data)) => *held = HeldImage::Loaded(data),
+                Some(Err(error)) => {
+                    *held = HeldImage::Absent;
+                    return Err(to_storage_error(error));
+                }
+                // A reader that stopped without an answer: read again below.
+                None => *held = HeldImage::Absent,
+            }
+        }
+        if let HeldImage::Loaded(data) = &*held {
+            return Ok(Snapshot {
+                meta: file.meta.clone(),
+                data: data.clone(),
+            });
+        }
+        if read == ImageRead::InBackground {
+            let disk = self.disk.clone();
+            let reading_file = file.clone();
+            let (answer, reading) = std::sync::mpsc::channel();
+            let spawned = std::thread::Builder::new()
+                .name("conclave-snapread".into())
+                .spawn(move || {
+                    let image = SnapshotReader::open(disk.as_ref(), reading_file)
+                        .and_then(|reader| reader.read_all());
+                    let _ = answer.send(image);
+                });
+            // Without a thread, the caller reads it itself.
+            if spawned.is_ok() {
+                *held = HeldImage::Loading(reading);
+                return Err(StorageError::SnapshotTemporarilyUnavailable);
+            }
+        }
+        let data = SnapshotReader::open(self.disk.as_ref(), file.clone())
+            .and_then(|reader| reader.read_all())
+            .map_err(to_storage_error)?;
+        *held = HeldImage::Loaded(data.clone());
+        Ok(Snapshot {
+            meta: file.meta.clone(),
+            data,
+        })
+    }
+
     /// Opens the current snapshot for reading in chunks (e.g. to send it to a follower).
     pub fn snapshot_reader(&self) -> Result<Option<SnapshotReader>> {
         match &self.snapshot_file {
@@ -565,15 +649,17 @@ impl WalStorage {
         }
     }
 
-    /// Replaces the image kept for followers; the old one is freed off this thread.
+    /// Replaces the image kept for followers; the old one is freed off this thread. A read
+    /// still under way is abandoned: its thread frees what it read.
     fn set_snapshot_data(&self, data: Option<Bytes>) {
-        let replaced = std::mem::replace(&mut *self.lock_snapshot_data(), data);
-        if let Some(replaced) = replaced {
+        let held = data.map_or(HeldImage::Absent, HeldImage::Loaded);
+        let replaced = std::mem::replace(&mut *self.lock_snapshot_data(), held);
+        if let HeldImage::Loaded(replaced) = replaced {
             crate::release::release(replaced);
         }
     }
 
-    fn lock_snapshot_data(&self) -> std::sync::MutexGuard<'_, Option<Bytes>> {
+    fn lock_snapshot_data(&self) -> std::sync::MutexGuard<'_, HeldImage> {
         self.snapshot_data
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -590,6 +676,15 @@ impl WalStorage {
             None => self.wal.read_entry(index),
         }
     }
+}
+
+/// How an image that is not in memory is read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ImageRead {
+    /// On the caller's thread.
+    Now,
+    /// On a helper thread; the caller hears "temporarily unavailable" until it is read.
+    InBackground,
 }
 
 fn to_storage_error(error: Error) -> StorageError {
@@ -648,24 +743,11 @@ impl Storage for WalStorage {
     }
 
     fn snapshot(&self) -> Result<Snapshot, StorageError> {
-        let Some(file) = &self.snapshot_file else {
-            return Ok(Snapshot::default());
-        };
-        let mut cached = self.lock_snapshot_data();
-        let data = match cached.as_ref() {
-            Some(data) => data.clone(),
-            None => {
-                let reader = SnapshotReader::open(self.disk.as_ref(), file.clone())
-                    .map_err(to_storage_error)?;
-                let data = reader.read_all().map_err(to_storage_error)?;
-                *cached = Some(data.clone());
-                data
-            }
-        };
-        Ok(Snapshot {
-            meta: file.meta.clone(),
-            data,
-        })
+        if self.options.snapshot_read_in_background {
+            self.held_snapshot(ImageRead::InBackground)
+        } else {
+            self.held_snapshot(ImageRead::Now)
+        }
     }
 }
 

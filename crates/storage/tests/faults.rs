@@ -344,6 +344,68 @@ fn a_snapshot_written_on_another_thread_while_the_log_grows_is_recorded() {
     assert_eq!(storage.snapshot().expect("snapshot").meta.index, 100);
 }
 
+/// With `snapshot_read_in_background`, an image that is only in its file is read on a helper
+/// thread: the caller hears "temporarily unavailable" until it is read, never waits for it;
+/// `load_snapshot` reads at once; a newer snapshot abandons a read under way.
+#[test]
+fn an_image_only_on_disk_is_read_in_the_background_when_asked() {
+    let disk = SimDisk::new(7, SimDiskOptions::default());
+    let options = conclave_storage::StorageOptions {
+        snapshot_read_in_background: true,
+        ..small_options()
+    };
+    let mut storage = open(&disk, options).expect("open");
+    for index in 1..=100 {
+        storage.append(&[entry(index, 1, 50)]).expect("append");
+    }
+    let record = |storage: &mut WalStorage, index: u64, image: &[u8]| {
+        let mut writer = storage
+            .begin_snapshot(conclave_raft::SnapshotMeta {
+                index,
+                term: 1,
+                conf_state: ConfState::with_voters([1]),
+            })
+            .expect("begin");
+        writer.write_chunk(image).expect("chunk");
+        let file = writer.finish().expect("finish");
+        storage.record_created_snapshot(file).expect("record");
+    };
+    record(&mut storage, 60, b"state@60");
+    assert_eq!(
+        storage.snapshot().map(|s| s.meta.index),
+        Err(conclave_raft::StorageError::SnapshotTemporarilyUnavailable),
+        "the first ask starts the read and does not wait for it"
+    );
+    // A newer snapshot abandons that read; asking again reads the newer one.
+    record(&mut storage, 80, b"state@80");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let snapshot = loop {
+        match storage.snapshot() {
+            Ok(snapshot) => break snapshot,
+            Err(conclave_raft::StorageError::SnapshotTemporarilyUnavailable) => {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "the image was never read"
+                );
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            Err(other) => panic!("reading the image failed: {other}"),
+        }
+    };
+    assert_eq!(
+        (snapshot.meta.index, snapshot.data.as_ref()),
+        (80, &b"state@80"[..])
+    );
+    // Once read, it is held: the next ask answers at once.
+    assert_eq!(storage.snapshot().expect("held").data.as_ref(), b"state@80");
+    // load_snapshot never answers "temporarily unavailable".
+    record(&mut storage, 90, b"state@90");
+    assert_eq!(
+        storage.load_snapshot().expect("loaded").data.as_ref(),
+        b"state@90"
+    );
+}
+
 #[test]
 fn a_damaged_snapshot_the_log_depends_on_is_a_clean_error() {
     let disk = SimDisk::new(6, SimDiskOptions::default());

@@ -335,7 +335,12 @@ pub(crate) fn open_storage<M: ReplicatedMachine>(
     let mut store = WalStorage::open(
         Arc::new(OsDisk),
         &config.data_dir,
-        StorageOptions::default(),
+        // A leader that has to send a large image to a follower must not stop heartbeating
+        // while it is read from its file.
+        StorageOptions {
+            snapshot_read_in_background: true,
+            ..StorageOptions::default()
+        },
     )
     .map_err(|error| match error {
         error if error.is_repairable_log_corruption() => Error::CorruptLog {
@@ -353,7 +358,7 @@ pub(crate) fn open_storage<M: ReplicatedMachine>(
         store.bootstrap(ConfState::with_voters(voters))?;
     }
     let snapshot = store
-        .snapshot()
+        .load_snapshot()
         .map_err(|e| Error::StateRestore(e.to_string()))?;
     let members = restore_machine(&mut machine, &snapshot)?.into_table(config.members.clone());
     let snapshot_bytes = snapshot.data.len() as u64;

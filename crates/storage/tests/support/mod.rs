@@ -25,6 +25,7 @@ pub fn small_options() -> StorageOptions {
         cache_entries_max: 8,
         cache_bytes_max: 1 << 20,
         snapshots_retained: 2,
+        snapshot_read_in_background: false,
     }
 }
 
