@@ -654,7 +654,13 @@ impl WalStorage {
     fn set_snapshot_data(&self, data: Option<Bytes>) {
         let held = data.map_or(HeldImage::Absent, HeldImage::Loaded);
         let replaced = std::mem::replace(&mut *self.lock_snapshot_data(), held);
-        if let HeldImage::Loaded(replaced) = replaced {
+        let replaced = match replaced {
+            HeldImage::Loaded(image) => Some(image),
+            // A read that finished but was never asked for holds an image too.
+            HeldImage::Loading(reading) => reading.try_recv().ok().and_then(|read| read.ok()),
+            HeldImage::Absent => None,
+        };
+        if let Some(replaced) = replaced {
             crate::release::release(replaced);
         }
     }
