@@ -621,9 +621,7 @@ impl WalStorage {
             let spawned = std::thread::Builder::new()
                 .name("conclave-snapread".into())
                 .spawn(move || {
-                    let image = SnapshotReader::open(disk.as_ref(), reading_file)
-                        .and_then(|reader| reader.read_all());
-                    let _ = answer.send(image);
+                    let _ = answer.send(read_image(disk.as_ref(), reading_file));
                 });
             // Without a thread, the caller reads it itself.
             if spawned.is_ok() {
@@ -631,9 +629,7 @@ impl WalStorage {
                 return Err(StorageError::SnapshotTemporarilyUnavailable);
             }
         }
-        let data = SnapshotReader::open(self.disk.as_ref(), file.clone())
-            .and_then(|reader| reader.read_all())
-            .map_err(to_storage_error)?;
+        let data = read_image(self.disk.as_ref(), file.clone()).map_err(to_storage_error)?;
         *held = HeldImage::Loaded(data.clone());
         Ok(Snapshot {
             meta: file.meta.clone(),
@@ -682,6 +678,11 @@ impl WalStorage {
             None => self.wal.read_entry(index),
         }
     }
+}
+
+/// A snapshot file's image, read whole.
+fn read_image(disk: &dyn Disk, file: SnapshotFile) -> Result<Bytes> {
+    SnapshotReader::open(disk, file)?.read_all()
 }
 
 /// How an image that is not in memory is read.
