@@ -56,6 +56,7 @@ pub struct ConfigFile {
     pub peer_secret_file: Option<PathBuf>,
     pub listen_metrics: Option<String>,
     pub wal_fsync_warn_ms: Option<u64>,
+    pub lease_reads: Option<bool>,
     pub cert_file: Option<PathBuf>,
     pub key_file: Option<PathBuf>,
     pub trusted_ca_file: Option<PathBuf>,
@@ -168,6 +169,7 @@ impl ServeCommandArgs {
             peer_secret_file,
             listen_metrics,
             wal_fsync_warn_ms,
+            lease_reads,
             cert_file,
             key_file,
             trusted_ca_file,
@@ -211,6 +213,7 @@ impl ServeCommandArgs {
         fill!(listen_peer => serve.listen_peer);
         fill!(listen_metrics => serve.listen_metrics);
         fill!(wal_fsync_warn_ms => serve.wal_fsync_warn_ms);
+        fill!(lease_reads => serve.lease_reads);
         fill!(initial_cluster => serve.initial_cluster);
         fill!(initial_cluster_clients => serve.initial_cluster_clients);
         fill!(snapshot_entries => serve.snapshot_entries);
@@ -310,6 +313,7 @@ snapshot-bytes-max = 1073741824
 tick-ms = 5
 heartbeat-ms = 25
 election-timeout-ms = 300
+lease-reads = true
 request-timeout-ms = 900
 peer-secret-file = "/etc/conclave/peer-secret"
 cert-file = "/etc/conclave/server.pem"
@@ -362,6 +366,7 @@ bcrypt-cost = 12
         let file = ConfigFile::parse(FULL).expect("a valid file");
         assert_eq!(file.heartbeat_ms, Some(25));
         assert_eq!(file.initial_cluster_state, Some(ClusterState::Existing));
+        assert_eq!(file.lease_reads, Some(true));
     }
 
     #[test]

@@ -101,6 +101,7 @@ impl ServeArgs {
             auto_compaction_retention,
             listen_metrics,
             wal_fsync_warn_ms,
+            lease_reads,
         } = self;
         let mut args: Vec<OsString> = vec!["serve".into(), "--name".into(), name.into()];
         if let Some(id) = id {
@@ -122,6 +123,9 @@ impl ServeArgs {
             args.extend(["--peer-secret-file".into(), path.clone().into_os_string()]);
         }
         args.extend(tls.to_argv());
+        if *lease_reads {
+            args.push("--lease-reads".into());
+        }
         for (flag, value) in [
             ("--snapshot-entries", snapshot_entries),
             ("--snapshot-log-percent", snapshot_log_percent),

@@ -244,6 +244,11 @@ pub struct ServeArgs {
     /// A WAL fsync slower than this is logged at WARN and counted.
     #[arg(long, env = "CONCLAVE_WAL_FSYNC_WARN_MS", default_value_t = conclave_server::config::DEFAULT_WAL_FSYNC_WARN_MS)]
     pub wal_fsync_warn_ms: u64,
+    /// Answer linearizable reads and lease keepalives on the leader from a leader lease, with
+    /// no heartbeat round: faster, but safe only while the members' clocks run at about the
+    /// same rate (docs/server.md). Set it alike on every member.
+    #[arg(long, env = "CONCLAVE_LEASE_READS")]
+    pub lease_reads: bool,
 }
 
 /// `--auto-compaction-mode`.
@@ -346,6 +351,7 @@ impl ServeArgs {
         config.tick_ms = self.tick_ms;
         config.election_ticks = (self.election_timeout_ms / self.tick_ms).max(1);
         config.heartbeat_ticks = (self.heartbeat_ms / self.tick_ms).max(1);
+        config.lease_reads = self.lease_reads;
         if config.election_ticks <= config.heartbeat_ticks {
             return Err(CliError::Usage(format!(
                 "--election-timeout-ms ({}) must exceed --heartbeat-ms ({}) by at least one tick of --tick-ms ({})",

@@ -31,6 +31,15 @@ pub struct Config {
     /// A follower assembles an incoming snapshot in memory; a transfer that would grow past
     /// this many bytes is refused and discarded. Bounds what a peer can make a node allocate.
     pub max_snapshot_bytes: u64,
+    /// The leader lease for reads, in the milliseconds of the clock the application feeds
+    /// [`crate::RawNode::set_now_ms`]; 0 (the default) turns lease reads off. When set, a
+    /// leader answers a read at once, with no heartbeat round, while a quorum has
+    /// acknowledged a heartbeat it sent less than this long ago, and every node withholds its
+    /// vote from a candidate for `election_ticks` after it last heard from a leader or after
+    /// it started. Safe only when this is shorter than the least real time `election_ticks - 1`
+    /// ticks can take on any member, less what the members' clocks may drift apart meanwhile;
+    /// every member must run with lease reads on. Needs `check_quorum`.
+    pub lease_read_ms: u64,
     /// Seed of the PRNG behind election timeouts. Give each node its own.
     pub seed: u64,
     /// Deliberately broken behaviour for negative-control tests of the simulator's checkers.
@@ -52,6 +61,7 @@ impl Config {
             max_uncommitted_bytes: 64 * 1024 * 1024,
             snapshot_chunk_bytes: 1024 * 1024,
             max_snapshot_bytes: DEFAULT_MAX_SNAPSHOT_BYTES,
+            lease_read_ms: 0,
             seed: id,
             #[cfg(feature = "negative-controls")]
             bugs: crate::Bugs::default(),
@@ -80,6 +90,9 @@ impl Config {
         }
         if self.max_uncommitted_bytes == 0 {
             return Err("max_uncommitted_bytes must be at least 1".into());
+        }
+        if self.lease_read_ms > 0 && !self.check_quorum {
+            return Err("lease reads (lease_read_ms) need check_quorum".into());
         }
         Ok(())
     }

@@ -32,6 +32,9 @@ pub enum Error {
     /// No leader is known, so a follower cannot forward the request.
     #[error("no leader is known")]
     NoLeader,
+    /// A read's context has the shape the core keeps for its lease rounds.
+    #[error("read contexts starting with 0xff 'L' and 8 more bytes are reserved for lease rounds")]
+    ReservedReadContext,
     /// The message came from a node this core does not track; it was dropped.
     #[error("message from unknown node {0}")]
     UnknownPeer(NodeId),

@@ -57,4 +57,7 @@ pub struct Bugs {
     pub forget_to_persist_vote: bool,
     /// Answer ReadIndex at once from the local commit index, without a heartbeat round.
     pub read_index_without_quorum_check: bool,
+    /// With lease reads on: a leader's lease, once a quorum acknowledged one of its
+    /// heartbeats, never runs out.
+    pub lease_never_expires: bool,
 }

@@ -44,6 +44,9 @@ pub struct Progress {
     /// The follower installed a snapshot from this leader and has not yet caught up with the
     /// leader's applied index: it still needs the log from `match_index + 1`.
     pub catching_up: bool,
+    /// With lease reads on: when (the leader's `now_ms`) the newest lease round this
+    /// follower acknowledged was sent.
+    pub lease_acked_ms: Option<u64>,
 }
 
 impl Progress {
@@ -56,6 +59,7 @@ impl Progress {
             inflight: VecDeque::new(),
             recent_active: false,
             catching_up: false,
+            lease_acked_ms: None,
         }
     }
 

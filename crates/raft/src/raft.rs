@@ -28,6 +28,27 @@ pub enum CampaignKind {
     Transfer,
 }
 
+/// Lease rounds remembered at most; at one round a heartbeat interval, far more than a lease
+/// lasts.
+const LEASE_ROUNDS_MAX: usize = 64;
+
+/// Heartbeat contexts of lease rounds start with these bytes and carry the round after them
+/// (big-endian u64). Read contexts of that shape are refused, so the two never mix.
+const LEASE_CONTEXT_TAG: [u8; 2] = [0xff, b'L'];
+
+fn lease_round_context(round: u64) -> Bytes {
+    let mut context = Vec::with_capacity(LEASE_CONTEXT_TAG.len() + 8);
+    context.extend_from_slice(&LEASE_CONTEXT_TAG);
+    context.extend_from_slice(&round.to_be_bytes());
+    Bytes::from(context)
+}
+
+/// The round of a lease round's context; `None` for any other context.
+fn lease_round_of(context: &[u8]) -> Option<u64> {
+    let round = context.strip_prefix(&LEASE_CONTEXT_TAG)?;
+    Some(u64::from_be_bytes(round.try_into().ok()?))
+}
+
 /// A linearizable read waiting for its heartbeat round.
 #[derive(Debug)]
 struct PendingRead {
@@ -95,6 +116,22 @@ pub struct Raft<S> {
     /// Proposals are appended at once but broadcast when the application next asks for a
     /// Ready, so that many proposals travel in one message.
     broadcast_pending: bool,
+    /// The application's clock, in milliseconds ([`Raft::set_now_ms`]); only lease reads
+    /// use it.
+    now_ms: u64,
+    /// Ticks since this node started, counted up to `election_ticks`: with lease reads on, a
+    /// node withholds its vote until then, since before it restarted it may have
+    /// acknowledged a leader whose lease still runs.
+    ticks_since_start: u64,
+    /// Leader with lease reads on: the heartbeat rounds sent and not yet too old to extend
+    /// the lease, as (round, `now_ms` when sent), oldest first.
+    lease_rounds: VecDeque<(u64, u64)>,
+    /// The number the next lease round gets.
+    lease_round_next: u64,
+    /// This leader began a leadership transfer in its term: its successor may be elected at
+    /// once (voters grant a transfer's campaign despite their lease), so no read is answered
+    /// from the lease again in this term.
+    lease_void: bool,
     pub config: Config,
     prng: Prng,
 }
@@ -132,6 +169,11 @@ impl<S: Storage> Raft<S> {
             reads_awaiting_commit: Vec::new(),
             incoming_snapshot: None,
             broadcast_pending: false,
+            now_ms: 0,
+            ticks_since_start: 0,
+            lease_rounds: VecDeque::new(),
+            lease_round_next: 0,
+            lease_void: false,
             prng: Prng::new(config.seed),
             config,
         };
@@ -182,6 +224,8 @@ impl<S: Storage> Raft<S> {
         self.transferee = None;
         self.pending_reads.clear();
         self.reads_awaiting_commit.clear();
+        self.lease_rounds.clear();
+        self.lease_void = false;
         self.broadcast_pending = false;
         self.uncommitted_bytes = 0;
         let next = self.log.last_index() + 1;
@@ -259,11 +303,17 @@ impl<S: Storage> Raft<S> {
         self.log.append(&[noop]);
         self.maybe_commit();
         self.broadcast_append();
+        if self.config.lease_read_ms > 0 {
+            self.broadcast_lease_round();
+        }
     }
 
     // ---- ticks ---------------------------------------------------------------------------
 
     pub fn tick(&mut self) {
+        if self.ticks_since_start < self.config.election_ticks {
+            self.ticks_since_start += 1;
+        }
         match self.role {
             Role::Leader => self.tick_leader(),
             _ => self.tick_election(),
@@ -300,7 +350,11 @@ impl<S: Storage> Raft<S> {
         }
         if self.heartbeat_elapsed >= self.config.heartbeat_ticks {
             self.heartbeat_elapsed = 0;
-            self.broadcast_heartbeat(None);
+            if self.config.lease_read_ms > 0 {
+                self.broadcast_lease_round();
+            } else {
+                self.broadcast_heartbeat(None);
+            }
         }
     }
 
@@ -411,8 +465,12 @@ impl<S: Storage> Raft<S> {
             if self.leader.is_some() && !matches!(m.body, MessageBody::Vote { pre: true, .. }) {
                 self.note_change(LeaderChangeReason::HigherTerm);
             }
+            // With lease reads on, a node that just started may have acknowledged, before it
+            // went down, a leader whose lease still runs: it waits as if it had heard from it.
+            let withheld_after_start = self.config.lease_read_ms > 0
+                && self.ticks_since_start < self.config.election_ticks;
             let in_lease = self.config.check_quorum
-                && self.leader.is_some()
+                && (self.leader.is_some() || withheld_after_start)
                 && self.election_elapsed < self.config.election_ticks;
             match &m.body {
                 MessageBody::Vote { transfer, .. } if in_lease && !transfer => {
@@ -1033,8 +1091,14 @@ impl<S: Storage> Raft<S> {
                 } else if needs_more {
                     self.send_append(m.from);
                 }
-                if let Some(context) = context {
-                    self.ack_read(m.from, &context);
+                match context.as_deref().map(lease_round_of) {
+                    Some(Some(round)) => self.ack_lease_round(m.from, round),
+                    Some(None) => {
+                        if let Some(context) = context {
+                            self.ack_read(m.from, &context);
+                        }
+                    }
+                    None => {}
                 }
             }
             MessageBody::SnapshotResponse {
@@ -1051,7 +1115,9 @@ impl<S: Storage> Raft<S> {
                     reject,
                 );
             }
-            MessageBody::ReadIndexRequest { context } if self.conf.contains(m.from) => {
+            MessageBody::ReadIndexRequest { context }
+                if self.conf.contains(m.from) && lease_round_of(&context).is_none() =>
+            {
                 self.leader_read_index(context, m.from);
             }
             _ => {}
@@ -1502,6 +1568,9 @@ impl<S: Storage> Raft<S> {
     // ---- reads -----------------------------------------------------------------------------
 
     pub fn read_index(&mut self, context: Bytes) -> Result<(), Error> {
+        if lease_round_of(&context).is_some() {
+            return Err(Error::ReservedReadContext);
+        }
         match self.role {
             Role::Leader => {
                 self.leader_read_index(context, self.id);
@@ -1527,6 +1596,10 @@ impl<S: Storage> Raft<S> {
         if self.log.term_or_zero(index) != self.term {
             // Our commit index may lag the cluster's until an entry of our term commits.
             self.reads_awaiting_commit.push((context, requester));
+            return;
+        }
+        if self.lease_holds() {
+            self.release_read(context, index, requester);
             return;
         }
         let single_voter = self.conf.voters_outgoing.is_empty()
@@ -1566,6 +1639,80 @@ impl<S: Storage> Raft<S> {
         }
     }
 
+    /// The application's clock moved to `now_ms` (a monotonic clock in milliseconds; a
+    /// reading older than the last is ignored). Lease reads measure the lease with it, so
+    /// the application sets it before it asks for a read.
+    pub fn set_now_ms(&mut self, now_ms: u64) {
+        self.now_ms = self.now_ms.max(now_ms);
+    }
+
+    /// Sends a heartbeat round that extends the lease once a quorum acknowledges it.
+    fn broadcast_lease_round(&mut self) {
+        let round = self.lease_round_next;
+        self.lease_round_next += 1;
+        let lease_ms = self.config.lease_read_ms;
+        let now_ms = self.now_ms;
+        // A round older than the lease can no longer extend it.
+        while self
+            .lease_rounds
+            .front()
+            .is_some_and(|&(_, sent_ms)| sent_ms.saturating_add(lease_ms) <= now_ms)
+            || self.lease_rounds.len() >= LEASE_ROUNDS_MAX
+        {
+            self.lease_rounds.pop_front();
+        }
+        self.lease_rounds.push_back((round, now_ms));
+        self.broadcast_heartbeat(Some(lease_round_context(round)));
+    }
+
+    /// `from` acknowledged lease round `round`: it heard from this leader no earlier than the
+    /// round was sent.
+    fn ack_lease_round(&mut self, from: NodeId, round: u64) {
+        let Some(&(_, sent_ms)) = self.lease_rounds.iter().find(|(r, _)| *r == round) else {
+            return;
+        };
+        if let Some(pr) = self.progress.get_mut(&from) {
+            pr.lease_acked_ms = Some(pr.lease_acked_ms.map_or(sent_ms, |t| t.max(sent_ms)));
+        }
+    }
+
+    /// Whether this leader may answer a read from its lease now: lease reads are on, it has
+    /// not begun a transfer in this term, and a quorum (itself included) acknowledged lease
+    /// rounds sent less than `lease_read_ms` ago. No other leader can have been elected since
+    /// such a round was sent: every member of that quorum withholds its vote for an election
+    /// timeout after hearing it (or after restarting).
+    fn lease_holds(&self) -> bool {
+        if self.config.lease_read_ms == 0
+            || self.role != Role::Leader
+            || self.lease_void
+            || self.transferee.is_some()
+            || !self.conf.is_voter(self.id)
+        {
+            return false;
+        }
+        let now_ms = self.now_ms;
+        // Shifted by one so that "never acknowledged" (0) sorts below every real send time.
+        let acked = |node: NodeId| -> u64 {
+            if node == self.id {
+                now_ms.saturating_add(1)
+            } else {
+                self.progress
+                    .get(&node)
+                    .and_then(|pr| pr.lease_acked_ms)
+                    .map_or(0, |sent_ms| sent_ms.saturating_add(1))
+            }
+        };
+        let quorum_since = quorum::committed_index(&self.conf, &acked);
+        if quorum_since == 0 {
+            return false;
+        }
+        #[cfg(feature = "negative-controls")]
+        if self.config.bugs.lease_never_expires {
+            return true;
+        }
+        (quorum_since - 1).saturating_add(self.config.lease_read_ms) > now_ms
+    }
+
     fn release_read(&mut self, context: Bytes, index: Index, requester: NodeId) {
         if requester == self.id {
             self.read_states.push(ReadState { index, context });
@@ -1593,6 +1740,7 @@ impl<S: Storage> Raft<S> {
             return Ok(());
         }
         self.transferee = Some(target);
+        self.lease_void = true;
         self.election_elapsed = 0;
         let caught_up = self.progress[&target].match_index == self.log.last_index();
         if caught_up {

@@ -125,9 +125,16 @@ impl<S: Storage> RawNode<S> {
     }
 
     /// Asks for a linearizable read tagged `context` (which the caller keeps unique). The
-    /// answer arrives as a [`ReadState`] in a later Ready, on this node.
+    /// answer arrives as a [`ReadState`] in a later Ready, on this node. With lease reads on
+    /// ([`crate::Config::lease_read_ms`]), set the clock first ([`RawNode::set_now_ms`]).
     pub fn read_index(&mut self, context: Bytes) -> Result<(), Error> {
         self.raft.read_index(context)
+    }
+
+    /// The application's monotonic clock, in milliseconds; only lease reads use it. Readings
+    /// never go back (an older one is ignored).
+    pub fn set_now_ms(&mut self, now_ms: u64) {
+        self.raft.set_now_ms(now_ms);
     }
 
     /// Hands leadership to `target`: catches it up, then tells it to campaign at once.

@@ -46,6 +46,10 @@ pub struct ServerConfig {
     pub election_ticks: u64,
     /// Heartbeat interval in ticks.
     pub heartbeat_ticks: u64,
+    /// Answer linearizable reads and lease keepalives on the leader from a leader lease,
+    /// with no heartbeat round (`--lease-reads`; off by default). See
+    /// [`ServerConfig::lease_read_ms`]. Every member must run with the same setting.
+    pub lease_reads: bool,
     /// Take a snapshot (and compact the log) every this many applied entries...
     pub snapshot_entries: u64,
     /// ...once the entries applied since the last snapshot also add up to this percentage of
@@ -282,6 +286,13 @@ pub const DEFAULT_SNAPSHOT_ENTRIES: u64 = 100_000;
 /// the snapshot's size. See docs/performance.md, "Snapshots in proportion to the log" and
 /// "Half as many snapshot bytes per byte of log".
 pub const DEFAULT_SNAPSHOT_LOG_PERCENT: u64 = 200;
+/// With `--lease-reads`, how much faster than real time the lease allows any member's clock
+/// (or slower any other's) to run: the lease is this share shorter than the least time a
+/// successor takes to be elected. Far above what a working clock drifts; a member whose clock
+/// runs off by more (a paused and resumed virtual machine, a clock rate fault) may serve a
+/// stale read.
+pub const LEASE_READ_CLOCK_DRIFT_PERCENT: u64 = 20;
+
 /// The largest `snapshot_log_percent`: ten times the snapshot's size in log.
 pub const SNAPSHOT_LOG_PERCENT_MAX: u64 = 1_000;
 
@@ -302,6 +313,7 @@ impl ServerConfig {
             tick_ms: 10,
             election_ticks: 15,
             heartbeat_ticks: 5,
+            lease_reads: false,
             snapshot_entries: DEFAULT_SNAPSHOT_ENTRIES,
             snapshot_log_percent: DEFAULT_SNAPSHOT_LOG_PERCENT,
             snapshot_bytes_max: DEFAULT_SNAPSHOT_BYTES_MAX,
@@ -330,6 +342,22 @@ impl ServerConfig {
     pub fn election_timeout_ms(&self) -> u64 {
         // Saturating: a configuration that fails validation must not panic while it is reported.
         self.tick_ms.saturating_mul(self.election_ticks)
+    }
+
+    /// The leader lease for reads in milliseconds, 0 with lease reads off. A voter that
+    /// heard from the leader withholds its vote until `election_ticks` ticks later, and the
+    /// first of those may come at once, so no successor can be elected for
+    /// `(election_ticks - 1) * tick_ms` after a heartbeat left the leader; the lease is that,
+    /// less [`LEASE_READ_CLOCK_DRIFT_PERCENT`] for clocks that run at different rates.
+    pub fn lease_read_ms(&self) -> u64 {
+        if !self.lease_reads {
+            return 0;
+        }
+        self.election_ticks
+            .saturating_sub(1)
+            .saturating_mul(self.tick_ms)
+            .saturating_mul(100 - LEASE_READ_CLOCK_DRIFT_PERCENT)
+            / 100
     }
 
     /// The member entry of this node.
@@ -501,6 +529,17 @@ fn in_range(name: &str, value: u64, min: u64, max: u64) -> Result<(), Error> {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn the_lease_is_shorter_than_the_least_time_to_elect_a_successor() {
+        let mut config =
+            ServerConfig::single(std::path::Path::new("/tmp/x"), "127.0.0.1:1", "127.0.0.1:2");
+        assert_eq!(config.lease_read_ms(), 0, "off unless asked for");
+        config.lease_reads = true;
+        // 15 ticks of 10 ms: a voter waits at least 14 ticks, 140 ms; 80% of that.
+        assert_eq!(config.lease_read_ms(), 112);
+        assert!(config.lease_read_ms() < (config.election_ticks - 1) * config.tick_ms);
+    }
     use super::*;
 
     #[test]

@@ -65,14 +65,18 @@ pub enum Bug {
     /// A keepalive is answered as soon as the leader renewed it, without confirming in a
     /// ReadIndex round that the node still leads (a deposed leader answers).
     KeepaliveWithoutConfirm,
+    /// With lease reads on in every run: a leader's lease never runs out once a quorum
+    /// acknowledged one of its rounds (a deposed leader answers reads and keepalives).
+    LeaseNeverExpires,
 }
 
 impl Bug {
-    pub const ALL: [Bug; 4] = [
+    pub const ALL: [Bug; 5] = [
         Bug::AnswerBeforeApply,
         Bug::ApplyBeforePersist,
         Bug::SkipTick,
         Bug::KeepaliveWithoutConfirm,
+        Bug::LeaseNeverExpires,
     ];
 
     pub fn name(self) -> &'static str {
@@ -81,6 +85,7 @@ impl Bug {
             Bug::ApplyBeforePersist => "apply-before-persist",
             Bug::SkipTick => "skip-tick",
             Bug::KeepaliveWithoutConfirm => "keepalive-without-confirm",
+            Bug::LeaseNeverExpires => "lease-never-expires",
         }
     }
 }
@@ -379,7 +384,11 @@ fn refused_outright(error: &NodeError) -> bool {
 }
 
 impl CoreSimulation {
-    pub fn new(seed: u64, params: SwarmParams, bug: Option<Bug>) -> Self {
+    pub fn new(seed: u64, mut params: SwarmParams, bug: Option<Bug>) -> Self {
+        if bug == Some(Bug::LeaseNeverExpires) {
+            params.check_quorum = true;
+            params.lease_reads = true;
+        }
         let mut sim = CoreSimulation {
             seed,
             now_ms: 0,
@@ -480,6 +489,8 @@ impl CoreSimulation {
         config.max_inflight_appends = self.params.max_inflight_appends;
         config.max_append_bytes = self.params.max_append_bytes;
         config.snapshot_chunk_bytes = 512;
+        config.lease_read_ms = self.params.lease_read_ms();
+        config.bugs.lease_never_expires = self.bug == Some(Bug::LeaseNeverExpires);
         config
     }
 

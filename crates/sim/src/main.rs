@@ -55,6 +55,7 @@ enum BugArg {
     ApplyBeforePersist,
     SkipTick,
     KeepaliveWithoutConfirm,
+    LeaseNeverExpires,
 }
 
 impl BugArg {
@@ -64,6 +65,7 @@ impl BugArg {
             BugArg::ApplyBeforePersist => Bug::ApplyBeforePersist,
             BugArg::SkipTick => Bug::SkipTick,
             BugArg::KeepaliveWithoutConfirm => Bug::KeepaliveWithoutConfirm,
+            BugArg::LeaseNeverExpires => Bug::LeaseNeverExpires,
         }
     }
 }

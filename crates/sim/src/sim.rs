@@ -56,6 +56,9 @@ pub struct SwarmParams {
     pub liveness_bound_ms: u64,
     pub profile: Profile,
     pub storage: StorageKind,
+    /// The node core's runs serve reads from a leader lease (`Config::lease_read_ms`, the
+    /// server's `--lease-reads`), sized by [`SwarmParams::lease_read_ms`].
+    pub lease_reads: bool,
 }
 
 impl SwarmParams {
@@ -102,11 +105,28 @@ impl SwarmParams {
             liveness_bound_ms: 10_000,
             profile: Profile::Swarm,
             storage: StorageKind::Mem,
+            lease_reads: false,
         };
         if rng.range(0, 4) == 0 {
             params.figure8_churn(nodes.clamp(5, 7), &mut rng);
         }
+        // Drawn last, so every other parameter of a seed stays what it was before.
+        params.lease_reads = params.check_quorum && rng.range(0, 2) == 0;
         params
+    }
+
+    /// The lease as the server sizes it ([`conclave_server::config::ServerConfig::lease_read_ms`]),
+    /// from the shortest tick period any member has: the simulator's clock is exact, and a
+    /// member with short ticks is one whose clock runs fast.
+    pub fn lease_read_ms(&self) -> u64 {
+        if !self.lease_reads {
+            return 0;
+        }
+        let shortest_tick_ms = self.tick_ms.iter().copied().min().unwrap_or(BASE_TICK_MS);
+        (ELECTION_TICKS - 1)
+            * shortest_tick_ms
+            * (100 - conclave_server::config::LEASE_READ_CLOCK_DRIFT_PERCENT)
+            / 100
     }
 
     /// A fault-free network and no nemesis: named scenarios inject their own faults.
@@ -136,6 +156,7 @@ impl SwarmParams {
             liveness_bound_ms: 10_000,
             profile: Profile::Swarm,
             storage: StorageKind::Mem,
+            lease_reads: false,
         }
     }
 

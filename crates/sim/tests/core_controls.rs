@@ -94,3 +94,55 @@ fn a_deposed_leader_answering_keepalives_is_caught() {
     );
     println!("caught at seed {seed:?}");
 }
+
+#[test]
+fn lease_reads_pass_and_spare_heartbeat_rounds() {
+    let (mut messages_with, mut messages_without) = (0, 0);
+    for seed in 0..8 {
+        let mut params = SwarmParams::from_seed(seed, Some(3));
+        params.storage = StorageKind::Wal;
+        params.check_quorum = true;
+        for lease_reads in [true, false] {
+            params.lease_reads = lease_reads;
+            let mut sim = CoreSimulation::new(seed, params.clone(), None);
+            sim.run();
+            assert!(
+                sim.violations().is_empty(),
+                "seed {seed}, lease reads {lease_reads}: {:?}\n{}",
+                sim.violations(),
+                sim.describe()
+            );
+            assert!(
+                sim.stats.reads_by_index > 0,
+                "seed {seed}: no linearizable read"
+            );
+            if lease_reads {
+                messages_with += sim.stats.messages_delivered;
+            } else {
+                messages_without += sim.stats.messages_delivered;
+            }
+        }
+    }
+    // Reads and keepalive confirmations answered from the lease send no heartbeat round.
+    assert!(
+        messages_with < messages_without,
+        "lease reads delivered {messages_with} messages, heartbeat rounds {messages_without}"
+    );
+}
+
+#[test]
+fn a_lease_that_never_runs_out_is_caught() {
+    // A leader cut off by a partition keeps answering from its lease after the majority has
+    // elected another: its keepalives (or reads) reflect a term that is over.
+    let seed = (0..SEED_BUDGET).find(|&seed| {
+        let sim = run(seed, StorageKind::Wal, Some(Bug::LeaseNeverExpires));
+        sim.violations()
+            .iter()
+            .any(|v| v.invariant == "KeepaliveLeadership" || v.invariant == "Linearizability")
+    });
+    assert!(
+        seed.is_some(),
+        "a lease that never runs out went unnoticed for {SEED_BUDGET} seeds"
+    );
+    println!("caught at seed {seed:?}");
+}

@@ -634,9 +634,12 @@ impl<M: ReplicatedMachine, S: NodeStore> NodeCore<M, S> {
 
     // ---- inputs ----------------------------------------------------------------------------
 
-    /// The shell's clock moved to `now_ms` (called at every turn, before anything else).
+    /// The shell's clock moved to `now_ms` (called at every turn, before anything else, and
+    /// before stepping peer messages: with lease reads on, the core answers a follower's read
+    /// from its lease only if the lease holds at a time after the read arrived).
     pub fn set_time(&mut self, now_ms: u64) {
         self.now_ms = now_ms;
+        self.raw.set_now_ms(now_ms);
     }
 
     /// One Raft tick.

@@ -506,6 +506,7 @@ fn raft_config(config: &ServerConfig) -> Result<RaftConfig, Error> {
     raft_config.heartbeat_ticks = config.heartbeat_ticks;
     raft_config.max_uncommitted_bytes = (config.request_bytes_max as u64) * 64;
     raft_config.max_snapshot_bytes = config.snapshot_bytes_max;
+    raft_config.lease_read_ms = config.lease_read_ms();
     raft_config.seed = election_seed(config.id);
     raft_config
         .validate()
@@ -708,6 +709,9 @@ impl<M: ReplicatedMachine, D: ShellDuties<M>> Driver<M, D> {
                 }
                 message = inbound.recv() => {
                     if let Some((_, message)) = message {
+                        // A follower's read is answered from the lease only if it holds
+                        // after the read arrived: the clock must not be older than the message.
+                        self.core.set_time(now_ms());
                         self.core.step(message);
                     }
                 }
@@ -720,6 +724,7 @@ impl<M: ReplicatedMachine, D: ShellDuties<M>> Driver<M, D> {
                     None => break,
                 },
             }
+            self.core.set_time(now_ms());
             for _ in 0..DRAIN_BATCH_MAX {
                 match inbound.try_recv() {
                     Ok((_, message)) => self.core.step(message),

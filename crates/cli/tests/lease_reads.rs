@@ -1,0 +1,68 @@
+//! `--lease-reads` on a real 3-member cluster: the leader answers linearizable reads from its
+//! lease (crates/raft/tests/lease_reads.rs and the simulator check the rule itself), and every
+//! member still reads every write acknowledged before the read began, across a SIGKILL of the
+//! leader.
+
+mod common;
+
+use std::time::Duration;
+
+use common::Cluster;
+use conclave_proto::etcdserverpb::RangeRequest;
+
+const WAIT: Duration = Duration::from_secs(10);
+/// Writes per round; each is read back on every live member at once.
+const WRITES_PER_ROUND: usize = 20;
+
+/// A linearizable Range of `key` on member `id`: its value, retried while no leader answers.
+async fn linearizable_value(cluster: &Cluster, id: u64, key: &str) -> Option<String> {
+    let mut kv = cluster.kv(id).await;
+    for _ in 0..200 {
+        let mut request = tonic::Request::new(RangeRequest {
+            key: key.to_string().into(),
+            ..Default::default()
+        });
+        request.set_timeout(Duration::from_secs(1));
+        match kv.range(request).await {
+            Ok(answer) => {
+                return answer
+                    .into_inner()
+                    .kvs
+                    .first()
+                    .map(|kv| String::from_utf8_lossy(&kv.value).into_owned());
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    }
+    panic!("member {id} never answered a read of {key}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn with_lease_reads_every_member_reads_every_acknowledged_write_across_a_failover() {
+    let mut cluster = Cluster::start_with_args(3, &["--lease-reads"]).await;
+    let mut leader = cluster.wait_for_leader(WAIT).await;
+    for round in 0..2 {
+        let live = cluster.live_ids();
+        for i in 0..WRITES_PER_ROUND {
+            let key = format!("lease-read/{round}/{i}");
+            let value = format!("v{round}-{i}");
+            // Through each member in turn, so followers forward some of the writes.
+            let via = live[i % live.len()];
+            cluster.put_until_acked(via, &key, &value, WAIT).await;
+            for &id in &live {
+                assert_eq!(
+                    linearizable_value(&cluster, id, &key).await.as_deref(),
+                    Some(value.as_str()),
+                    "member {id} read {key} without the write acknowledged before the read \
+                     (round {round}, leader {leader})"
+                );
+            }
+        }
+        if round == 0 {
+            cluster.kill(leader);
+            let old = leader;
+            leader = cluster.wait_for_leader(WAIT).await;
+            assert_ne!(leader, old);
+        }
+    }
+}
