@@ -208,6 +208,7 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> Re
         id = config.id,
         client = %config.listen_client,
         peer = %config.listen_peer,
+        lease_read_ms = config.lease_read_ms(),
         "conclave node started"
     );
 
