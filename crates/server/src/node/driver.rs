@@ -724,10 +724,13 @@ impl<M: ReplicatedMachine, D: ShellDuties<M>> Driver<M, D> {
                     None => break,
                 },
             }
-            self.core.set_time(now_ms());
             for _ in 0..DRAIN_BATCH_MAX {
                 match inbound.try_recv() {
-                    Ok((_, message)) => self.core.step(message),
+                    Ok((_, message)) => {
+                        // Read after the message was taken, for the lease reads above.
+                        self.core.set_time(now_ms());
+                        self.core.step(message);
+                    }
                     Err(_) => break,
                 }
             }
