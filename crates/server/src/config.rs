@@ -450,6 +450,16 @@ impl ServerConfig {
                 self.election_ticks, self.heartbeat_ticks
             ));
         }
+        if self.lease_reads
+            && self.lease_read_ms() <= self.tick_ms.saturating_mul(self.heartbeat_ticks)
+        {
+            return invalid(format!(
+                "--lease-reads needs a lease ({} ms: 80% of the election timeout less a tick) \
+                 longer than the heartbeat interval ({} ms), or a lease round could never hold",
+                self.lease_read_ms(),
+                self.tick_ms.saturating_mul(self.heartbeat_ticks)
+            ));
+        }
         in_range(
             "snapshot_entries",
             self.snapshot_entries,
@@ -539,6 +549,12 @@ mod tests {
         // 15 ticks of 10 ms: a voter waits at least 14 ticks, 140 ms; 80% of that.
         assert_eq!(config.lease_read_ms(), 112);
         assert!(config.lease_read_ms() < (config.election_ticks - 1) * config.tick_ms);
+        assert!(config.validate().is_ok());
+        // A lease no longer than the heartbeat interval would lapse between rounds.
+        config.election_ticks = 6;
+        assert!(config.validate().is_err());
+        config.lease_reads = false;
+        assert!(config.validate().is_ok());
     }
     use super::*;
 
