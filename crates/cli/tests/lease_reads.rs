@@ -1,13 +1,13 @@
 //! `--lease-reads` on a real 3-member cluster: the leader answers linearizable reads from its
-//! lease (crates/raft/tests/lease_reads.rs and the simulator check the rule itself), and every
-//! member still reads every write acknowledged before the read began, across a SIGKILL of the
-//! leader.
+//! lease (its `conclave_reads_from_lease_total` counts them; crates/raft/tests/lease_reads.rs
+//! and the simulator check the rule itself), and every member still reads every write
+//! acknowledged before the read began, across a SIGKILL of the leader.
 
 mod common;
 
 use std::time::Duration;
 
-use common::Cluster;
+use common::{Cluster, http_get};
 use conclave_proto::etcdserverpb::RangeRequest;
 
 const WAIT: Duration = Duration::from_secs(10);
@@ -37,6 +37,19 @@ async fn linearizable_value(cluster: &Cluster, id: u64, key: &str) -> Option<Str
     panic!("member {id} never answered a read of {key}");
 }
 
+/// The leader's count of reads answered from its lease.
+async fn reads_from_lease(cluster: &Cluster, id: u64) -> f64 {
+    let url = format!("{}/metrics", cluster.metrics_url(id));
+    let Some((200, scrape)) = http_get(&url).await else {
+        panic!("member {id}'s metrics did not answer");
+    };
+    scrape
+        .lines()
+        .find_map(|line| line.strip_prefix("conclave_reads_from_lease_total "))
+        .and_then(|value| value.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no conclave_reads_from_lease_total from member {id}"))
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn with_lease_reads_every_member_reads_every_acknowledged_write_across_a_failover() {
     let mut cluster = Cluster::start_with_args(3, &["--lease-reads"]).await;
@@ -58,6 +71,10 @@ async fn with_lease_reads_every_member_reads_every_acknowledged_write_across_a_f
                 );
             }
         }
+        assert!(
+            reads_from_lease(&cluster, leader).await > 0.0,
+            "leader {leader} answered no read from its lease (round {round})"
+        );
         if round == 0 {
             cluster.kill(leader);
             let old = leader;

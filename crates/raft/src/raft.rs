@@ -132,6 +132,8 @@ pub struct Raft<S> {
     /// once (voters grant a transfer's campaign despite their lease), so no read is answered
     /// from the lease again in this term.
     lease_void: bool,
+    /// ReadIndex requests this node answered from its lease, over its whole life.
+    pub lease_reads_served: u64,
     pub config: Config,
     prng: Prng,
 }
@@ -174,6 +176,7 @@ impl<S: Storage> Raft<S> {
             lease_rounds: VecDeque::new(),
             lease_round_next: 0,
             lease_void: false,
+            lease_reads_served: 0,
             prng: Prng::new(config.seed),
             config,
         };
@@ -1599,6 +1602,7 @@ impl<S: Storage> Raft<S> {
             return;
         }
         if self.lease_holds() {
+            self.lease_reads_served += 1;
             self.release_read(context, index, requester);
             return;
         }

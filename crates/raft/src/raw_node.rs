@@ -131,6 +131,11 @@ impl<S: Storage> RawNode<S> {
         self.raft.read_index(context)
     }
 
+    /// ReadIndex requests this node answered from its leader lease, over its whole life.
+    pub fn lease_reads_served(&self) -> u64 {
+        self.raft.lease_reads_served
+    }
+
     /// The application's monotonic clock, in milliseconds; only lease reads use it. Readings
     /// never go back (an older one is ignored).
     pub fn set_now_ms(&mut self, now_ms: u64) {

@@ -101,6 +101,8 @@ pub struct NodeMetrics {
     /// Driver turns that started later than a heartbeat interval after the previous one: the
     /// leader's heartbeats went out late (each logged at WARN, rate-limited).
     pub heartbeats_late: Counter,
+    /// ReadIndex requests the leader answered from its lease (`--lease-reads`).
+    pub reads_from_lease: Counter,
     /// gRPC calls handled, by etcd's labels.
     pub grpc_handled: Family<GrpcLabels, Counter>,
     /// How long gRPC calls took, by method.
@@ -124,6 +126,7 @@ impl Default for NodeMetrics {
             snapshot_save_seconds: Histogram::new(disk_buckets()),
             wal_fsyncs_slow: Counter::default(),
             heartbeats_late: Counter::default(),
+            reads_from_lease: Counter::default(),
             grpc_handled: Family::default(),
             kv_puts: Counter::default(),
             kv_put_micros: Counter::default(),
@@ -423,6 +426,12 @@ pub fn render(api: &Api, peers: &PeerListenerState) -> String {
         "Driver turns that came more than a heartbeat interval late, so a leader's \
          heartbeats went out late (each logged at WARN, rate-limited).",
         metrics.heartbeats_late.clone(),
+    );
+    registry.register(
+        "conclave_reads_from_lease",
+        "ReadIndex requests (all of one driver turn's reads on a member, or a follower's \
+         request) the leader answered from its lease with no heartbeat round (--lease-reads).",
+        metrics.reads_from_lease.clone(),
     );
 
     let peer_refusals = Family::<ReasonLabels, Counter>::default();

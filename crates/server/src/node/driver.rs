@@ -434,6 +434,8 @@ struct Shell<O> {
     last_leader: Option<NodeId>,
     /// When the last late-heartbeat WARN went out (they are rate-limited).
     late_warned: Option<Instant>,
+    /// The core's count of reads answered from the lease, as far as the metrics have it.
+    lease_reads_counted: u64,
     /// When the last clock-divergence warning was logged.
     clock_warned: Option<Instant>,
 }
@@ -551,6 +553,7 @@ pub(crate) fn spawn<M: ReplicatedMachine, D: ShellDuties<M>>(
         metrics: metrics.clone(),
         last_leader: None,
         late_warned: None,
+        lease_reads_counted: 0,
         clock_warned: None,
         config,
         transport,
@@ -1039,6 +1042,14 @@ impl<M: ReplicatedMachine, D: ShellDuties<M>> Driver<M, D> {
     }
 
     fn publish_status(&mut self) {
+        let served = self.core.raw().lease_reads_served();
+        if served > self.shell.lease_reads_counted {
+            self.shell
+                .metrics
+                .reads_from_lease
+                .inc_by(served - self.shell.lease_reads_counted);
+            self.shell.lease_reads_counted = served;
+        }
         let status = self.core.status();
         if status.leader != self.shell.last_leader {
             if status.leader.is_some() {
