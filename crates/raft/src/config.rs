@@ -17,7 +17,9 @@ pub struct Config {
     /// Run a PreVote round before raising the term, so a rejoining node cannot disrupt.
     pub pre_vote: bool,
     /// A leader that has not heard from a quorum for `election_ticks` steps down, and followers
-    /// that heard from a leader within `election_ticks` ignore vote requests.
+    /// that heard from a leader within `election_ticks` ignore vote requests, as do nodes that
+    /// started less than `election_ticks` ago past the bootstrap term (before a restart they
+    /// may have acknowledged a leader whose lease still runs).
     pub check_quorum: bool,
     /// Upper bound on the payload bytes of entries in one `Append` message (at least one
     /// entry is always sent, so one big entry still moves).
@@ -36,9 +38,10 @@ pub struct Config {
     /// leader answers a read at once, with no heartbeat round, while a quorum has
     /// acknowledged a heartbeat it sent less than this long ago, and every node withholds its
     /// vote from a candidate for `election_ticks` after it last heard from a leader or after
-    /// it started. Safe only when this is shorter than the least real time `election_ticks - 1`
-    /// ticks can take on any member, less what the members' clocks may drift apart meanwhile;
-    /// every member must run with lease reads on. Needs `check_quorum`.
+    /// it started (`check_quorum`, whether or not the node reads from leases itself). Safe
+    /// only when this is shorter than the least real time `election_ticks - 1` ticks can take
+    /// on any member, less what the members' clocks may drift apart meanwhile. Needs
+    /// `check_quorum`.
     pub lease_read_ms: u64,
     /// Seed of the PRNG behind election timeouts. Give each node its own.
     pub seed: u64,

@@ -32,7 +32,7 @@ pub use error::{Error, Refusal, StorageError};
 pub use prng::Prng;
 pub use raft::apply_steps;
 pub use raw_node::{MAX_COMMITTED_BYTES_PER_READY, RawNode, Ready};
-pub use storage::{MemStorage, Storage, bootstrap_snapshot};
+pub use storage::{BOOTSTRAP_TERM, MemStorage, Storage, bootstrap_snapshot};
 pub use types::*;
 
 /// The highest term the core accepts in a message or moves to. Unreachable by elections (one

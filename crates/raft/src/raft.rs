@@ -119,9 +119,9 @@ pub struct Raft<S> {
     /// The application's clock, in milliseconds ([`Raft::set_now_ms`]); only lease reads
     /// use it.
     now_ms: u64,
-    /// Ticks since this node started, counted up to `election_ticks`: with lease reads on, a
+    /// Ticks since this node started, counted up to `election_ticks`: with CheckQuorum, a
     /// node withholds its vote until then, since before it restarted it may have
-    /// acknowledged a leader whose lease still runs.
+    /// acknowledged a leader whose lease still runs (whatever its own lease setting).
     ticks_since_start: u64,
     /// Leader with lease reads on: the heartbeat rounds sent and not yet too old to extend
     /// the lease, as (round, `now_ms` when sent), oldest first.
@@ -172,7 +172,14 @@ impl<S: Storage> Raft<S> {
             incoming_snapshot: None,
             broadcast_pending: false,
             now_ms: 0,
-            ticks_since_start: 0,
+            // A node that never went past the bootstrap term never acknowledged a leader (the
+            // term of any acknowledgement is durable before it is sent): it has no lease to
+            // respect, and a fresh cluster elects its first leader without waiting.
+            ticks_since_start: if hard_state.term <= crate::storage::BOOTSTRAP_TERM {
+                config.election_ticks
+            } else {
+                0
+            },
             lease_rounds: VecDeque::new(),
             lease_round_next: 0,
             lease_void: false,
@@ -468,10 +475,12 @@ impl<S: Storage> Raft<S> {
             if self.leader.is_some() && !matches!(m.body, MessageBody::Vote { pre: true, .. }) {
                 self.note_change(LeaderChangeReason::HigherTerm);
             }
-            // With lease reads on, a node that just started may have acknowledged, before it
-            // went down, a leader whose lease still runs: it waits as if it had heard from it.
-            let withheld_after_start = self.config.lease_read_ms > 0
-                && self.ticks_since_start < self.config.election_ticks;
+            // A node that just started may have acknowledged, before it went down, a leader
+            // whose lease still runs: it waits as if it had heard from it. This holds whether
+            // or not this node reads from leases itself, so that a member restarted with
+            // other flags (a rolling change of `--lease-reads`) cannot elect a new leader
+            // under a lease it helped grant.
+            let withheld_after_start = self.ticks_since_start < self.config.election_ticks;
             let in_lease = self.config.check_quorum
                 && (self.leader.is_some() || withheld_after_start)
                 && self.election_elapsed < self.config.election_ticks;

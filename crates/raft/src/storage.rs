@@ -39,6 +39,10 @@ pub trait Storage {
     fn snapshot(&self) -> Result<Snapshot, StorageError>;
 }
 
+/// The term of the bootstrap snapshot. No node leads in it: the first campaign raises the
+/// term past it, so a node still at this term has never heard from a leader.
+pub const BOOTSTRAP_TERM: u64 = 1;
+
 /// The snapshot every founding member of a new cluster starts from: index 1, term 1, the
 /// initial membership and empty application data.
 ///
@@ -49,7 +53,7 @@ pub fn bootstrap_snapshot(conf_state: ConfState) -> Snapshot {
     Snapshot {
         meta: SnapshotMeta {
             index: 1,
-            term: 1,
+            term: BOOTSTRAP_TERM,
             conf_state,
         },
         data: Bytes::new(),

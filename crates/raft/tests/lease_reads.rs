@@ -7,7 +7,9 @@ mod common;
 
 use bytes::Bytes;
 use common::Net;
-use conclave_raft::{ConfState, Config, Error, MemStorage, MessageBody, RawNode, Role};
+use conclave_raft::{
+    BOOTSTRAP_TERM, ConfState, Config, Error, HardState, MemStorage, MessageBody, RawNode, Role,
+};
 
 /// Milliseconds per tick in these tests.
 const TICK_MS: u64 = 10;
@@ -151,15 +153,19 @@ fn a_leader_that_began_a_transfer_no_longer_reads_from_its_lease() {
 #[test]
 fn a_node_that_just_started_withholds_its_vote_for_an_election_timeout() {
     let voters = ConfState::with_voters(vec![1, 2, 3]);
-    let new_node = |id| {
-        RawNode::new(
-            lease_config(id),
-            MemStorage::new_with_conf_state(voters.clone()),
-        )
-        .expect("valid config")
+    // Stores that were in term 2 before the restart: past the bootstrap term, so the node
+    // may have acknowledged a leader.
+    let restarted_store = || {
+        let mut store = MemStorage::new_with_conf_state(voters.clone());
+        store.set_hard_state(HardState {
+            term: BOOTSTRAP_TERM + 1,
+            vote: None,
+            commit: 1,
+        });
+        store
     };
-    let mut candidate = new_node(1);
-    let mut voter = new_node(2);
+    let mut candidate = RawNode::new(lease_config(1), restarted_store()).expect("valid config");
+    let mut voter = RawNode::new(lease_config(2), restarted_store()).expect("valid config");
     // The candidate's timer is its own business: force its campaign (PreVote first).
     candidate.campaign().expect("the term can grow");
     let requests: Vec<_> = candidate
@@ -206,10 +212,21 @@ fn a_node_that_just_started_withholds_its_vote_for_an_election_timeout() {
             .any(|m| matches!(m.body, MessageBody::VoteResponse { granted: true, .. })),
         "an election timeout after starting, the vote is granted: {answers:?}"
     );
-    // Without lease reads, a node that just started votes at once.
-    let mut plain = RawNode::new(common::config(2), MemStorage::new_with_conf_state(voters))
+    // A node without lease reads of its own withholds its vote just the same: before a
+    // restart with other flags it may have acknowledged a leader's lease.
+    let mut without_lease =
+        RawNode::new(common::config(2), restarted_store()).expect("valid config");
+    assert!(answers_to(&mut without_lease).is_empty());
+    // Without CheckQuorum there are no leases to respect: it votes at once.
+    let mut unchecked = common::config(2);
+    unchecked.check_quorum = false;
+    let mut unchecked = RawNode::new(unchecked, restarted_store()).expect("valid config");
+    assert!(!answers_to(&mut unchecked).is_empty());
+    // A node of a new cluster, still in the bootstrap term, never acknowledged anyone: the
+    // first election need not wait.
+    let mut fresh = RawNode::new(lease_config(2), MemStorage::new_with_conf_state(voters))
         .expect("valid config");
-    assert!(!answers_to(&mut plain).is_empty());
+    assert!(!answers_to(&mut fresh).is_empty());
 }
 
 #[test]
