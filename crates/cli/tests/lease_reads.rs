@@ -1,7 +1,8 @@
 //! `--lease-reads` on a real 3-member cluster: the leader answers linearizable reads from its
 //! lease (its `conclave_reads_from_lease_total` counts them; crates/raft/tests/lease_reads.rs
 //! and the simulator check the rule itself), and every member still reads every write
-//! acknowledged before the read began, across a SIGKILL of the leader.
+//! acknowledged before the read began, across a SIGKILL of the leader; a member restarted with
+//! a shorter election timeout is refused by the members that read from a lease.
 
 mod common;
 
@@ -82,4 +83,42 @@ async fn with_lease_reads_every_member_reads_every_acknowledged_write_across_a_f
             assert_ne!(leader, old);
         }
     }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_member_restarted_with_a_shorter_election_timeout_is_refused_by_lease_readers() {
+    let mut cluster = Cluster::start_with_args(3, &["--lease-reads"]).await;
+    let leader = cluster.wait_for_leader(WAIT).await;
+    let hasty = (1..=3).find(|&id| id != leader).expect("three members");
+    cluster.kill(hasty);
+    // Without the flag and with 60 ms elections: it would vote 50 ms after hearing from a
+    // leader whose lease runs 112 ms.
+    let flags: Vec<String> = ["--election-timeout-ms", "60", "--heartbeat-ms", "20"]
+        .map(String::from)
+        .into();
+    cluster.spawn_with_args(hasty, &flags);
+    let leader_log = cluster.root.join(format!("node{leader}.log"));
+    let hasty_log = cluster.root.join(format!("node{hasty}.log"));
+    let refusal = format!("node {hasty} withholds its vote for 50 ms after it hears from a leader");
+    let started = std::time::Instant::now();
+    let logged = |path: &std::path::Path| {
+        std::fs::read_to_string(path).is_ok_and(|log| log.contains(&refusal))
+    };
+    while !(logged(&leader_log) && logged(&hasty_log)) {
+        assert!(
+            started.elapsed() < WAIT,
+            "no refusal naming the vote windows in {} and {}",
+            leader_log.display(),
+            hasty_log.display()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The two members that agree go on serving.
+    cluster
+        .put_until_acked(leader, "lease-read/after-refusal", "v", WAIT)
+        .await;
+    assert_eq!(
+        linearizable_value(&cluster, leader, "lease-read/after-refusal").await,
+        Some("v".to_string())
+    );
 }

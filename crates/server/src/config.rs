@@ -48,7 +48,9 @@ pub struct ServerConfig {
     pub heartbeat_ticks: u64,
     /// Answer linearizable reads and lease keepalives on the leader from a leader lease,
     /// with no heartbeat round (`--lease-reads`; off by default). See
-    /// [`ServerConfig::lease_read_ms`]. Every member must run with the same setting.
+    /// [`ServerConfig::lease_read_ms`]. Members may differ in it; they must not differ in
+    /// `tick_ms` and `election_ticks` (a member with a lease refuses peers whose vote window,
+    /// [`ServerConfig::vote_withheld_ms`], is shorter than its own).
     pub lease_reads: bool,
     /// Take a snapshot (and compact the log) every this many applied entries...
     pub snapshot_entries: u64,
@@ -353,11 +355,18 @@ impl ServerConfig {
         if !self.lease_reads {
             return 0;
         }
+        self.vote_withheld_ms()
+            .saturating_mul(100 - LEASE_READ_CLOCK_DRIFT_PERCENT)
+            / 100
+    }
+
+    /// The least real time this member withholds its vote after it heard from a leader or
+    /// started: `election_ticks` ticks, the first of which may come at once. Announced to
+    /// peers in the handshake, whose leases rely on it.
+    pub fn vote_withheld_ms(&self) -> u64 {
         self.election_ticks
             .saturating_sub(1)
             .saturating_mul(self.tick_ms)
-            .saturating_mul(100 - LEASE_READ_CLOCK_DRIFT_PERCENT)
-            / 100
     }
 
     /// The member entry of this node.
@@ -550,6 +559,10 @@ mod tests {
         assert_eq!(config.lease_read_ms(), 112);
         assert!(config.lease_read_ms() < (config.election_ticks - 1) * config.tick_ms);
         assert!(config.validate().is_ok());
+        // Peers learn the window in the handshake; a member with a lease checks theirs.
+        let transport = crate::server::transport_config(&config).expect("no files to read");
+        assert_eq!(transport.vote_withheld_ms, 140);
+        assert_eq!(transport.lease_read_ms, 112);
         // A lease no longer than the heartbeat interval would lapse between rounds.
         config.election_ticks = 6;
         assert!(config.validate().is_err());

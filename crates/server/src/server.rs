@@ -298,6 +298,8 @@ pub fn transport_config(config: &ServerConfig) -> Result<TransportConfig, Error>
         transport.own_name = me.name.clone();
         transport.own_client_address = me.client_addr.clone();
     }
+    transport.vote_withheld_ms = config.vote_withheld_ms();
+    transport.lease_read_ms = config.lease_read_ms();
     Ok(transport)
 }
 

@@ -467,6 +467,7 @@ async fn handshaken_with(
         listener_nonce: &challenge.nonce,
         dialer_name: &hello.name,
         dialer_client_address: &hello.client_address,
+        dialer_vote_withheld_ms: hello.vote_withheld_ms,
     };
     buffer.clear();
     let proof = Frame::HelloProof(HelloProof {
@@ -489,6 +490,7 @@ fn good_hello() -> Hello {
         nonce: auth::new_nonce().expect("randomness"),
         name: "node1".into(),
         client_address: "127.0.0.1:2379".into(),
+        vote_withheld_ms: 140,
     }
 }
 
@@ -616,6 +618,65 @@ async fn a_wrong_secret_is_refused_and_nothing_after_it_is_read() {
     );
     let mut inbound = listener.stop().await;
     assert!(inbound.try_recv().is_err(), "no message was forwarded");
+}
+
+#[tokio::test]
+async fn a_member_reading_from_a_lease_refuses_a_peer_that_would_vote_sooner() {
+    let leased = |vote_withheld_ms, lease_read_ms| TransportConfig {
+        vote_withheld_ms,
+        lease_read_ms,
+        ..TransportConfig::new(CLUSTER_ID, 2)
+    };
+    // Listener: 140 ms of withheld vote (15 ticks of 10 ms), a 112 ms lease.
+    let listener = Listener::start_with(leased(140, 112), "127.0.0.1:0").await;
+    let hasty = Hello {
+        vote_withheld_ms: 40,
+        ..good_hello()
+    };
+    let (mut stream, answer) = handshaken(listener.address, hasty).await;
+    let Some(Frame::HelloRejected(rejected)) = answer else {
+        panic!("expected a rejection, got {answer:?}");
+    };
+    assert!(
+        rejected
+            .reason
+            .contains("node 1 withholds its vote for 40 ms")
+            && rejected.reason.contains("--election-timeout-ms"),
+        "{}",
+        rejected.reason
+    );
+    assert_closed_by_listener(&mut stream).await;
+    assert_eq!(
+        listener
+            .state
+            .stats
+            .handshakes_refused
+            .load(Ordering::Relaxed),
+        1
+    );
+    // The same window, or a longer one, is accepted.
+    for vote_withheld_ms in [140, 290] {
+        let hello = Hello {
+            vote_withheld_ms,
+            ..good_hello()
+        };
+        let (_stream, answer) = handshaken(listener.address, hello).await;
+        assert!(
+            matches!(answer, Some(Frame::HelloAccepted(_))),
+            "{answer:?}"
+        );
+    }
+    // Without a lease of its own, the listener has nothing to protect.
+    let plain = Listener::start_with(leased(140, 0), "127.0.0.1:0").await;
+    let hasty = Hello {
+        vote_withheld_ms: 40,
+        ..good_hello()
+    };
+    let (_stream, answer) = handshaken(plain.address, hasty).await;
+    assert!(
+        matches!(answer, Some(Frame::HelloAccepted(_))),
+        "{answer:?}"
+    );
 }
 
 #[tokio::test]

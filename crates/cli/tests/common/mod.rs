@@ -309,6 +309,13 @@ impl Cluster {
 
     /// (Re)starts node `id`'s process over its data directory.
     pub fn spawn(&mut self, id: u64) {
+        let extra_args = self.extra_args.clone();
+        self.spawn_with_args(id, &extra_args);
+    }
+
+    /// (Re)starts node `id` with `extra_args` in place of the flags the cluster's other
+    /// members got (a member restarted with other settings).
+    pub fn spawn_with_args(&mut self, id: u64, extra_args: &[String]) {
         let clients = self
             .nodes
             .iter()
@@ -331,7 +338,7 @@ impl Cluster {
             "--snapshot-log-percent".into(),
             "0".into(),
         ];
-        args.extend(self.extra_args.iter().cloned());
+        args.extend(extra_args.iter().cloned());
         if let Some(tls) = &self.tls {
             args.extend(tls.serve_args(&format!("node{id}")));
         }

@@ -62,6 +62,7 @@ impl RawPeer {
             nonce,
             name: String::new(),
             client_address: String::new(),
+            vote_withheld_ms: 0,
         }))
         .await;
         let challenge = match peer.next().await {
@@ -77,6 +78,7 @@ impl RawPeer {
             listener_nonce: &challenge.nonce,
             dialer_name: "",
             dialer_client_address: "",
+            dialer_vote_withheld_ms: 0,
         };
         peer.send_frame(&Frame::HelloProof(HelloProof {
             proof: transcript.dialer_proof(key),
@@ -280,6 +282,7 @@ async fn a_peer_without_the_secret_is_refused_before_any_message() {
         nonce,
         name: String::new(),
         client_address: String::new(),
+        vote_withheld_ms: 0,
     }))
     .await;
     raw.send_frame(&Frame::HelloProof(HelloProof { proof: [0; 32] }))
@@ -612,6 +615,7 @@ async fn forged_hellos_held_idle_do_not_keep_a_restarted_member_out() {
                         nonce: [slot as u8; 32],
                         name: String::new(),
                         client_address: String::new(),
+                        vote_withheld_ms: 0,
                     });
                     frame::encode_frame(&hello, &mut wire).expect("encodes");
                     let _ = stream.write_all(&wire).await;

@@ -3,7 +3,8 @@
 //!
 //! ```text
 //!  dialer                                              listener
-//!    Hello { cluster, from, to, dialer_nonce, attrs } ──►
+//!    Hello { cluster, from, to, dialer_nonce, attrs } ──►      (attrs: name, client
+//!                                                               address, vote window)
 //!                 ◄── HelloChallenge { listener_nonce, listener_proof }
 //!    HelloProof { dialer_proof }                      ──►
 //!                 ◄── HelloAccepted | HelloRejected
@@ -138,6 +139,7 @@ pub struct Transcript<'a> {
     pub listener_nonce: &'a Nonce,
     pub dialer_name: &'a str,
     pub dialer_client_address: &'a str,
+    pub dialer_vote_withheld_ms: u64,
 }
 
 impl Transcript<'_> {
@@ -157,6 +159,7 @@ impl Transcript<'_> {
             mac.update(&(field.len() as u64).to_be_bytes());
             mac.update(field.as_bytes());
         }
+        mac.update(&self.dialer_vote_withheld_ms.to_be_bytes());
         mac
     }
 
@@ -218,6 +221,7 @@ mod tests {
             listener_nonce,
             dialer_name: "a",
             dialer_client_address: "127.0.0.1:2379",
+            dialer_vote_withheld_ms: 140,
         }
     }
 
@@ -246,6 +250,9 @@ mod tests {
         let mut moved = t;
         moved.dialer_client_address = "10.0.0.1:2379";
         assert!(!moved.verify_dialer(&key, &proof), "other attributes");
+        let mut hastier = t;
+        hastier.dialer_vote_withheld_ms = 40;
+        assert!(!hastier.verify_dialer(&key, &proof), "another vote window");
         assert!(t.verify_listener(&key, &t.listener_proof(&key)));
     }
 

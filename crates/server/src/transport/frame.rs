@@ -40,8 +40,9 @@ pub const MAX_PEER_FRAME_BYTES: usize = 64 * 1024 * 1024;
 
 /// The version of the body encoding this node speaks. A frame with any other version closes
 /// the connection, so a mixed-version cluster fails loudly instead of misreading messages.
-/// Version 2 added the authenticated handshake (challenge, proof, keepalive).
-pub const WIRE_VERSION: u8 = 2;
+/// Version 2 added the authenticated handshake (challenge, proof, keepalive); version 3 the
+/// dialer's vote-withholding window in the Hello.
+pub const WIRE_VERSION: u8 = 3;
 
 /// Bytes before the body: length and checksum.
 pub const FRAME_HEADER_BYTES: usize = 8;
@@ -79,6 +80,10 @@ pub struct Hello {
     /// once the dialer has proved itself; empty when it has none to publish.
     pub name: String,
     pub client_address: String,
+    /// How long the dialer withholds its vote after it heard from a leader or started, in
+    /// milliseconds of its ticks (`(election ticks - 1) * tick`); a listener that reads from
+    /// a lease refuses a dialer whose window is shorter than its own (0: not announced).
+    pub vote_withheld_ms: u64,
 }
 
 /// The listener's answer to a [`Hello`]: its own nonce and its proof of the peer key.
@@ -414,6 +419,7 @@ mod tests {
                 nonce: [9; 32],
                 name: "a".into(),
                 client_address: "127.0.0.1:2379".into(),
+                vote_withheld_ms: 140,
             }),
             Frame::HelloChallenge(HelloChallenge {
                 cluster_id: 7,

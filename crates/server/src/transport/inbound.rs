@@ -433,6 +433,7 @@ impl Connection<'_> {
             listener_nonce: &listener_nonce,
             dialer_name: &hello.name,
             dialer_client_address: &hello.client_address,
+            dialer_vote_withheld_ms: hello.vote_withheld_ms,
         };
         let challenge = HelloChallenge {
             cluster_id: config.cluster_id,
@@ -460,6 +461,10 @@ impl Connection<'_> {
             );
             let _ = reject(reader, reason.clone()).await;
             return Err(Error::PeerAuthentication { reason });
+        }
+        if let Some(reason) = config.lease_unsafe_with(&hello) {
+            stats.handshakes_refused.fetch_add(1, Ordering::Relaxed);
+            return Err(reject(reader, reason).await);
         }
         let Some(claimed) = self.claim_slot(hello.from) else {
             stats.connections_over_limit.fetch_add(1, Ordering::Relaxed);

@@ -106,6 +106,14 @@ pub struct TransportConfig {
     /// can record them (empty: nothing to announce).
     pub own_name: String,
     pub own_client_address: String,
+    /// How long this member withholds its vote after it heard from a leader or started, as
+    /// its ticks measure it (`(election ticks - 1) * tick_ms`); announced in every Hello.
+    /// 0 announces nothing.
+    pub vote_withheld_ms: u64,
+    /// This member's read lease (`--lease-reads`; 0 when off). With a lease, the listener
+    /// refuses a member whose announced vote window is shorter than its own: that member
+    /// could help elect a successor while this member's lease still runs.
+    pub lease_read_ms: u64,
     /// Mutual TLS on the peer port (`--peer-cert-file ...`); `None` is plaintext. The HMAC
     /// handshake runs either way, inside TLS when it is on.
     pub tls: Option<std::sync::Arc<PeerTls>>,
@@ -137,6 +145,8 @@ impl TransportConfig {
             peer_key: PeerKey::weak_from_cluster_id(cluster_id),
             own_name: String::new(),
             own_client_address: String::new(),
+            vote_withheld_ms: 0,
+            lease_read_ms: 0,
             tls: None,
         }
     }
@@ -181,5 +191,24 @@ impl TransportConfig {
             );
         }
         Ok(())
+    }
+
+    /// Why a dialer that announced `hello` must be refused for this member's lease reads, if
+    /// it must: its vote window is shorter than this member's, so the lease (sized from this
+    /// member's window) could outlast it.
+    pub fn lease_unsafe_with(&self, hello: &frame::Hello) -> Option<String> {
+        if self.lease_read_ms == 0 || hello.vote_withheld_ms >= self.vote_withheld_ms {
+            return None;
+        }
+        Some(format!(
+            "node {} withholds its vote for {} ms after it hears from a leader, node {} for {} \
+             ms and reads from a {} ms lease that relies on every member waiting as long; give \
+             every member the same --tick-ms and --election-timeout-ms",
+            hello.from,
+            hello.vote_withheld_ms,
+            self.node_id,
+            self.vote_withheld_ms,
+            self.lease_read_ms
+        ))
     }
 }

@@ -467,6 +467,7 @@ impl PeerLink {
             nonce: dialer_nonce,
             name: self.config.own_name.clone(),
             client_address: self.config.own_client_address.clone(),
+            vote_withheld_ms: self.config.vote_withheld_ms,
         };
         let mut buffer = Vec::new();
         frame::encode_frame(&Frame::Hello(hello), &mut buffer)?;
@@ -517,6 +518,7 @@ impl PeerLink {
             listener_nonce: &challenge.nonce,
             dialer_name: &self.config.own_name,
             dialer_client_address: &self.config.own_client_address,
+            dialer_vote_withheld_ms: self.config.vote_withheld_ms,
         };
         if !transcript.verify_listener(&self.config.peer_key, &challenge.proof) {
             return Err(Error::PeerAuthentication {
