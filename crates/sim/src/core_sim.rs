@@ -224,6 +224,9 @@ pub struct CoreStats {
     pub seats_seen: u64,
     pub ticks_applied: u64,
     pub snapshots: u64,
+    /// ReadIndex requests leaders answered from their lease (the core's `lease_reads_served`,
+    /// summed over every node's runs).
+    pub reads_from_lease: u64,
 }
 
 /// One run of the node core under faults.
@@ -489,7 +492,15 @@ impl CoreSimulation {
         config.max_inflight_appends = self.params.max_inflight_appends;
         config.max_append_bytes = self.params.max_append_bytes;
         config.snapshot_chunk_bytes = 512;
-        config.lease_read_ms = self.params.lease_read_ms();
+        // The control for a lease that never runs out keeps every member on the lease: the
+        // members started without it would only make the stale read rarer.
+        let lease_reads = self.params.lease_reads_at_start(self.seed, id, restarts)
+            || (self.params.lease_reads && self.bug == Some(Bug::LeaseNeverExpires));
+        config.lease_read_ms = if lease_reads {
+            self.params.lease_read_ms()
+        } else {
+            0
+        };
         config.bugs.lease_never_expires = self.bug == Some(Bug::LeaseNeverExpires);
         config
     }
@@ -616,6 +627,12 @@ impl CoreSimulation {
                 break;
             }
         }
+        self.stats.reads_from_lease += self
+            .nodes
+            .values()
+            .filter_map(|node| node.core.as_ref())
+            .map(|core| core.raw().lease_reads_served())
+            .sum::<u64>();
         if self.checker.violations.is_empty() && !converged {
             let detail = format!(
                 "within {} ms of healing: no single leader with every member caught up, every \
@@ -737,6 +754,7 @@ impl CoreSimulation {
         let Some(core) = node.core.take() else {
             return;
         };
+        self.stats.reads_from_lease += core.raw().lease_reads_served();
         match &mut node.disk {
             // Whatever reached the store survives: MemStorage writes are durable at once.
             NodeDisk::Mem(disk) => {

@@ -115,6 +115,21 @@ impl SwarmParams {
         params
     }
 
+    /// Whether node `id` of `seed`'s run starts with lease reads after its `restarts`-th
+    /// restart. On a seed with
+    /// lease reads, one start in four runs without them, as during a rolling change of
+    /// `--lease-reads`: members with and without the flag must be able to run side by side.
+    /// A hash of the start, not a draw, so the seed's other parameters stay what they were.
+    pub fn lease_reads_at_start(&self, seed: u64, id: u64, restarts: u64) -> bool {
+        if !self.lease_reads {
+            return false;
+        }
+        let start = (seed ^ id)
+            .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+            .wrapping_add(restarts.wrapping_mul(0xC2B2_AE3D_27D4_EB4F));
+        (start ^ (start >> 29)).wrapping_mul(0x1656_67B1_9E37_79F9) >> 62 != 0
+    }
+
     /// The lease as the server sizes it ([`conclave_server::config::ServerConfig::lease_read_ms`]),
     /// from the shortest tick period any member has: the simulator's clock is exact, and a
     /// member with short ticks is one whose clock runs fast.

@@ -96,8 +96,29 @@ fn a_deposed_leader_answering_keepalives_is_caught() {
 }
 
 #[test]
+fn lease_seeds_mix_members_with_and_without_lease_reads() {
+    let mut params = SwarmParams::from_seed(0, Some(5));
+    params.lease_reads = true;
+    let starts: Vec<bool> = (0..20)
+        .flat_map(|seed| (1..=5).map(move |id| (seed, id)))
+        .flat_map(|(seed, id)| (0..4).map(move |restarts| (seed, id, restarts)))
+        .map(|(seed, id, restarts)| params.lease_reads_at_start(seed, id, restarts))
+        .collect();
+    let without = starts.iter().filter(|on| !**on).count();
+    // About one start in four runs without the flag.
+    assert!(
+        (starts.len() / 8..starts.len() / 2).contains(&without),
+        "{without} of {} starts without lease reads",
+        starts.len()
+    );
+    params.lease_reads = false;
+    assert!(!params.lease_reads_at_start(3, 1, 0));
+}
+
+#[test]
 fn lease_reads_pass_and_spare_heartbeat_rounds() {
     let (mut messages_with, mut messages_without) = (0, 0);
+    let (mut from_lease_with, mut from_lease_without) = (0, 0);
     for seed in 0..8 {
         let mut params = SwarmParams::from_seed(seed, Some(3));
         params.storage = StorageKind::Wal;
@@ -118,11 +139,18 @@ fn lease_reads_pass_and_spare_heartbeat_rounds() {
             );
             if lease_reads {
                 messages_with += sim.stats.messages_delivered;
+                from_lease_with += sim.stats.reads_from_lease;
             } else {
                 messages_without += sim.stats.messages_delivered;
+                from_lease_without += sim.stats.reads_from_lease;
             }
         }
     }
+    // Leaders answered reads from their lease only when they had one.
+    assert!(
+        from_lease_with > 0 && from_lease_without == 0,
+        "reads from the lease: {from_lease_with} with lease reads, {from_lease_without} without"
+    );
     // Reads and keepalive confirmations answered from the lease send no heartbeat round.
     assert!(
         messages_with < messages_without,
