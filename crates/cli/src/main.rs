@@ -246,7 +246,8 @@ pub struct ServeArgs {
     pub wal_fsync_warn_ms: u64,
     /// Answer linearizable reads and lease keepalives on the leader from a leader lease, with
     /// no heartbeat round: faster, but safe only while the members' clocks run at about the
-    /// same rate (docs/server.md). Set it alike on every member.
+    /// same rate (docs/server.md). Members may differ in it (a rolling change), not in
+    /// --tick-ms and --election-timeout-ms.
     #[arg(long, env = "CONCLAVE_LEASE_READS")]
     pub lease_reads: bool,
 }

@@ -29,6 +29,28 @@ pub struct Member {
     pub paused: bool,
     /// Rate of the member's wall clock from its next start (`None`: the real clock).
     pub clock_rate: Option<f64>,
+    /// Times the member's process was started.
+    starts: u64,
+}
+
+/// Which members serve reads from a leader lease (`run --lease-reads`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LeaseReads {
+    Off,
+    All,
+    /// On at a member's first start if its index is even, then the other way at each restart.
+    Mixed,
+}
+
+impl LeaseReads {
+    /// Whether the member at `index` starts with lease reads the `start`-th time (from 0).
+    pub fn at_start(self, index: usize, start: u64) -> bool {
+        match self {
+            LeaseReads::Off => false,
+            LeaseReads::All => true,
+            LeaseReads::Mixed => (index as u64 + start).is_multiple_of(2),
+        }
+    }
 }
 
 pub struct Cluster {
@@ -42,6 +64,7 @@ pub struct Cluster {
     /// The cluster id from the first MemberAdd answer, which replacements join with
     /// (`--initial-cluster-id`).
     pub cluster_id: Option<u64>,
+    lease_reads: LeaseReads,
 }
 
 impl Cluster {
@@ -52,6 +75,7 @@ impl Cluster {
         election_timeout_ms: u64,
         clock_rate: Option<f64>,
         with_tls: bool,
+        lease_reads: LeaseReads,
     ) -> Result<Cluster, Error> {
         std::fs::create_dir_all(&root).map_err(|source| Error::Io {
             what: format!("create {}", root.display()),
@@ -75,6 +99,7 @@ impl Cluster {
                 child: None,
                 paused: false,
                 clock_rate,
+                starts: 0,
             })
             .collect();
         let mut cluster = Cluster {
@@ -85,6 +110,7 @@ impl Cluster {
             election_timeout_ms,
             tls,
             cluster_id: None,
+            lease_reads,
         };
         for index in 0..cluster.members.len() {
             cluster.spawn(index)?;
@@ -153,6 +179,12 @@ impl Cluster {
         if let Some(rate) = self.members[index].clock_rate {
             command.env("CONCLAVE_FAULTS_CLOCK_RATE", rate.to_string());
         }
+        let start = self.members[index].starts;
+        self.members[index].starts += 1;
+        command.env(
+            "CONCLAVE_LEASE_READS",
+            self.lease_reads.at_start(index, start).to_string(),
+        );
         let child = command
             .arg("serve")
             .args(["--id", &id.to_string()])
@@ -293,5 +325,19 @@ impl Drop for Cluster {
         for index in 0..self.members.len() {
             self.kill(index);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::LeaseReads;
+
+    #[test]
+    fn mixed_lease_reads_flip_at_every_restart_and_differ_between_neighbours() {
+        let mixed = |index| (0..4).map(move |start| LeaseReads::Mixed.at_start(index, start));
+        assert_eq!(mixed(0).collect::<Vec<_>>(), [true, false, true, false]);
+        assert_eq!(mixed(1).collect::<Vec<_>>(), [false, true, false, true]);
+        assert!((0..4).all(|start| LeaseReads::All.at_start(2, start)));
+        assert!((0..4).all(|start| !LeaseReads::Off.at_start(2, start)));
     }
 }

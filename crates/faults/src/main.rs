@@ -12,7 +12,7 @@ use conclave_faults::checkers::{
     self,
     lease::{LeaseBounds, SlowClock},
 };
-use conclave_faults::cluster::Cluster;
+use conclave_faults::cluster::{Cluster, LeaseReads};
 use conclave_faults::history::{self, Event, Kind, Recorder};
 use conclave_faults::nemesis::{self, Family};
 use conclave_faults::net::{self, Net};
@@ -122,6 +122,11 @@ struct RunArgs {
     /// directory.
     #[arg(long)]
     tls: bool,
+    /// Lease reads on the members (`--lease-reads`): `off`, `all`, or `mixed`, where each
+    /// start of a member turns them on or off in turn (members with and without the flag side
+    /// by side, as in a rolling change of it; the kill and member nemeses restart members).
+    #[arg(long, value_enum, default_value_t = LeaseReads::Off)]
+    lease_reads: LeaseReads,
 }
 
 fn main() -> ExitCode {
@@ -240,7 +245,17 @@ fn run(args: RunArgs) -> Result<u8, Error> {
         args.election_timeout_ms,
         clock_rate,
         args.tls,
+        args.lease_reads,
     )?;
+    if args.lease_reads != LeaseReads::Off {
+        println!(
+            "lease reads: {} (the members' start-up lines give lease_read_ms)",
+            match args.lease_reads {
+                LeaseReads::All => "on every member",
+                _ => "on every other start of each member",
+            }
+        );
+    }
     if args.tls {
         println!(
             "TLS on: client TLS with client certificates required, peer mutual TLS (certificates in {})",
