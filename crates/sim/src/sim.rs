@@ -116,10 +116,10 @@ impl SwarmParams {
     }
 
     /// Whether node `id` of `seed`'s run starts with lease reads after its `restarts`-th
-    /// restart. On a seed with
-    /// lease reads, one start in four runs without them, as during a rolling change of
-    /// `--lease-reads`: members with and without the flag must be able to run side by side.
-    /// A hash of the start, not a draw, so the seed's other parameters stay what they were.
+    /// restart. On a seed with lease reads, one start in four runs without them, as during a
+    /// rolling change of `--lease-reads`: members with and without the flag must be able to
+    /// run side by side. A hash of the start, not a draw, so the seed's other parameters stay
+    /// what they were.
     pub fn lease_reads_at_start(&self, seed: u64, id: u64, restarts: u64) -> bool {
         if !self.lease_reads {
             return false;
