@@ -608,8 +608,36 @@ impl Paused {
             .status()
             .expect("run kill");
         assert!(stopped.success(), "SIGSTOP {pid}");
+        // kill(2) returns once the signal is queued; a thread that is running stops a moment
+        // later. Tests count on nothing being handled after this returns, so wait until every
+        // thread of the process is stopped.
+        let started = Instant::now();
+        while !all_threads_stopped(pid) {
+            assert!(
+                started.elapsed() < Duration::from_secs(5),
+                "process {pid} did not stop within 5 s of SIGSTOP"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
         Paused(pid)
     }
+}
+
+/// Whether every thread of process `pid` is stopped (state `T` in `/proc`). A thread that
+/// has exited meanwhile is not in the way.
+fn all_threads_stopped(pid: u32) -> bool {
+    let Ok(threads) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return false;
+    };
+    threads.flatten().all(|thread| {
+        let Ok(stat) = std::fs::read_to_string(thread.path().join("stat")) else {
+            return true;
+        };
+        // The state follows the command name, which is in parentheses and may hold spaces.
+        stat.rsplit_once(')')
+            .and_then(|(_, rest)| rest.trim_start().chars().next())
+            .is_some_and(|state| state == 'T' || state == 't')
+    })
 }
 
 impl Drop for Paused {
