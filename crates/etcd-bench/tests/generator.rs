@@ -8,7 +8,7 @@ use std::net::{SocketAddr, TcpStream};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
-use common::{floor, free_addr, logged_records, scratch_dir};
+use common::{floor, logged_records, scratch_dir};
 
 /// How long put-floor's leader may take to listen.
 const START_WAIT: Duration = Duration::from_secs(20);
@@ -90,8 +90,10 @@ fn a_thread_count_out_of_range_is_refused() {
 
 #[test]
 fn an_unreachable_endpoint_is_one_sentence() {
-    // A port nobody listens on: bound once for a free number, then released.
-    let closed = free_addr().to_string();
+    // Port 1 (tcpmux) below the ephemeral range: no other test's server is handed it, and
+    // the client's own source port cannot be it (a port freed for this test was once taken
+    // by a concurrent test's server, which then answered).
+    let closed = "127.0.0.1:1".to_string();
     let output = bench(&["--endpoints", &closed, "--op", "put", "--duration", "100ms"]);
     assert!(!output.status.success(), "a run without a server succeeded");
     let stderr = String::from_utf8_lossy(&output.stderr);
