@@ -265,3 +265,32 @@ async fn queue_depth_follows_pushes_and_claims() {
         assert_eq!(metric(&cluster, id, "conclave_queues").await, 1.0);
     }
 }
+
+/// `conclave_election_leader_changes_total{group}` counts every new leader of a priority
+/// election group, on every member, as the member applies the election.
+#[tokio::test(flavor = "multi_thread")]
+async fn election_leader_changes_are_counted_per_group_on_every_member() {
+    let cluster = Cluster::start(3).await;
+    cluster.wait_for_leader(SETTLE).await;
+    // Each campaign wins the empty group, runs `true` and resigns.
+    let campaign = |candidate: &str| {
+        let output = std::process::Command::new(env!("CARGO_BIN_EXE_conclave"))
+            .args(["--json", "--endpoints", &cluster.endpoints()])
+            .args(["elect", "campaign", "workers", "--id", candidate])
+            .args(["--priority", "1", "--", "true"])
+            .output()
+            .expect("run conclave");
+        assert!(output.status.success(), "{candidate}: {output:?}");
+    };
+    campaign("a");
+    campaign("b");
+    for id in 1..=3 {
+        wait_metric(
+            &cluster,
+            id,
+            "conclave_election_leader_changes_total{group=\"workers\"}",
+            |v| v == 2.0,
+        )
+        .await;
+    }
+}

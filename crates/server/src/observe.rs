@@ -14,8 +14,7 @@ use std::time::{Duration, Instant};
 use conclave_proto::etcdserverpb::StatusRequest;
 use conclave_proto::etcdserverpb::maintenance_client::MaintenanceClient;
 use conclave_raft::{NodeId, Role};
-use conclave_state::election::ElectionEventKind;
-use conclave_state::{Event, LeaseResume, RESERVED_PREFIX, RangeRequest};
+use conclave_state::{LeaseResume, RESERVED_PREFIX, RangeRequest};
 use serde_json::{Value, json};
 use tokio::sync::{broadcast, watch};
 use tonic::transport::{Channel, Endpoint};
@@ -84,27 +83,6 @@ fn lock_queues_capped(api: &Api) -> (Vec<LockQueue>, bool) {
         })
         .collect();
     (queues, answer.more)
-}
-
-/// Counts new leaders of priority election groups from the applied events, for
-/// `conclave_election_leader_changes_total{group}`.
-pub async fn count_election_changes(api: Arc<Api>) {
-    let mut events = api.node.events.subscribe();
-    loop {
-        match events.recv().await {
-            Ok(batch) => {
-                for event in batch.events.iter() {
-                    if let Event::Election(event) = event
-                        && matches!(event.kind, ElectionEventKind::Elected { .. })
-                    {
-                        api.node.metrics().election_leader_changed(&event.group);
-                    }
-                }
-            }
-            Err(broadcast::error::RecvError::Lagged(_)) => continue,
-            Err(broadcast::error::RecvError::Closed) => return,
-        }
-    }
 }
 
 /// One put-rate sample for the chart.

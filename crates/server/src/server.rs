@@ -158,7 +158,6 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> Re
             let _ = metrics_stopped.await;
         }));
     }
-    tokio::spawn(crate::observe::count_election_changes(api.clone()));
     let (stop_grpc, grpc_stopped) = oneshot::channel::<()>();
     let caps = &config.client_limits;
     let keepalive_ms = CLIENT_KEEPALIVE_INTERVAL_MS.min((caps.client_idle_timeout_ms / 3).max(1));

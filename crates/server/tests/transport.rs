@@ -36,9 +36,18 @@ impl Listener {
     }
 
     async fn start_with(config: TransportConfig, address: &str) -> Listener {
+        Listener::start_with_capacity(config, address, 1024).await
+    }
+
+    /// A listener that stops reading its sockets once `capacity` messages wait unreceived.
+    async fn start_with_capacity(
+        config: TransportConfig,
+        address: &str,
+        capacity: usize,
+    ) -> Listener {
         let listener = bind_peer_listener(address).await.expect("loopback binds");
         let address = listener.local_addr().expect("bound socket has an address");
-        let (sender, inbound) = mpsc::channel(1024);
+        let (sender, inbound) = mpsc::channel(capacity);
         let (stop, stopped) = oneshot::channel::<()>();
         let state = PeerListenerState::new();
         let task = tokio::spawn(serve_peers_with(
@@ -194,6 +203,99 @@ async fn many_messages_arrive_in_order_and_intact() {
     assert_eq!(stats.sent_messages, COUNT);
     assert_eq!(stats.connections, 1);
     assert!(stats.connected);
+    listener.stop().await;
+}
+
+/// An append from node 1 to node 2 with one entry of `bytes` bytes, tagged with `seq`.
+fn large_append(seq: u64, bytes: usize) -> Message {
+    let mut data = vec![(seq % 251) as u8; bytes];
+    data[..8].copy_from_slice(&seq.to_be_bytes());
+    Message {
+        from: 1,
+        to: 2,
+        term: 2,
+        body: MessageBody::Append {
+            prev_index: seq,
+            prev_term: 2,
+            entries: vec![Entry {
+                term: 2,
+                index: seq + 1,
+                kind: EntryKind::Normal,
+                data: Bytes::from(data),
+            }],
+            commit: seq,
+        },
+    }
+}
+
+/// With nothing queued, the sender writes a message to the socket itself. A socket too full
+/// to take all of one leaves the rest to the link's task, and everything sent after it waits
+/// in the queue behind it: every message still arrives whole and in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn direct_writes_that_fill_the_socket_leave_the_rest_to_the_link_in_order() {
+    // The listener stops reading after two unreceived messages, so the socket fills.
+    let mut listener =
+        Listener::start_with_capacity(TransportConfig::new(CLUSTER_ID, 2), "127.0.0.1:0", 2).await;
+    let mut transport =
+        PeerTransport::new(TransportConfig::new(CLUSTER_ID, 1)).expect("valid config");
+    transport
+        .add_peer(2, listener.address.to_string())
+        .expect("valid peer");
+    // The link's first write opens the direct lane.
+    send_all(&transport, [large_append(0, 100)]).await;
+    assert_eq!(listener.receive().await.1, large_append(0, 100));
+    wait_until(|| transport.peer_stats(2).is_some_and(|s| s.sent_messages == 1)).await;
+
+    // The receiver drains in spurts while the sender goes on, so the link's task finishes
+    // tails and queued messages while new messages look for the direct lane.
+    const COUNT: u64 = 2_000;
+    const ENTRY_BYTES: usize = 48 * 1024;
+    let receiver = tokio::spawn(async move {
+        for seq in 1..=COUNT {
+            let (from, message) = listener.receive().await;
+            assert_eq!(from, 1);
+            assert!(
+                message == large_append(seq, ENTRY_BYTES),
+                "message {seq} arrived out of order or damaged"
+            );
+            if seq % 64 == 0 {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        }
+        listener
+    });
+    for seq in 1..=COUNT {
+        // A receiver that saw a message out of order has stopped reading: stop sending.
+        while !receiver.is_finished() {
+            match transport.send(large_append(seq, ENTRY_BYTES)) {
+                Ok(()) => break,
+                Err(Error::PeerQueueFull { .. }) => {
+                    tokio::time::sleep(Duration::from_millis(1)).await
+                }
+                Err(other) => panic!("unexpected send error: {other}"),
+            }
+        }
+        if seq % 8 == 0 {
+            tokio::task::yield_now().await;
+        }
+    }
+    let listener = receiver.await.expect("every message arrives whole and in order");
+    let stats = transport.peer_stats(2).expect("peer 2 was added");
+    assert!(stats.direct_messages > 0, "no message took the direct lane: {stats:?}");
+    assert!(stats.direct_tails > 0, "the socket never filled: {stats:?}");
+    assert!(
+        stats.direct_messages < COUNT,
+        "no message waited in the queue: {stats:?}"
+    );
+    assert_eq!(stats.dropped_messages, 0);
+    wait_until(|| {
+        transport
+            .peer_stats(2)
+            .is_some_and(|s| s.sent_messages == COUNT + 1 && s.queued_messages == 0)
+    })
+    .await;
+    let stats = transport.peer_stats(2).expect("peer 2 was added");
+    assert_eq!(stats.connections, 1, "the stream stayed whole: {stats:?}");
     listener.stop().await;
 }
 

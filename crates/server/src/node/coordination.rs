@@ -286,6 +286,7 @@ pub fn spawn(
     let duties = CoordinationDuties {
         leader: LeaderDuties::new(&state_config),
         events: events.clone(),
+        metrics: None,
     };
     let machine = StateMachine::new(state_config);
     let (node, thread) = driver::spawn(config, machine, duties, transport, inbound, shutdown)?;
@@ -303,6 +304,10 @@ pub fn spawn(
 struct CoordinationDuties {
     leader: LeaderDuties,
     events: broadcast::Sender<AppliedEvents>,
+    /// For `conclave_election_leader_changes_total{group}`, counted here as the events are
+    /// applied: a task counting them from the broadcast woke on every applied batch, a
+    /// wake-up per write on every member.
+    metrics: Option<std::sync::Arc<crate::metrics::NodeMetrics>>,
 }
 
 impl Duties<StateMachine, WalStorage> for CoordinationDuties {
@@ -318,6 +323,18 @@ impl Duties<StateMachine, WalStorage> for CoordinationDuties {
         let Some((revision, events)) = self.leader.take_events() else {
             return;
         };
+        if let Some(metrics) = &self.metrics {
+            for event in &events {
+                if let conclave_state::Event::Election(event) = event
+                    && matches!(
+                        event.kind,
+                        conclave_state::ElectionEventKind::Elected { .. }
+                    )
+                {
+                    metrics.election_leader_changed(&event.group);
+                }
+            }
+        }
         // No receiver is fine: nobody watches.
         let _ = self.events.send(AppliedEvents {
             revision,
@@ -339,6 +356,10 @@ impl Duties<StateMachine, WalStorage> for CoordinationDuties {
 
 impl ShellDuties<StateMachine> for CoordinationDuties {
     type Request = LeaseRequest;
+
+    fn attach_metrics(&mut self, metrics: &std::sync::Arc<crate::metrics::NodeMetrics>) {
+        self.metrics = Some(metrics.clone());
+    }
 
     fn request(
         &mut self,

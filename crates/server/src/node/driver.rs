@@ -12,7 +12,7 @@ use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use conclave_raft::{
-    ConfChangeStep, ConfState, Config as RaftConfig, Message, NodeId, RawNode, Storage,
+    ConfChangeStep, ConfState, Config as RaftConfig, Message, MessageBody, NodeId, RawNode, Storage,
 };
 use conclave_storage::{OsDisk, RecoveryReport, StorageOptions, SyncedPieceWriter, WalStorage};
 use tokio::sync::{mpsc, oneshot, watch};
@@ -139,6 +139,10 @@ pub(crate) trait ShellDuties<M: ReplicatedMachine>:
         waiters: &mut Waiters<M::Output>,
         request: Self::Request,
     );
+
+    /// Hands over the node's metrics, once, before the driver runs: duties that count what
+    /// they apply do it on the driver's thread instead of waking a task per applied batch.
+    fn attach_metrics(&mut self, _metrics: &Arc<NodeMetrics>) {}
 }
 
 /// Who waits for a settled proposal: a machine command wants its output; a new member's
@@ -420,6 +424,8 @@ struct SnapshotWritten {
 struct Shell<O> {
     config: ServerConfig,
     transport: PeerTransport,
+    /// See [`TransportIo::deferred`]; empty between turns.
+    deferred: Vec<Message>,
     status: watch::Sender<NodeStatus>,
     /// Ends every applied-index wait when the driver goes, however it goes.
     applied_waits: StopWaitsOnDrop,
@@ -447,6 +453,10 @@ const LATE_HEARTBEAT_WARN_INTERVAL_MS: u64 = 10_000;
 /// and apply steps for the metrics.
 struct TransportIo<'a> {
     transport: &'a mut PeerTransport,
+    /// A leader's appends without entries (they carry only the commit index), sent once the
+    /// turn's answers are out: they are on no client's path, and on the direct lane each
+    /// costs the driver a system call before it applies and answers.
+    deferred: &'a mut Vec<Message>,
     metrics: &'a NodeMetrics,
     fsync_warn_ms: u64,
     step_started: Option<Instant>,
@@ -454,6 +464,10 @@ struct TransportIo<'a> {
 
 impl ReadyIo for TransportIo<'_> {
     fn send(&mut self, message: Message) {
+        if matches!(&message.body, MessageBody::Append { entries, .. } if entries.is_empty()) {
+            self.deferred.push(message);
+            return;
+        }
         if let Err(error) = self.transport.send(message) {
             tracing::debug!(%error, "peer message not sent");
         }
@@ -549,7 +563,10 @@ pub(crate) fn spawn<M: ReplicatedMachine, D: ShellDuties<M>>(
     )
     .with_snapshot_image_bytes(snapshot_bytes);
     let metrics = Arc::new(NodeMetrics::default());
+    let mut duties = duties;
+    duties.attach_metrics(&metrics);
     let shell = Shell {
+        deferred: Vec::new(),
         metrics: metrics.clone(),
         last_leader: None,
         late_warned: None,
@@ -752,6 +769,7 @@ impl<M: ReplicatedMachine, D: ShellDuties<M>> Driver<M, D> {
             self.core.set_time(now_ms());
             let mut io = TransportIo {
                 transport: &mut self.shell.transport,
+                deferred: &mut self.shell.deferred,
                 metrics: &self.shell.metrics,
                 fsync_warn_ms: self.shell.config.wal_fsync_warn_ms,
                 step_started: None,
@@ -759,6 +777,11 @@ impl<M: ReplicatedMachine, D: ShellDuties<M>> Driver<M, D> {
             let end = self.core.turn(&mut self.duties, &mut io)?;
             debug_assert_eq!(end, TurnEnd::Done, "the transport never stops the core");
             self.deliver_outputs();
+            for message in self.shell.deferred.drain(..) {
+                if let Err(error) = self.shell.transport.send(message) {
+                    tracing::debug!(%error, "peer message not sent");
+                }
+            }
             self.maybe_snapshot()?;
             self.publish_status();
             if let Some(since) = stopping_since {

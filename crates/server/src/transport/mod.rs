@@ -117,6 +117,10 @@ pub struct TransportConfig {
     /// Mutual TLS on the peer port (`--peer-cert-file ...`); `None` is plaintext. The HMAC
     /// handshake runs either way, inside TLS when it is on.
     pub tls: Option<std::sync::Arc<PeerTls>>,
+    /// Lets the Raft driver write a message straight to a plain-TCP link's socket when
+    /// nothing is queued ahead of it (see `outbound.rs`, `DirectLane`), instead of handing
+    /// every message to the link's task.
+    pub direct_writes: bool,
 }
 
 impl TransportConfig {
@@ -148,6 +152,7 @@ impl TransportConfig {
             vote_withheld_ms: 0,
             lease_read_ms: 0,
             tls: None,
+            direct_writes: true,
         }
     }
 

@@ -5,11 +5,16 @@
 //!                 (never blocks;  (messages and   (connect, handshake,
 //!                  full: drop      bytes bounded)  batch-encode, write;
 //!                  newest)                         on error: back off, reconnect)
+//!        │                                            ▲
+//!        └── direct lane: a plain-TCP link with nothing queued or being written takes the
+//!            driver's message in one non-blocking write on the driver's own thread; what
+//!            the socket does not take is left for the peer task to finish first
 //! ```
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, RwLock};
+use std::io::Write as _;
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
 use conclave_raft::{Message, MessageBody, NodeId};
@@ -30,6 +35,10 @@ use crate::error::Error;
 /// Messages taken from the queue in one go; they are encoded into one buffer and written with
 /// as few system calls as the batch byte limit allows.
 const BATCH_MESSAGES_MAX: usize = 256;
+
+/// Messages estimated larger than this always go through the queue, so the driver never
+/// spends its turn encoding a snapshot chunk or a long catch-up append.
+pub const DIRECT_WRITE_BYTES_MAX: u64 = 64 * 1024;
 
 /// Sends Raft messages to the other members.
 ///
@@ -55,7 +64,78 @@ struct Peer {
     address: String,
     queue: mpsc::Sender<Outgoing>,
     counters: Arc<PeerCounters>,
+    lane: Arc<DirectLane>,
     task: JoinHandle<()>,
+}
+
+/// The driver's own way onto a peer's socket.
+///
+/// A put at one client crosses threads at every step: the driver queues its appends, the
+/// async worker wakes to write them, and on a machine with few CPUs that wake-up can come
+/// after the driver's own fsync instead of during it. When the link is plain TCP, connected,
+/// and nothing is queued or being written, the driver writes the message itself with one
+/// non-blocking `write` on a duplicate of the socket's descriptor. Writes never interleave:
+/// the driver writes only while holding the lock and only while `pump_writing` is false, and
+/// the peer task sets `pump_writing` under the lock before any write of its own and clears it
+/// only when the queue is empty. Raft messages are queued under the same lock, so none is
+/// written directly ahead of an older one still queued.
+#[derive(Default)]
+struct DirectLane {
+    state: Mutex<LaneState>,
+    /// Wakes the peer task when a direct write left a tail for it.
+    tail_left: Notify,
+}
+
+#[derive(Default)]
+struct LaneState {
+    /// A duplicate of the connected socket, when the link is plain TCP and up.
+    socket: Option<std::net::TcpStream>,
+    /// The peer task has bytes to write, or is writing; the driver queues.
+    pump_writing: bool,
+    /// What a direct write left unwritten of its frame: the next bytes on the stream.
+    tail: Vec<u8>,
+    /// Reused for encoding direct writes.
+    buffer: Vec<u8>,
+}
+
+impl DirectLane {
+    fn lock(&self) -> MutexGuard<'_, LaneState> {
+        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// The peer task is about to write: from now on the driver queues. Returns the tail a
+    /// direct write left, which must be written before anything else.
+    fn begin_pump_write(&self) -> Vec<u8> {
+        let mut state = self.lock();
+        state.pump_writing = true;
+        std::mem::take(&mut state.tail)
+    }
+
+    /// The peer task wrote what it had; the driver may write directly again once the queue
+    /// is empty (checked under the lock the driver queues under).
+    fn end_pump_write(&self, queue: &mpsc::Receiver<Outgoing>) {
+        let mut state = self.lock();
+        if queue.is_empty() && state.tail.is_empty() {
+            state.pump_writing = false;
+        }
+    }
+
+    /// A new connection: direct writes go to `socket` (`None` for TLS) once the queue drains.
+    fn connected(&self, socket: Option<std::net::TcpStream>) {
+        let mut state = self.lock();
+        state.socket = socket;
+        state.pump_writing = true;
+        state.tail.clear();
+    }
+
+    /// The connection ended: drop the duplicate, so the socket really closes, and whatever
+    /// frame was half-written on it.
+    fn disconnected(&self) {
+        let mut state = self.lock();
+        state.socket = None;
+        state.pump_writing = true;
+        state.tail.clear();
+    }
 }
 
 #[derive(Clone)]
@@ -158,6 +238,8 @@ struct PeerCounters {
     sent_bytes: AtomicU64,
     sent_writes: AtomicU64,
     dropped_messages: AtomicU64,
+    direct_messages: AtomicU64,
+    direct_tails: AtomicU64,
     connections: AtomicU64,
     connected: AtomicBool,
     /// Moves on every failed connect and lost connection; see [`PeerCalls::link_failed`].
@@ -190,6 +272,11 @@ pub struct PeerStats {
     pub sent_writes: u64,
     /// Messages dropped because the queue was full or the message was too large.
     pub dropped_messages: u64,
+    /// Messages the sender wrote to the socket itself (see `TransportConfig::direct_writes`);
+    /// also counted in `sent_messages`.
+    pub direct_messages: u64,
+    /// Direct writes the socket took only part of, finished by the link's task.
+    pub direct_tails: u64,
     /// Successful handshakes so far; more than one means reconnects.
     pub connections: u64,
 }
@@ -234,11 +321,13 @@ impl PeerTransport {
         self.remove_peer(peer);
         let (queue, receiver) = mpsc::channel(self.config.queue_messages_max);
         let counters = Arc::new(PeerCounters::default());
+        let lane = Arc::new(DirectLane::default());
         let link = PeerLink {
             config: Arc::clone(&self.config),
             peer,
             address: address.clone(),
             counters: Arc::clone(&counters),
+            lane: Arc::clone(&lane),
         };
         let task = tokio::spawn(link.run(receiver));
         self.call_queues
@@ -257,6 +346,7 @@ impl PeerTransport {
                 address,
                 queue,
                 counters,
+                lane,
                 task,
             },
         );
@@ -298,6 +388,15 @@ impl PeerTransport {
             return Err(Error::UnknownPeer { peer: peer_id });
         };
         let estimate_bytes = estimated_size_bytes(&message);
+        // Held until the message is written or queued; see `DirectLane`.
+        let mut lane = peer.lane.lock();
+        if self.config.direct_writes
+            && !lane.pump_writing
+            && estimate_bytes <= DIRECT_WRITE_BYTES_MAX
+            && lane.socket.is_some()
+        {
+            return write_direct(&mut lane, &peer.lane, &peer.counters, message);
+        }
         let queued_before = peer
             .counters
             .queued_bytes
@@ -315,6 +414,7 @@ impl PeerTransport {
                 .fetch_add(1, Ordering::Relaxed);
             return Err(Error::PeerQueueFull { peer: peer_id });
         }
+        drop(lane);
         Ok(())
     }
 
@@ -331,6 +431,8 @@ impl PeerTransport {
             sent_bytes: counters.sent_bytes.load(Ordering::Relaxed),
             sent_writes: counters.sent_writes.load(Ordering::Relaxed),
             dropped_messages: counters.dropped_messages.load(Ordering::Relaxed),
+            direct_messages: counters.direct_messages.load(Ordering::Relaxed),
+            direct_tails: counters.direct_tails.load(Ordering::Relaxed),
             connections: counters.connections.load(Ordering::Relaxed),
         })
     }
@@ -343,6 +445,64 @@ impl Drop for PeerTransport {
             peer.counters.link_failed();
         }
     }
+}
+
+/// Writes `message` on the driver's thread (see [`DirectLane`]). Whatever the socket does not
+/// take at once is left as the lane's tail for the peer task, which writes it before anything
+/// else; a socket error drops the message (the peer task sees the connection fail and
+/// reconnects, and Raft sends again what was lost).
+fn write_direct(
+    lane: &mut LaneState,
+    wake: &DirectLane,
+    counters: &PeerCounters,
+    message: Message,
+) -> Result<(), Error> {
+    let LaneState {
+        socket: Some(socket),
+        pump_writing,
+        tail,
+        buffer,
+    } = lane
+    else {
+        unreachable!("checked by the caller");
+    };
+    buffer.clear();
+    if let Err(error) = frame::encode_message(&message, buffer) {
+        counters.dropped_messages.fetch_add(1, Ordering::Relaxed);
+        warn!(peer = message.to, kind = message.body.name(), %error, "dropping message");
+        return Ok(());
+    }
+    let mut written = 0;
+    while written < buffer.len() {
+        match socket.write(&buffer[written..]) {
+            Ok(0) => break,
+            Ok(n) => written += n,
+            Err(error) if error.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => break,
+            Err(error) => {
+                counters.dropped_messages.fetch_add(1, Ordering::Relaxed);
+                if written > 0 {
+                    // Half a frame is on the wire and the rest cannot follow: the stream is
+                    // unusable, and the peer task must reconnect.
+                    let _ = socket.shutdown(std::net::Shutdown::Both);
+                }
+                return Err(Error::PeerIo(error));
+            }
+        }
+    }
+    counters.sent_messages.fetch_add(1, Ordering::Relaxed);
+    counters.direct_messages.fetch_add(1, Ordering::Relaxed);
+    counters.sent_writes.fetch_add(1, Ordering::Relaxed);
+    counters
+        .sent_bytes
+        .fetch_add(buffer.len() as u64, Ordering::Relaxed);
+    if written < buffer.len() {
+        counters.direct_tails.fetch_add(1, Ordering::Relaxed);
+        tail.extend_from_slice(&buffer[written..]);
+        *pump_writing = true;
+        wake.tail_left.notify_one();
+    }
+    Ok(())
 }
 
 /// What a queued message is charged against the byte bound: its payload plus a fixed
@@ -384,6 +544,7 @@ struct PeerLink {
     peer: NodeId,
     address: String,
     counters: Arc<PeerCounters>,
+    lane: Arc<DirectLane>,
 }
 
 impl PeerLink {
@@ -391,8 +552,8 @@ impl PeerLink {
         let mut backoff_ms = self.config.reconnect_backoff_initial_ms;
         let mut failures_in_row = 0u64;
         loop {
-            let stream = match self.connect().await {
-                Ok(stream) => stream,
+            let (stream, direct) = match self.connect().await {
+                Ok(connected) => connected,
                 Err(error) => {
                     failures_in_row += 1;
                     self.counters.link_failed();
@@ -416,7 +577,9 @@ impl PeerLink {
             self.counters.connections.fetch_add(1, Ordering::Relaxed);
             self.counters.connected.store(true, Ordering::Relaxed);
             let connected_at = Instant::now();
+            self.lane.connected(direct);
             let outcome = self.pump(stream, &mut queue).await;
+            self.lane.disconnected();
             self.counters.connected.store(false, Ordering::Relaxed);
             self.counters.link_failed();
             match outcome {
@@ -436,8 +599,9 @@ impl PeerLink {
         }
     }
 
-    /// Opens a connection and completes the handshake.
-    async fn connect(&self) -> Result<PeerStream, Error> {
+    /// Opens a connection and completes the handshake. With plain TCP, also returns a
+    /// duplicate of the socket for the driver's direct writes.
+    async fn connect(&self) -> Result<(PeerStream, Option<std::net::TcpStream>), Error> {
         let timeout = Duration::from_millis(self.config.connect_timeout_ms);
         let stream = tokio::time::timeout(timeout, TcpStream::connect(&self.address))
             .await
@@ -453,11 +617,17 @@ impl PeerLink {
         let timed_out = |_| Error::HandshakeTimeout {
             timeout_ms: self.config.handshake_timeout_ms,
         };
-        let mut stream: PeerStream = match &self.config.tls {
-            Some(tls) => tokio::time::timeout(handshake_timeout, tls.connect(self.peer, stream))
-                .await
-                .map_err(timed_out)??,
-            None => Box::new(stream),
+        let (mut stream, direct): (PeerStream, _) = match &self.config.tls {
+            Some(tls) => (
+                tokio::time::timeout(handshake_timeout, tls.connect(self.peer, stream))
+                    .await
+                    .map_err(timed_out)??,
+                None,
+            ),
+            None => {
+                let direct = duplicate_socket(&stream)?;
+                (Box::new(stream), direct)
+            }
         };
         let dialer_nonce = auth::new_nonce()?;
         let hello = Hello {
@@ -479,7 +649,7 @@ impl PeerLink {
         )
         .await
         .map_err(timed_out)??;
-        Ok(stream)
+        Ok((stream, direct))
     }
 
     /// The dialer's side of the handshake after its Hello: check the listener's proof, send
@@ -569,15 +739,27 @@ impl PeerLink {
                     if batch.iter().any(|outgoing| matches!(outgoing, Outgoing::Call { .. })) {
                         gather_same_turn(queue, &mut batch).await;
                     }
+                    let tail = self.lane.begin_pump_write();
+                    write_half.write_all(&tail).await?;
                     self.write_batch(&mut batch, &mut buffer, &mut write_half).await?;
+                    self.lane.end_pump_write(queue);
                     keepalive_due.as_mut().reset(tokio::time::Instant::now() + keepalive_interval);
                 }
+                () = self.lane.tail_left.notified() => {
+                    let tail = self.lane.begin_pump_write();
+                    write_half.write_all(&tail).await?;
+                    write_half.flush().await?;
+                    self.lane.end_pump_write(queue);
+                }
                 () = &mut keepalive_due => {
+                    let tail = self.lane.begin_pump_write();
+                    write_half.write_all(&tail).await?;
                     buffer.clear();
                     frame::encode_frame(&Frame::Keepalive, &mut buffer)?;
                     write_half.write_all(&buffer).await?;
                     write_half.flush().await?;
                     buffer.clear();
+                    self.lane.end_pump_write(queue);
                     keepalive_due.as_mut().reset(tokio::time::Instant::now() + keepalive_interval);
                 }
                 // The listener never talks after the handshake, so any readiness here is the
@@ -674,6 +856,20 @@ async fn gather_same_turn(queue: &mut mpsc::Receiver<Outgoing>, batch: &mut Vec<
             Err(_) => break,
         }
     }
+}
+
+/// A second descriptor for the same socket (it shares the socket's non-blocking mode), for
+/// the driver's direct writes. `None` where descriptors cannot be duplicated this way.
+#[cfg(unix)]
+fn duplicate_socket(stream: &TcpStream) -> Result<Option<std::net::TcpStream>, Error> {
+    use std::os::fd::AsFd;
+    let duplicate = stream.as_fd().try_clone_to_owned()?;
+    Ok(Some(std::net::TcpStream::from(duplicate)))
+}
+
+#[cfg(not(unix))]
+fn duplicate_socket(_stream: &TcpStream) -> Result<Option<std::net::TcpStream>, Error> {
+    Ok(None)
 }
 
 /// Resolves when the read half reports end of stream, an error, or unexpected bytes.
