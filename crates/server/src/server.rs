@@ -99,6 +99,17 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> Re
     let (stop_peers, peers_stopped) = oneshot::channel::<()>();
     let listener_state = PeerListenerState::new();
     let announced = listener_state.announced();
+
+    let (calls_sender, calls_inbound) =
+        mpsc::channel(crate::api::peer_calls::PEER_CALLS_QUEUED_MAX);
+    listener_state.take_calls_into(calls_sender);
+    let peer_calls = transport.calls();
+
+    let (stop_driver, driver_stopped) = oneshot::channel();
+    let (handle, driver) = node::spawn(config.clone(), transport, inbound, driver_stopped)?;
+    // Before the listener accepts anything, so every plain-TCP peer connection is read on
+    // the driver's thread.
+    listener_state.receive_on(handle.driver_runtime());
     let peers = tokio::spawn(serve_peers_with(
         peer_listener,
         transport_config,
@@ -108,14 +119,6 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> Re
             let _ = peers_stopped.await;
         },
     ));
-
-    let (calls_sender, calls_inbound) =
-        mpsc::channel(crate::api::peer_calls::PEER_CALLS_QUEUED_MAX);
-    listener_state.take_calls_into(calls_sender);
-    let peer_calls = transport.calls();
-
-    let (stop_driver, driver_stopped) = oneshot::channel();
-    let (handle, driver) = node::spawn(config.clone(), transport, inbound, driver_stopped)?;
     let mut driver = tokio::task::spawn_blocking(move || {
         driver
             .join()

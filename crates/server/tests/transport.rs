@@ -45,11 +45,19 @@ impl Listener {
         address: &str,
         capacity: usize,
     ) -> Listener {
+        Listener::start_with_state(config, address, capacity, PeerListenerState::new()).await
+    }
+
+    async fn start_with_state(
+        config: TransportConfig,
+        address: &str,
+        capacity: usize,
+        state: Arc<PeerListenerState>,
+    ) -> Listener {
         let listener = bind_peer_listener(address).await.expect("loopback binds");
         let address = listener.local_addr().expect("bound socket has an address");
         let (sender, inbound) = mpsc::channel(capacity);
         let (stop, stopped) = oneshot::channel::<()>();
-        let state = PeerListenerState::new();
         let task = tokio::spawn(serve_peers_with(
             listener,
             config,
@@ -297,6 +305,55 @@ async fn direct_writes_that_fill_the_socket_leave_the_rest_to_the_link_in_order(
     let stats = transport.peer_stats(2).expect("peer 2 was added");
     assert_eq!(stats.connections, 1, "the stream stayed whole: {stats:?}");
     listener.stop().await;
+}
+
+/// Given a runtime (a server gives its Raft driver's), the listener reads plain-TCP
+/// connections in tasks of that runtime, and their messages arrive as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_are_read_on_the_runtime_given_to_the_listener() {
+    let (runtime_sender, runtime_receiver) = std::sync::mpsc::channel();
+    let (stop_reader, reader_stopped) = oneshot::channel::<()>();
+    let reader_thread = std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("a runtime builds");
+        runtime_sender
+            .send(runtime.handle().clone())
+            .expect("the test waits for the handle");
+        runtime.block_on(async {
+            let _ = reader_stopped.await;
+        });
+    });
+    let reader = runtime_receiver.recv().expect("the reader runtime starts");
+    let state = PeerListenerState::new();
+    state.receive_on(reader.clone());
+    let mut listener = Listener::start_with_state(
+        TransportConfig::new(CLUSTER_ID, 2),
+        "127.0.0.1:0",
+        1024,
+        state,
+    )
+    .await;
+    assert_eq!(reader.metrics().num_alive_tasks(), 0);
+    let mut transport =
+        PeerTransport::new(TransportConfig::new(CLUSTER_ID, 1)).expect("valid config");
+    transport
+        .add_peer(2, listener.address.to_string())
+        .expect("valid peer");
+    send_all(&transport, (0..200).map(sample_message)).await;
+    for seq in 0..200 {
+        assert_eq!(listener.receive().await, (1, sample_message(seq)));
+    }
+    assert_eq!(
+        reader.metrics().num_alive_tasks(),
+        1,
+        "the connection is not read on the given runtime"
+    );
+    drop(transport);
+    listener.stop().await;
+    let _ = stop_reader.send(());
+    reader_thread.join().expect("the reader thread ends");
 }
 
 /// Transports for nodes 1 and 2, each with the other's listener as its peer.

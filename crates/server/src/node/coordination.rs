@@ -149,6 +149,11 @@ impl NodeHandle {
         &self.node.metrics
     }
 
+    /// The Raft driver thread's runtime (see `PeerListenerState::receive_on`).
+    pub fn driver_runtime(&self) -> tokio::runtime::Handle {
+        self.node.driver_runtime.clone()
+    }
+
     /// A shared handle on the same metrics, for layers that outlive one call.
     pub fn metrics_arc(&self) -> std::sync::Arc<crate::metrics::NodeMetrics> {
         self.node.metrics.clone()

@@ -237,6 +237,9 @@ pub(crate) struct Handle<M: ReplicatedMachine, R> {
     pub applied_waits: Arc<AppliedWaits>,
     /// The applied state. The driver holds the write lock only while applying a batch.
     pub machine: Arc<RwLock<M>>,
+    /// The driver thread's runtime: tasks spawned on it run on the driver's thread, between
+    /// its turns (the peer listener reads connections there).
+    pub driver_runtime: tokio::runtime::Handle,
 }
 
 impl<M: ReplicatedMachine, R> Clone for Handle<M, R> {
@@ -247,6 +250,7 @@ impl<M: ReplicatedMachine, R> Clone for Handle<M, R> {
             status: self.status.clone(),
             applied_waits: self.applied_waits.clone(),
             machine: self.machine.clone(),
+            driver_runtime: self.driver_runtime.clone(),
         }
     }
 }
@@ -588,13 +592,16 @@ pub(crate) fn spawn<M: ReplicatedMachine, D: ShellDuties<M>>(
     };
     driver.sync_peers();
     driver.publish_status();
+    // Built here so that its handle can be given out before the thread runs: the peer
+    // listener reads plain-TCP connections on it (`PeerListenerState::receive_on`).
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| Error::RaftStart(format!("driver runtime: {e}")))?;
+    let driver_runtime = runtime.handle().clone();
     let thread = std::thread::Builder::new()
         .name("conclave-raft".into())
         .spawn(move || {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_time()
-                .build()
-                .map_err(|e| Error::RaftStart(format!("driver runtime: {e}")))?;
             let result = runtime.block_on(driver.run(requests, inbound, shutdown));
             let reason = match &result {
                 Ok(()) => String::new(),
@@ -613,6 +620,7 @@ pub(crate) fn spawn<M: ReplicatedMachine, D: ShellDuties<M>>(
         status: status_receiver,
         applied_waits,
         machine,
+        driver_runtime,
     };
     Ok((handle, thread))
 }

@@ -137,6 +137,9 @@ pub struct PeerListenerState {
     message_warns: WarnLimiter,
     /// Where calls and answers go; unset, they are dropped (a node without peer calls).
     calls: std::sync::OnceLock<mpsc::Sender<InboundCall>>,
+    /// The Raft driver's runtime, once it runs: plain-TCP connections accepted from then on
+    /// are read on the driver's own thread (see [`PeerListenerState::receive_on`]).
+    receive_runtime: std::sync::OnceLock<tokio::runtime::Handle>,
 }
 
 impl PeerListenerState {
@@ -147,7 +150,15 @@ impl PeerListenerState {
             handshake_warns: WarnLimiter::new(),
             message_warns: WarnLimiter::new(),
             calls: std::sync::OnceLock::new(),
+            receive_runtime: std::sync::OnceLock::new(),
         })
+    }
+
+    /// Reads plain-TCP connections accepted from now on in `runtime`, the Raft driver's:
+    /// a message then reaches the driver without waking a worker thread to hand it over.
+    /// Connections with TLS stay on the listener's runtime. Only the first runtime set is kept.
+    pub fn receive_on(&self, runtime: tokio::runtime::Handle) {
+        let _ = self.receive_runtime.set(runtime);
     }
 
     /// Sends every call and answer members send here to `sink` from now on. Only the first
@@ -277,11 +288,15 @@ pub async fn serve_peers_with(
             }
             continue;
         };
+        let receive_runtime = match (&config.tls, state.receive_runtime.get()) {
+            (None, Some(runtime)) => Some(runtime.clone()),
+            _ => None,
+        };
         let config = Arc::clone(&config);
         let inbound = inbound.clone();
         let state = Arc::clone(&state);
         let slots = Arc::clone(&slots);
-        connections.spawn(async move {
+        let serve = move |stream: TcpStream| async move {
             let connection = Connection {
                 config: &config,
                 state: &state,
@@ -291,7 +306,31 @@ pub async fn serve_peers_with(
             if let Err(error) = connection.run(stream, handshake_slot, &inbound).await {
                 debug!(%remote, %error, "peer connection closed");
             }
-        });
+        };
+        match receive_runtime {
+            Some(runtime) => {
+                // The socket moves to the driver's reactor: leave this one, join that one.
+                let stream = match stream.into_std() {
+                    Ok(stream) => stream,
+                    Err(error) => {
+                        warn!(%remote, %error, "cannot hand a peer connection to the driver");
+                        continue;
+                    }
+                };
+                connections.spawn_on(
+                    async move {
+                        match TcpStream::from_std(stream) {
+                            Ok(stream) => serve(stream).await,
+                            Err(error) => debug!(%remote, %error, "peer connection closed"),
+                        }
+                    },
+                    &runtime,
+                );
+            }
+            None => {
+                connections.spawn(async move { serve(stream).await });
+            }
+        }
     }
     info!("peer listener stopped");
     connections.shutdown().await;
