@@ -53,18 +53,28 @@ fn elected(process: &Streaming, timeout: Duration) -> (Instant, Value) {
 }
 
 fn wait_candidates(eps: &str, group: &str, n: usize) -> Value {
+    wait_candidates_where(eps, group, n, |_| true)
+}
+
+/// Lists `group` until it has `n` candidates and `settled` holds for the listing.
+fn wait_candidates_where(
+    eps: &str,
+    group: &str,
+    n: usize,
+    settled: impl Fn(&Value) -> bool,
+) -> Value {
     let start = Instant::now();
     loop {
         let run = run(eps, &["elect", "candidates", group, "--json"]);
         if run.code == 0 {
             let data = run.data();
-            if data["candidates"].as_array().map_or(0, Vec::len) >= n {
+            if data["candidates"].as_array().map_or(0, Vec::len) >= n && settled(&data) {
                 return data;
             }
         }
         assert!(
             start.elapsed() < RETRY,
-            "{group}: {n} candidates never registered"
+            "{group}: {n} candidates never registered (or never all showed a keepalive)"
         );
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -94,11 +104,16 @@ async fn kill_9_of_a_leading_campaign_hands_the_seat_over_within_a_second() {
         let (_, leading) = elected(&first, LINE_TIMEOUT);
         assert_eq!(leading["leader"], "first", "{leading}");
         let second = campaign(eps, &group, "second", 10, "10s");
-        let listed = wait_candidates(eps, &group, 2);
-        // Every candidate's keepalive is visible, as an age in ms.
-        for candidate in listed["candidates"].as_array().expect("candidates") {
-            assert!(candidate["keepalive_age_ms"].as_u64().is_some(), "{listed}");
-        }
+        // Every candidate's keepalive becomes visible, as an age in ms. A candidate can be
+        // listed a moment before its first keepalive reaches the leader (its campaign
+        // joins and starts keeping its lease alive at once); its age is null until then.
+        wait_candidates_where(eps, &group, 2, |listed| {
+            listed["candidates"]
+                .as_array()
+                .expect("candidates")
+                .iter()
+                .all(|candidate| candidate["keepalive_age_ms"].as_u64().is_some())
+        });
         let killed = Instant::now();
         first.kill9();
         let (at, next) = elected(&second, Duration::from_secs(15));
