@@ -272,12 +272,16 @@ async fn direct_writes_that_fill_the_socket_leave_the_rest_to_the_link_in_order(
         }
         listener
     });
+    // Sends the queue refused (at its byte bound, behind a slow receiver) and the test
+    // repeated; each is counted as a dropped message.
+    let mut refused = 0;
     for seq in 1..=COUNT {
         // A receiver that saw a message out of order has stopped reading: stop sending.
         while !receiver.is_finished() {
             match transport.send(large_append(seq, ENTRY_BYTES)) {
                 Ok(()) => break,
                 Err(Error::PeerQueueFull { .. }) => {
+                    refused += 1;
                     tokio::time::sleep(Duration::from_millis(1)).await
                 }
                 Err(other) => panic!("unexpected send error: {other}"),
@@ -295,7 +299,7 @@ async fn direct_writes_that_fill_the_socket_leave_the_rest_to_the_link_in_order(
         stats.direct_messages < COUNT,
         "no message waited in the queue: {stats:?}"
     );
-    assert_eq!(stats.dropped_messages, 0);
+    assert_eq!(stats.dropped_messages, refused, "a message was lost: {stats:?}");
     wait_until(|| {
         transport
             .peer_stats(2)
