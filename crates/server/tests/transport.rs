@@ -252,7 +252,12 @@ async fn direct_writes_that_fill_the_socket_leave_the_rest_to_the_link_in_order(
     // The link's first write opens the direct lane.
     send_all(&transport, [large_append(0, 100)]).await;
     assert_eq!(listener.receive().await.1, large_append(0, 100));
-    wait_until(|| transport.peer_stats(2).is_some_and(|s| s.sent_messages == 1)).await;
+    wait_until(|| {
+        transport
+            .peer_stats(2)
+            .is_some_and(|s| s.sent_messages == 1)
+    })
+    .await;
 
     // The receiver drains in spurts while the sender goes on, so the link's task finishes
     // tails and queued messages while new messages look for the direct lane.
@@ -291,15 +296,23 @@ async fn direct_writes_that_fill_the_socket_leave_the_rest_to_the_link_in_order(
             tokio::task::yield_now().await;
         }
     }
-    let listener = receiver.await.expect("every message arrives whole and in order");
+    let listener = receiver
+        .await
+        .expect("every message arrives whole and in order");
     let stats = transport.peer_stats(2).expect("peer 2 was added");
-    assert!(stats.direct_messages > 0, "no message took the direct lane: {stats:?}");
+    assert!(
+        stats.direct_messages > 0,
+        "no message took the direct lane: {stats:?}"
+    );
     assert!(stats.direct_tails > 0, "the socket never filled: {stats:?}");
     assert!(
         stats.direct_messages < COUNT,
         "no message waited in the queue: {stats:?}"
     );
-    assert_eq!(stats.dropped_messages, refused, "a message was lost: {stats:?}");
+    assert_eq!(
+        stats.dropped_messages, refused,
+        "a message was lost: {stats:?}"
+    );
     wait_until(|| {
         transport
             .peer_stats(2)
