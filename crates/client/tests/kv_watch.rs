@@ -223,14 +223,26 @@ async fn reads_fail_over_to_another_member() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_does_not_prefer_the_leader_writes_through_its_member() {
     let cluster = Cluster::start(3);
-    let on_leader = cluster.client().await;
+    // A client that connected while no member knew a leader yet (or just before a second
+    // election of the cluster's first moments) stays where it landed; one that connects
+    // once a leader is known must sit on it. A broken preference fails within the deadline.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    let on_leader = loop {
+        let client = cluster.client().await;
+        let status = client.status().await.expect("status");
+        let header = status.header.expect("a status header");
+        if header.member_id == status.leader {
+            break client;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "a client that prefers the leader sits on it: member {} answered, the leader is {}",
+            header.member_id,
+            status.leader
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
     let leader_endpoint = on_leader.current_endpoint().await.expect("endpoint");
-    let status = on_leader.status().await.expect("status");
-    let header = status.header.expect("a status header");
-    assert_eq!(
-        header.member_id, status.leader,
-        "a client that prefers the leader sits on it"
-    );
     let follower = cluster
         .nodes
         .iter()
