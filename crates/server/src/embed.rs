@@ -59,7 +59,7 @@ use crate::machine::ReplicatedMachine;
 use crate::node::NodeStatus;
 use crate::node::core::Duties;
 use crate::node::driver::{self, Core, Handle, ShellDuties, Waiters};
-use crate::transport::{PeerTransport, bind_peer_listener, serve_peers};
+use crate::transport::{PeerListenerState, PeerTransport, bind_peer_listener, serve_peers_with};
 
 /// The default heartbeat interval (as `conclave serve`'s `--heartbeat-ms`).
 pub const DEFAULT_HEARTBEAT_MS: u64 = 50;
@@ -259,12 +259,22 @@ impl<M: ReplicatedMachine> NodeBuilder<M> {
             driver_stopped,
         )?;
         let (stop_peers, peers_stopped) = oneshot::channel::<()>();
+        // As `serve` does: plain-TCP peer connections are read on the driver's thread, so a
+        // peer's message wakes the driver directly rather than a worker that hands it over.
+        let listener_state = PeerListenerState::new();
+        listener_state.receive_on(handle.driver_runtime.clone());
         let peers = tokio::spawn(async move {
             let stopped = async move {
                 let _ = peers_stopped.await;
             };
-            if let Err(error) =
-                serve_peers(listener, transport_config, inbound_sender, stopped).await
+            if let Err(error) = serve_peers_with(
+                listener,
+                transport_config,
+                inbound_sender,
+                listener_state,
+                stopped,
+            )
+            .await
             {
                 tracing::warn!(%error, "peer listener stopped");
             }
