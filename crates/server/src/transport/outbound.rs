@@ -395,9 +395,20 @@ impl PeerTransport {
         if self.config.direct_writes
             && !lane.pump_writing
             && estimate_bytes <= DIRECT_WRITE_BYTES_MAX
-            && lane.socket.is_some()
+            && let LaneState {
+                socket: Some(socket),
+                pump_writing,
+                tail,
+                buffer,
+            } = &mut *lane
         {
-            return write_direct(&mut lane, &peer.lane, &peer.counters, message);
+            let open = OpenLane {
+                socket,
+                pump_writing,
+                tail,
+                buffer,
+            };
+            return write_direct(open, &peer.lane, &peer.counters, message);
         }
         let queued_before = peer
             .counters
@@ -449,25 +460,30 @@ impl Drop for PeerTransport {
     }
 }
 
+/// A [`LaneState`] with a socket, borrowed under the lane's lock for one direct write.
+struct OpenLane<'a> {
+    socket: &'a mut std::net::TcpStream,
+    pump_writing: &'a mut bool,
+    tail: &'a mut Vec<u8>,
+    buffer: &'a mut Vec<u8>,
+}
+
 /// Writes `message` on the driver's thread (see [`DirectLane`]). Whatever the socket does not
 /// take at once is left as the lane's tail for the peer task, which writes it before anything
 /// else; a socket error drops the message (the peer task sees the connection fail and
 /// reconnects, and Raft sends again what was lost).
 fn write_direct(
-    lane: &mut LaneState,
+    lane: OpenLane<'_>,
     wake: &DirectLane,
     counters: &PeerCounters,
     message: Message,
 ) -> Result<(), Error> {
-    let LaneState {
-        socket: Some(socket),
+    let OpenLane {
+        socket,
         pump_writing,
         tail,
         buffer,
-    } = lane
-    else {
-        unreachable!("checked by the caller");
-    };
+    } = lane;
     buffer.clear();
     if let Err(error) = frame::encode_message(&message, buffer) {
         counters.dropped_messages.fetch_add(1, Ordering::Relaxed);
