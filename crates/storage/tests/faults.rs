@@ -495,3 +495,32 @@ fn a_snapshot_file_the_crash_kept_from_being_logged_is_adopted_at_open() {
     );
     assert_eq!(storage.last_index(), Ok(60));
 }
+
+#[test]
+fn records_a_dead_process_left_unsynced_are_durable_once_recovery_read_them() {
+    let disk = SimDisk::new(9, SimDiskOptions::default());
+    let mut storage = open(&disk, small_options()).expect("open");
+    for index in 1..=20 {
+        storage.append(&[entry(index, 2, 30)]).expect("append");
+    }
+    storage.sync().expect("sync");
+    for index in 21..=30 {
+        storage.append(&[entry(index, 2, 30)]).expect("append");
+    }
+    // Written to the file system and never synced: the process dies here, the page cache
+    // keeps the bytes, and the restarted node reads all 30 entries back.
+    storage.flush().expect("flush");
+    drop(storage);
+    let storage = open(&disk, small_options()).expect("reopen after the process died");
+    assert_eq!(storage.last_index(), Ok(30));
+    drop(storage);
+    // What the node read back it may already have acknowledged or voted on; a power cut now
+    // must not take it away.
+    disk.crash();
+    let storage = open(&disk, small_options()).expect("reopen after a power cut");
+    assert_eq!(
+        storage.last_index(),
+        Ok(30),
+        "entries recovery read back were lost to a later power cut"
+    );
+}

@@ -217,6 +217,15 @@ impl Wal {
             }
             wal.model = LogModel::fresh();
         }
+        // A process that died between a write and its sync leaves those bytes in the page
+        // cache, where recovery reads them back; the node may acknowledge or vote on them as
+        // soon as it runs, so they are made durable first. Earlier segments were synced when
+        // the next one was made.
+        if let Some(last) = wal.segments.back_mut() {
+            last.file
+                .sync_data()
+                .map_err(|e| Error::io(&last.path, e))?;
+        }
         wal.durable_seq = wal.next_seq - 1;
         Ok((wal, recovery))
     }
