@@ -60,6 +60,8 @@ pub enum Bug {
     AnswerBeforeApply,
     /// The core applies a Ready's committed entries before persisting its entries.
     ApplyBeforePersist,
+    /// A follower sends its acknowledgements and votes before persisting what they vouch for.
+    SendBeforePersist,
     /// The leader never proposes the state machine's timer `Tick`.
     SkipTick,
     /// A keepalive is answered as soon as the leader renewed it, without confirming in a
@@ -71,9 +73,10 @@ pub enum Bug {
 }
 
 impl Bug {
-    pub const ALL: [Bug; 5] = [
+    pub const ALL: [Bug; 6] = [
         Bug::AnswerBeforeApply,
         Bug::ApplyBeforePersist,
+        Bug::SendBeforePersist,
         Bug::SkipTick,
         Bug::KeepaliveWithoutConfirm,
         Bug::LeaseNeverExpires,
@@ -83,6 +86,7 @@ impl Bug {
         match self {
             Bug::AnswerBeforeApply => "answer-before-apply",
             Bug::ApplyBeforePersist => "apply-before-persist",
+            Bug::SendBeforePersist => "send-before-persist",
             Bug::SkipTick => "skip-tick",
             Bug::KeepaliveWithoutConfirm => "keepalive-without-confirm",
             Bug::LeaseNeverExpires => "lease-never-expires",
@@ -273,6 +277,18 @@ struct SimIo {
 
 impl ReadyIo for SimIo {
     fn send(&mut self, message: Message) {
+        // The Ready contract: persist before send. Only a leader's appends may leave before
+        // its own write is durable (the core counts its copy once it is).
+        let early = !self.persisted_in_ready && !matches!(message.body, MessageBody::Append { .. });
+        if early {
+            self.violations.push(Violation {
+                invariant: "PersistBeforeSend",
+                detail: format!(
+                    "node {} sent {:?} to {} before persisting its Ready",
+                    self.node, message.body, message.to
+                ),
+            });
+        }
         self.sent.push(message);
     }
 
@@ -547,6 +563,7 @@ impl CoreSimulation {
         };
         core.bugs.answer_before_apply = bug == Some(Bug::AnswerBeforeApply);
         core.bugs.apply_before_persist = bug == Some(Bug::ApplyBeforePersist);
+        core.bugs.send_before_persist = bug == Some(Bug::SendBeforePersist);
         node.duties = LeaderDuties::new(&state_config());
         node.duties.skip_tick = bug == Some(Bug::SkipTick);
         node.restarts += 1;

@@ -53,6 +53,7 @@ enum MachineArg {
 enum BugArg {
     AnswerBeforeApply,
     ApplyBeforePersist,
+    SendBeforePersist,
     SkipTick,
     KeepaliveWithoutConfirm,
     LeaseNeverExpires,
@@ -63,6 +64,7 @@ impl BugArg {
         match self {
             BugArg::AnswerBeforeApply => Bug::AnswerBeforeApply,
             BugArg::ApplyBeforePersist => Bug::ApplyBeforePersist,
+            BugArg::SendBeforePersist => Bug::SendBeforePersist,
             BugArg::SkipTick => Bug::SkipTick,
             BugArg::KeepaliveWithoutConfirm => Bug::KeepaliveWithoutConfirm,
             BugArg::LeaseNeverExpires => Bug::LeaseNeverExpires,

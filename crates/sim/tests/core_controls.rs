@@ -73,6 +73,16 @@ fn applying_before_persisting_on_a_follower_is_caught() {
 }
 
 #[test]
+fn a_follower_acknowledging_before_it_persists_is_caught() {
+    let seed = first_catching_seed(Bug::SendBeforePersist, "PersistBeforeSend");
+    assert!(
+        seed.is_some(),
+        "sending before persisting went unnoticed for {SEED_BUDGET} seeds"
+    );
+    println!("caught at seed {seed:?}");
+}
+
+#[test]
 fn a_leader_that_never_proposes_tick_is_caught() {
     // The publisher's messages never age out, so the run never settles.
     let seed = first_catching_seed(Bug::SkipTick, "Liveness");

@@ -246,6 +246,9 @@ pub struct CoreBugs {
     pub answer_before_apply: bool,
     /// On a follower, apply committed entries before persisting the Ready's entries.
     pub apply_before_persist: bool,
+    /// On a follower, send the Ready's messages (its acknowledgements and votes) before
+    /// persisting what they vouch for, as a leader may send its appends.
+    pub send_before_persist: bool,
     /// The leader never proposes the machine's timer `Tick` (see `LeaderDuties`).
     pub skip_tick: bool,
 }
@@ -972,8 +975,13 @@ impl<M: ReplicatedMachine, S: NodeStore> NodeCore<M, S> {
         // counts the leader's copy toward a quorum only once `advance` reports it durable
         // (the simulator crashes leaders in that window).
         let leader = self.raw.role() == Role::Leader;
-        let sent_early =
-            |message: &Message| leader && matches!(message.body, MessageBody::Append { .. });
+        #[cfg(feature = "negative-controls")]
+        let follower_sends_early = self.bugs.send_before_persist && !leader;
+        #[cfg(not(feature = "negative-controls"))]
+        let follower_sends_early = false;
+        let sent_early = |message: &Message| {
+            follower_sends_early || (leader && matches!(message.body, MessageBody::Append { .. }))
+        };
         for message in ready.messages.iter().filter(|m| sent_early(m)) {
             io.send(message.clone());
         }
