@@ -35,6 +35,17 @@ const REFUSED_MESSAGE_WARN_INTERVAL_MS: u64 = 1_000;
 /// that follower is gone or too slow: 100,000 entries of the usual size are a few tens of MB.
 pub const SNAPSHOT_POSTPONE_MAX_ENTRIES: u64 = 100_000;
 
+/// How much later than the snapshot rules a member takes its first snapshot, in percent of
+/// their thresholds: its place among the voters (by id) over their number, so three members
+/// snapshot a third of an interval apart. A member that is not a voter does not wait.
+pub fn snapshot_stagger_percent(conf_state: &ConfState, id: NodeId) -> u64 {
+    let voters = &conf_state.voters;
+    match voters.iter().position(|&voter| voter == id) {
+        Some(place) => place as u64 * 100 / voters.len() as u64,
+        None => 0,
+    }
+}
+
 /// A role's name for logs and metrics.
 pub fn role_name(role: Role) -> &'static str {
     match role {
@@ -442,6 +453,12 @@ pub struct NodeCore<M: ReplicatedMachine, S: NodeStore> {
     reads_confirmed: Vec<(u64, Vec<Token>)>,
     next_read_context: u64,
     snapshot_index: u64,
+    /// How much later than the snapshot rules say this member takes its first snapshot since
+    /// it started, in percent of their thresholds: its place among the voters spread over one
+    /// interval. Every member applies the same log, so without it all of them would encode an
+    /// image at the same index, on the same CPUs, at once; the offset then holds, since the
+    /// members' intervals are the same. Zero after this member's first snapshot.
+    snapshot_stagger_percent: u64,
     /// The index of a snapshot the shell is writing, until it reports it written.
     snapshot_pending: Option<u64>,
     /// Bytes of entries applied since the core started.
@@ -558,6 +575,7 @@ impl<M: ReplicatedMachine, S: NodeStore> NodeCore<M, S> {
         snapshot_index: u64,
         now_ms: u64,
     ) -> Self {
+        let snapshot_stagger_percent = snapshot_stagger_percent(raw.conf_state(), raw.id());
         NodeCore {
             settings,
             raw,
@@ -572,6 +590,7 @@ impl<M: ReplicatedMachine, S: NodeStore> NodeCore<M, S> {
             reads_confirmed: Vec::new(),
             next_read_context: 1,
             snapshot_index,
+            snapshot_stagger_percent,
             snapshot_pending: None,
             applied_bytes: 0,
             snapshot_applied_bytes: 0,
@@ -1304,7 +1323,10 @@ impl<M: ReplicatedMachine, S: NodeStore> NodeCore<M, S> {
     /// snapshot, which a leader that snapshots faster than it can send one never finishes.
     pub fn snapshot_due(&mut self) -> Result<Option<SnapshotPlan>, Error> {
         let applied = self.raw.applied_index();
-        let due_at = self.snapshot_index + self.settings.snapshot_entries;
+        let entries = self.settings.snapshot_entries;
+        let due_at = self.snapshot_index
+            + entries
+            + entries.saturating_mul(self.snapshot_stagger_percent) / 100;
         if self.snapshot_pending.is_some()
             || self.settings.snapshot_entries == 0
             || applied < due_at
@@ -1350,7 +1372,8 @@ impl<M: ReplicatedMachine, S: NodeStore> NodeCore<M, S> {
             .snapshot_image_bytes
             .saturating_mul(self.settings.snapshot_log_percent)
             / 100;
-        log_bytes >= wanted_bytes
+        let stagger_bytes = wanted_bytes.saturating_mul(self.snapshot_stagger_percent) / 100;
+        log_bytes >= wanted_bytes.saturating_add(stagger_bytes)
     }
 
     /// The shell wrote the snapshot at `index`; `record` makes the storage adopt it (and drop
@@ -1382,6 +1405,7 @@ impl<M: ReplicatedMachine, S: NodeStore> NodeCore<M, S> {
         }
         record(store)?;
         self.snapshot_index = index;
+        self.snapshot_stagger_percent = 0;
         self.snapshot_applied_bytes = self.snapshot_pending_applied_bytes;
         self.snapshot_image_bytes = image_bytes;
         Ok(true)
@@ -1766,6 +1790,36 @@ mod tests {
         run(&mut core);
         take_snapshot(&mut core);
         core
+    }
+
+    #[test]
+    fn members_take_their_first_snapshot_a_share_of_an_interval_apart() {
+        let three = ConfState::with_voters([4, 9, 17]);
+        let stagger: Vec<u64> = [4, 9, 17]
+            .iter()
+            .map(|&id| snapshot_stagger_percent(&three, id))
+            .collect();
+        assert_eq!(stagger, [0, 33, 66]);
+        assert_eq!(snapshot_stagger_percent(&three, 5), 0, "not a voter");
+        assert_eq!(snapshot_stagger_percent(&ConfState::with_voters([1]), 1), 0);
+    }
+
+    #[test]
+    fn the_first_snapshot_waits_for_the_stagger_and_later_ones_do_not() {
+        let dir = temp_dir("snapshot-stagger");
+        let mut core = open_leader(&dir);
+        core.settings.snapshot_entries = 10;
+        core.snapshot_stagger_percent = 50;
+        let behind = core.applied_index() - core.snapshot_index;
+        let waited = entries_until_a_snapshot_is_due(&mut core);
+        assert_eq!(
+            waited as u64 + behind,
+            15,
+            "ten entries and half as many again"
+        );
+        assert_eq!(core.snapshot_stagger_percent, 0);
+        assert_eq!(entries_until_a_snapshot_is_due(&mut core), 10);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
