@@ -456,8 +456,9 @@ pub struct NodeCore<M: ReplicatedMachine, S: NodeStore> {
     /// How much later than the snapshot rules say this member takes its first snapshot since
     /// it started, in percent of their thresholds: its place among the voters spread over one
     /// interval. Every member applies the same log, so without it all of them would encode an
-    /// image at the same index, on the same CPUs, at once; the offset then holds, since the
-    /// members' intervals are the same. Zero after this member's first snapshot.
+    /// image at the same index, on the same CPUs, at once. The offset then holds under the entry
+    /// rule (equal intervals) and drifts slowly under the log rule, whose interval follows each
+    /// member's own last image. Zero after this member's first snapshot.
     snapshot_stagger_percent: u64,
     /// The index of a snapshot the shell is writing, until it reports it written.
     snapshot_pending: Option<u64>,
