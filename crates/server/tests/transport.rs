@@ -6,11 +6,12 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use conclave_raft::{ConfState, Entry, EntryKind, Message, MessageBody, SnapshotMeta};
 use conclave_server::Error;
+use conclave_server::tls::PeerTlsFiles;
 use conclave_server::transport::auth::{self, PeerKey, Transcript};
 use conclave_server::transport::frame::{self, Frame, FrameReader, Hello, HelloProof};
 use conclave_server::transport::{
     InboundCall, InboundMessage, MAX_PEER_FRAME_BYTES, PeerCall, PeerCallInput, PeerListenerState,
-    PeerTransport, TransportConfig, bind_peer_listener, serve_peers_with,
+    PeerTls, PeerTransport, TransportConfig, bind_peer_listener, serve_peers_with,
 };
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -241,11 +242,148 @@ fn large_append(seq: u64, bytes: usize) -> Message {
 /// in the queue behind it: every message still arrives whole and in order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn direct_writes_that_fill_the_socket_leave_the_rest_to_the_link_in_order() {
+    direct_writes_fill_the_socket(
+        TransportConfig::new(CLUSTER_ID, 2),
+        TransportConfig::new(CLUSTER_ID, 1),
+        PeerListenerState::new(),
+        None,
+    )
+    .await;
+}
+
+/// The same on a TLS link: the sender seals each direct write with the link's session, the
+/// link's task writes what the socket did not take and seals its own batches after it, and
+/// the listener, given a runtime as a server gives its Raft driver's, moves the connection
+/// there after the handshake and opens every record in order on one connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn direct_writes_on_a_tls_link_are_sealed_in_order_with_the_links_own() {
+    let reader = ReaderRuntime::start();
+    let state = PeerListenerState::new();
+    state.receive_on(reader.handle.clone());
+    let certificates = TestCertificates::new("direct-tls");
+    let mut listener_config = TransportConfig::new(CLUSTER_ID, 2);
+    listener_config.own_name = "n2".into();
+    listener_config.tls = Some(certificates.peer_tls("n2"));
+    let mut sender_config = TransportConfig::new(CLUSTER_ID, 1);
+    sender_config.own_name = "n1".into();
+    let sender_tls = certificates.peer_tls("n1");
+    sender_tls.note_member_name(2, "n2");
+    sender_config.tls = Some(sender_tls);
+    direct_writes_fill_the_socket(listener_config, sender_config, state, Some(&reader.handle))
+        .await;
+    reader.stop();
+}
+
+/// A current-thread runtime on its own thread, standing in for the Raft driver's.
+struct ReaderRuntime {
+    handle: tokio::runtime::Handle,
+    stop: oneshot::Sender<()>,
+    thread: std::thread::JoinHandle<()>,
+}
+
+impl ReaderRuntime {
+    fn start() -> ReaderRuntime {
+        let (handle_sender, handle_receiver) = std::sync::mpsc::channel();
+        let (stop, stopped) = oneshot::channel::<()>();
+        let thread = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("a runtime builds");
+            handle_sender
+                .send(runtime.handle().clone())
+                .expect("the test waits for the handle");
+            runtime.block_on(async {
+                let _ = stopped.await;
+            });
+        });
+        let handle = handle_receiver.recv().expect("the reader runtime starts");
+        ReaderRuntime {
+            handle,
+            stop,
+            thread,
+        }
+    }
+
+    fn stop(self) {
+        let _ = self.stop.send(());
+        self.thread.join().expect("the reader thread ends");
+    }
+}
+
+/// A CA and peer certificates signed by it, in a directory removed on drop.
+struct TestCertificates {
+    dir: std::path::PathBuf,
+    issuer: rcgen::Issuer<'static, rcgen::KeyPair>,
+}
+
+impl TestCertificates {
+    fn new(tag: &str) -> TestCertificates {
+        let dir = std::env::temp_dir().join(format!(
+            "conclave-transport-{tag}-{}-{}",
+            std::process::id(),
+            auth::new_nonce().expect("randomness")[0]
+        ));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("params");
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, "test CA");
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        params.key_usages = vec![
+            rcgen::KeyUsagePurpose::KeyCertSign,
+            rcgen::KeyUsagePurpose::CrlSign,
+        ];
+        let key = rcgen::KeyPair::generate().expect("CA key");
+        let ca_pem = params.self_signed(&key).expect("CA certificate").pem();
+        let issuer = rcgen::Issuer::new(params, key);
+        std::fs::write(dir.join("ca.pem"), &ca_pem).expect("write CA");
+        TestCertificates { dir, issuer }
+    }
+
+    /// Peer TLS for member `name`: a certificate naming it, for both directions.
+    fn peer_tls(&self, name: &str) -> Arc<PeerTls> {
+        let mut params = rcgen::CertificateParams::new(vec![name.to_string()]).expect("params");
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, name);
+        params.extended_key_usages = vec![
+            rcgen::ExtendedKeyUsagePurpose::ServerAuth,
+            rcgen::ExtendedKeyUsagePurpose::ClientAuth,
+        ];
+        let key = rcgen::KeyPair::generate().expect("key");
+        let cert = params.signed_by(&key, &self.issuer).expect("certificate");
+        let cert_file = self.dir.join(format!("{name}.pem"));
+        let key_file = self.dir.join(format!("{name}-key.pem"));
+        std::fs::write(&cert_file, cert.pem()).expect("write certificate");
+        std::fs::write(&key_file, key.serialize_pem()).expect("write key");
+        PeerTls::load(PeerTlsFiles {
+            cert_file,
+            key_file,
+            trusted_ca_file: self.dir.join("ca.pem"),
+        })
+        .expect("peer TLS loads")
+    }
+}
+
+impl Drop for TestCertificates {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Sends 2,000 appends of 48 KiB from `sender_config`'s node 1 to a listener of
+/// `listener_config` that drains in spurts, so direct writes fill the socket, leave tails and
+/// race the link's task; every message must arrive whole and in order on one connection.
+async fn direct_writes_fill_the_socket(
+    listener_config: TransportConfig,
+    sender_config: TransportConfig,
+    state: Arc<PeerListenerState>,
+    reader: Option<&tokio::runtime::Handle>,
+) {
     // The listener stops reading after two unreceived messages, so the socket fills.
-    let mut listener =
-        Listener::start_with_capacity(TransportConfig::new(CLUSTER_ID, 2), "127.0.0.1:0", 2).await;
-    let mut transport =
-        PeerTransport::new(TransportConfig::new(CLUSTER_ID, 1)).expect("valid config");
+    let mut listener = Listener::start_with_state(listener_config, "127.0.0.1:0", 2, state).await;
+    let mut transport = PeerTransport::new(sender_config).expect("valid config");
     transport
         .add_peer(2, listener.address.to_string())
         .expect("valid peer");
@@ -321,7 +459,17 @@ async fn direct_writes_that_fill_the_socket_leave_the_rest_to_the_link_in_order(
     .await;
     let stats = transport.peer_stats(2).expect("peer 2 was added");
     assert_eq!(stats.connections, 1, "the stream stayed whole: {stats:?}");
+    if let Some(reader) = reader {
+        assert_eq!(
+            reader.metrics().num_alive_tasks(),
+            1,
+            "the connection is not read on the given runtime"
+        );
+    }
     listener.stop().await;
+    if let Some(reader) = reader {
+        wait_until(|| reader.metrics().num_alive_tasks() == 0).await;
+    }
 }
 
 /// Given a runtime (a server gives its Raft driver's), the listener reads plain-TCP

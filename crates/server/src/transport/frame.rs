@@ -362,6 +362,16 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
     pub fn get_mut(&mut self) -> &mut R {
         &mut self.stream
     }
+
+    /// The reader with `change` applied to its stream, keeping whatever it has buffered: the
+    /// bytes it read ahead are still the next ones on the connection.
+    pub fn map_stream<S: AsyncRead + Unpin>(self, change: impl FnOnce(R) -> S) -> FrameReader<S> {
+        FrameReader {
+            stream: change(self.stream),
+            buffer: self.buffer,
+            frame_bytes_max: self.frame_bytes_max,
+        }
+    }
 }
 
 #[cfg(test)]

@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use conclave_raft::{Message, NodeId};
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, mpsc, oneshot, watch};
 use tokio::task::JoinSet;
@@ -33,7 +33,6 @@ use super::frame::{
     HelloRejected, MAX_PEER_FRAME_BYTES, PeerCall,
 };
 use super::outbound::frame_name;
-use super::tls::PeerStream;
 use crate::error::Error;
 use rustls_pki_types::CertificateDer;
 
@@ -137,8 +136,8 @@ pub struct PeerListenerState {
     message_warns: WarnLimiter,
     /// Where calls and answers go; unset, they are dropped (a node without peer calls).
     calls: std::sync::OnceLock<mpsc::Sender<InboundCall>>,
-    /// The Raft driver's runtime, once it runs: plain-TCP connections accepted from then on
-    /// are read on the driver's own thread (see [`PeerListenerState::receive_on`]).
+    /// The Raft driver's runtime, once it runs: connections accepted from then on are read
+    /// on the driver's own thread (see [`PeerListenerState::receive_on`]).
     receive_runtime: std::sync::OnceLock<tokio::runtime::Handle>,
 }
 
@@ -154,9 +153,11 @@ impl PeerListenerState {
         })
     }
 
-    /// Reads plain-TCP connections accepted from now on in `runtime`, the Raft driver's:
-    /// a message then reaches the driver without waking a worker thread to hand it over.
-    /// Connections with TLS stay on the listener's runtime. Only the first runtime set is kept.
+    /// Reads connections accepted from now on in `runtime`, the Raft driver's: a message then
+    /// reaches the driver without waking a worker thread to hand it over. A plain-TCP
+    /// connection moves there at once; a TLS one after its handshake, whose CPU (and that of
+    /// any stranger trying one) stays on the listener's runtime. Only the first runtime set is
+    /// kept.
     pub fn receive_on(&self, runtime: tokio::runtime::Handle) {
         let _ = self.receive_runtime.set(runtime);
     }
@@ -292,17 +293,14 @@ pub async fn serve_peers_with(
             (None, Some(runtime)) => Some(runtime.clone()),
             _ => None,
         };
-        let config = Arc::clone(&config);
         let inbound = inbound.clone();
-        let state = Arc::clone(&state);
-        let slots = Arc::clone(&slots);
+        let connection = Connection {
+            config: Arc::clone(&config),
+            state: Arc::clone(&state),
+            slots: Arc::clone(&slots),
+            remote,
+        };
         let serve = move |stream: TcpStream| async move {
-            let connection = Connection {
-                config: &config,
-                state: &state,
-                slots: &slots,
-                remote,
-            };
             if let Err(error) = connection.run(stream, handshake_slot, &inbound).await {
                 debug!(%remote, %error, "peer connection closed");
             }
@@ -337,14 +335,22 @@ pub async fn serve_peers_with(
     Ok(())
 }
 
-struct Connection<'a> {
-    config: &'a TransportConfig,
-    state: &'a PeerListenerState,
-    slots: &'a Mutex<Slots>,
+#[derive(Clone)]
+struct Connection {
+    config: Arc<TransportConfig>,
+    state: Arc<PeerListenerState>,
+    slots: Arc<Mutex<Slots>>,
     remote: std::net::SocketAddr,
 }
 
-impl Connection<'_> {
+/// A connection whose handshake is done, ready to be read.
+enum Handshaken {
+    Plain(FrameReader<TcpStream>),
+    /// Boxed: a TLS session is kilobytes.
+    Tls(Box<FrameReader<tokio_rustls::server::TlsStream<TcpStream>>>),
+}
+
+impl Connection {
     /// Runs one inbound connection to its end. `Ok` on a clean close by the peer, the driver
     /// or a newer connection of the same member.
     async fn run(
@@ -358,21 +364,25 @@ impl Connection<'_> {
         // TLS (when on) and the Hello exchange share one deadline: a connection that has not
         // proved itself by then is closed, whichever step it stalls in.
         let handshake = tokio::time::timeout(Duration::from_millis(timeout_ms), async {
-            let (stream, certificate): (PeerStream, _) = match &self.config.tls {
+            match &self.config.tls {
                 Some(tls) => {
                     let (stream, certificate) = tls.accept(stream).await?;
-                    (stream, Some(certificate))
+                    let mut reader = FrameReader::new(stream);
+                    reader.set_frame_bytes_max(HANDSHAKE_FRAME_BYTES_MAX);
+                    let outcome = self.handshake(&mut reader, Some(&certificate)).await?;
+                    Ok::<_, Error>((Handshaken::Tls(Box::new(reader)), outcome))
                 }
-                None => (Box::new(stream), None),
-            };
-            let mut reader = FrameReader::new(stream);
-            reader.set_frame_bytes_max(HANDSHAKE_FRAME_BYTES_MAX);
-            let outcome = self.handshake(&mut reader, certificate.as_ref()).await?;
-            Ok::<_, Error>((reader, outcome))
+                None => {
+                    let mut reader = FrameReader::new(stream);
+                    reader.set_frame_bytes_max(HANDSHAKE_FRAME_BYTES_MAX);
+                    let outcome = self.handshake(&mut reader, None).await?;
+                    Ok((Handshaken::Plain(reader), outcome))
+                }
+            }
         })
         .await;
         drop(handshake_slot);
-        let (mut reader, (hello, replaced)) = match handshake {
+        let (reader, (hello, replaced)) = match handshake {
             Err(_) => {
                 self.state
                     .stats
@@ -397,7 +407,18 @@ impl Connection<'_> {
         };
         let peer = hello.from;
         let generation = replaced.generation;
-        let outcome = self.receive(&mut reader, peer, replaced, inbound).await;
+        let outcome = match (reader, self.state.receive_runtime.get()) {
+            (Handshaken::Plain(mut reader), _) => {
+                self.receive(&mut reader, peer, replaced, inbound).await
+            }
+            (Handshaken::Tls(reader), Some(runtime)) => {
+                self.receive_on_driver(*reader, runtime, peer, replaced, inbound)
+                    .await
+            }
+            (Handshaken::Tls(mut reader), None) => {
+                self.receive(&mut *reader, peer, replaced, inbound).await
+            }
+        };
         let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
         if slots
             .held
@@ -409,13 +430,52 @@ impl Connection<'_> {
         outcome
     }
 
-    /// The listener's side of the handshake. `None` when the dialer closed before a Hello.
-    async fn handshake(
+    /// Moves a handshaken TLS connection to `runtime`, the Raft driver's, and reads it there
+    /// until it ends: its records are opened on the driver's thread, so a message reaches the
+    /// driver without a worker thread waking to hand it over.
+    async fn receive_on_driver(
         &self,
-        reader: &mut FrameReader<PeerStream>,
+        reader: FrameReader<tokio_rustls::server::TlsStream<TcpStream>>,
+        runtime: &tokio::runtime::Handle,
+        peer: NodeId,
+        claimed: Claimed,
+        inbound: &mpsc::Sender<InboundMessage>,
+    ) -> Result<(), Error> {
+        let mut moved = None;
+        let reader = reader.map_stream(|stream| {
+            let (socket, session) = stream.into_inner();
+            moved = Some(socket.into_std());
+            OpenedRecords {
+                socket: None,
+                session,
+            }
+        });
+        // Leave this runtime's reactor; the task joins the driver's below.
+        let socket = moved.ok_or(Error::ConnectionClosed)??;
+        let connection = self.clone();
+        let inbound = inbound.clone();
+        let receiving = runtime.spawn(async move {
+            let mut reader = reader;
+            reader.get_mut().socket = Some(TcpStream::from_std(socket)?);
+            connection
+                .receive(&mut reader, peer, claimed, &inbound)
+                .await
+        });
+        // Dropping this task (the listener stopping) must stop the reading too.
+        let mut receiving = AbortOnDrop(receiving);
+        match (&mut receiving.0).await {
+            Ok(outcome) => outcome,
+            Err(_) => Err(Error::ConnectionClosed),
+        }
+    }
+
+    /// The listener's side of the handshake. `None` when the dialer closed before a Hello.
+    async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
+        &self,
+        reader: &mut FrameReader<S>,
         certificate: Option<&CertificateDer<'static>>,
     ) -> Result<Option<(Hello, Claimed)>, Error> {
-        let config = self.config;
+        let config = &*self.config;
         let stats = &self.state.stats;
         let hello = match reader.next_frame().await? {
             Some(Frame::Hello(hello)) => hello,
@@ -555,9 +615,9 @@ impl Connection<'_> {
     }
 
     /// Forwards the messages of authenticated member `peer` until the connection ends.
-    async fn receive(
+    async fn receive<R: AsyncRead + Unpin>(
         &self,
-        reader: &mut FrameReader<PeerStream>,
+        reader: &mut FrameReader<R>,
         peer: NodeId,
         claimed: Claimed,
         inbound: &mpsc::Sender<InboundMessage>,
@@ -638,7 +698,10 @@ struct Claimed {
     replaced: oneshot::Receiver<()>,
 }
 
-async fn write_frame(reader: &mut FrameReader<PeerStream>, frame: &Frame) -> Result<(), Error> {
+async fn write_frame<S: AsyncRead + AsyncWrite + Unpin>(
+    reader: &mut FrameReader<S>,
+    frame: &Frame,
+) -> Result<(), Error> {
     let mut answer = Vec::new();
     frame::encode_frame(frame, &mut answer)?;
     let stream = reader.get_mut();
@@ -649,10 +712,83 @@ async fn write_frame(reader: &mut FrameReader<PeerStream>, frame: &Frame) -> Res
 
 /// Tells the dialer why, then yields the error to log. The answer is best effort: the
 /// connection closes either way.
-async fn reject(reader: &mut FrameReader<PeerStream>, reason: String) -> Error {
+async fn reject<S: AsyncRead + AsyncWrite + Unpin>(
+    reader: &mut FrameReader<S>,
+    reason: String,
+) -> Error {
     let rejected = Frame::HelloRejected(HelloRejected {
         reason: reason.clone(),
     });
     let _ = write_frame(reader, &rejected).await;
     Error::HandshakeRejected { reason }
+}
+
+/// Aborts the task when dropped.
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// A TLS connection past its handshake, read by opening its records with its session here:
+/// unlike tokio-rustls's stream, it can be taken apart on one runtime and put together on
+/// another. The listener writes nothing after the handshake, so it only reads.
+struct OpenedRecords {
+    /// `None` only between leaving one runtime and joining the other.
+    socket: Option<TcpStream>,
+    session: tokio_rustls::rustls::ServerConnection,
+}
+
+impl AsyncRead for OpenedRecords {
+    fn poll_read(
+        self: std::pin::Pin<&mut Self>,
+        context: &mut std::task::Context<'_>,
+        out: &mut ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        use std::io::{ErrorKind, Read};
+        use std::task::Poll;
+        let this = self.get_mut();
+        let Some(socket) = this.socket.as_ref() else {
+            return Poll::Ready(Err(ErrorKind::NotConnected.into()));
+        };
+        loop {
+            // What is opened already goes first.
+            match this.session.reader().read(out.initialize_unfilled()) {
+                Ok(count) => {
+                    out.advance(count);
+                    return Poll::Ready(Ok(()));
+                }
+                Err(error) if error.kind() == ErrorKind::WouldBlock => {}
+                // The stream ended without the closing alert, or the session failed.
+                Err(error) => return Poll::Ready(Err(error)),
+            }
+            if let Err(error) = std::task::ready!(socket.poll_read_ready(context)) {
+                return Poll::Ready(Err(error));
+            }
+            match this.session.read_tls(&mut TryRead(socket)) {
+                // End of stream: the next read above says whether it was a clean close.
+                Ok(_) => {
+                    if let Err(error) = this.session.process_new_packets() {
+                        return Poll::Ready(Err(std::io::Error::new(
+                            ErrorKind::InvalidData,
+                            error,
+                        )));
+                    }
+                }
+                Err(error) if error.kind() == ErrorKind::WouldBlock => {}
+                Err(error) => return Poll::Ready(Err(error)),
+            }
+        }
+    }
+}
+
+/// A socket as a non-blocking `std::io::Read`, for the TLS session to read from.
+struct TryRead<'a>(&'a TcpStream);
+
+impl std::io::Read for TryRead<'_> {
+    fn read(&mut self, bytes: &mut [u8]) -> std::io::Result<usize> {
+        self.0.try_read(bytes)
+    }
 }

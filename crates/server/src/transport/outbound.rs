@@ -6,9 +6,10 @@
 //!                  full: drop      bytes bounded)  batch-encode, write;
 //!                  newest)                         on error: back off, reconnect)
 //!        │                                            ▲
-//!        └── direct lane: a plain-TCP link with nothing queued or being written takes the
-//!            driver's message in one non-blocking write on the driver's own thread; what
-//!            the socket does not take is left for the peer task to finish first
+//!        └── direct lane: a link with nothing queued or being written takes the driver's
+//!            message in one non-blocking write on the driver's own thread (sealed first
+//!            when the link is TLS); what the socket does not take is left for the peer
+//!            task to finish first
 //! ```
 
 use std::collections::HashMap;
@@ -18,10 +19,12 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
 use conclave_raft::{Message, MessageBody, NodeId};
-use tokio::io::{AsyncReadExt, AsyncWriteExt, ReadHalf, WriteHalf};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
+use tokio::net::tcp::{ReadHalf, WriteHalf};
 use tokio::sync::{Notify, mpsc};
 use tokio::task::JoinHandle;
+use tokio_rustls::rustls::ClientConnection;
 use tracing::{debug, info, warn};
 
 use super::TransportConfig;
@@ -29,7 +32,6 @@ use super::auth::{self, Transcript};
 use super::frame::{
     self, Frame, FrameReader, HANDSHAKE_FRAME_BYTES_MAX, Hello, HelloProof, PeerCall,
 };
-use super::tls::PeerStream;
 use crate::error::Error;
 
 /// Messages taken from the queue in one go; they are encoded into one buffer and written with
@@ -72,9 +74,11 @@ struct Peer {
 ///
 /// A put at one client crosses threads at every step: the driver queues its appends, the
 /// async worker wakes to write them, and on a machine with few CPUs that wake-up can come
-/// after the driver's own fsync instead of during it. When the link is plain TCP, connected,
-/// and nothing is queued or being written, the driver writes the message itself with one
-/// non-blocking `write` on a duplicate of the socket's descriptor. Writes never interleave:
+/// after the driver's own fsync instead of during it. When the link is connected and nothing
+/// is queued or being written, the driver writes the message itself with one non-blocking
+/// `write` on a duplicate of the socket's descriptor. On a TLS link the session lives here,
+/// under the same lock, and every byte either side writes is sealed by it first: the
+/// records' sequence numbers then follow the order of the writes. Writes never interleave:
 /// the driver writes only while holding the lock and only while `pump_writing` is false, and
 /// the peer task sets `pump_writing` under the lock before any write of its own and clears it
 /// only when the queue is empty. Raft messages are queued under the same lock, so none is
@@ -88,8 +92,11 @@ struct DirectLane {
 
 #[derive(Default)]
 struct LaneState {
-    /// A duplicate of the connected socket, when the link is plain TCP and up.
+    /// A duplicate of the connected socket, while the link is up.
     socket: Option<std::net::TcpStream>,
+    /// The TLS session of the connection, when the link is TLS and up. Sealed bytes it has
+    /// not written yet are the TLS form of `tail`: the next bytes on the stream.
+    tls: Option<ClientConnection>,
     /// The peer task has bytes to write, or is writing; the driver queues.
     pump_writing: bool,
     /// What a direct write left unwritten of its frame: the next bytes on the stream.
@@ -117,15 +124,19 @@ impl DirectLane {
     /// is empty (checked under the lock the driver queues under).
     fn end_pump_write(&self, queue: &mpsc::Receiver<Outgoing>) {
         let mut state = self.lock();
-        if queue.is_empty() && state.tail.is_empty() {
+        let sealed_left = state.tls.as_ref().is_some_and(|tls| tls.wants_write());
+        if queue.is_empty() && state.tail.is_empty() && !sealed_left {
             state.pump_writing = false;
         }
     }
 
-    /// A new connection: direct writes go to `socket` (`None` for TLS) once the queue drains.
-    fn connected(&self, socket: Option<std::net::TcpStream>) {
+    /// A new connection: direct writes go to `socket` (a duplicate of the link's own; `None`
+    /// where descriptors cannot be duplicated), sealed by `tls` when the link is TLS, once the
+    /// queue drains.
+    fn connected(&self, socket: Option<std::net::TcpStream>, tls: Option<ClientConnection>) {
         let mut state = self.lock();
         state.socket = socket;
+        state.tls = tls;
         state.pump_writing = true;
         state.tail.clear();
     }
@@ -135,6 +146,7 @@ impl DirectLane {
     fn disconnected(&self) {
         let mut state = self.lock();
         state.socket = None;
+        state.tls = None;
         state.pump_writing = true;
         state.tail.clear();
     }
@@ -397,6 +409,7 @@ impl PeerTransport {
             && estimate_bytes <= DIRECT_WRITE_BYTES_MAX
             && let LaneState {
                 socket: Some(socket),
+                tls,
                 pump_writing,
                 tail,
                 buffer,
@@ -404,6 +417,7 @@ impl PeerTransport {
         {
             let open = OpenLane {
                 socket,
+                tls: tls.as_mut(),
                 pump_writing,
                 tail,
                 buffer,
@@ -463,6 +477,7 @@ impl Drop for PeerTransport {
 /// A [`LaneState`] with a socket, borrowed under the lane's lock for one direct write.
 struct OpenLane<'a> {
     socket: &'a mut std::net::TcpStream,
+    tls: Option<&'a mut ClientConnection>,
     pump_writing: &'a mut bool,
     tail: &'a mut Vec<u8>,
     buffer: &'a mut Vec<u8>,
@@ -480,6 +495,7 @@ fn write_direct(
 ) -> Result<(), Error> {
     let OpenLane {
         socket,
+        tls,
         pump_writing,
         tail,
         buffer,
@@ -490,37 +506,83 @@ fn write_direct(
         warn!(peer = message.to, kind = message.body.name(), %error, "dropping message");
         return Ok(());
     }
-    let mut written = 0;
-    while written < buffer.len() {
-        match socket.write(&buffer[written..]) {
-            Ok(0) => break,
-            Ok(n) => written += n,
-            Err(error) if error.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => break,
-            Err(error) => {
-                counters.dropped_messages.fetch_add(1, Ordering::Relaxed);
-                if written > 0 {
-                    // Half a frame is on the wire and the rest cannot follow: the stream is
-                    // unusable, and the peer task must reconnect.
-                    let _ = socket.shutdown(std::net::Shutdown::Both);
-                }
-                return Err(Error::PeerIo(error));
+    let written = match tls {
+        Some(tls) => seal_and_write(tls, socket, buffer),
+        None => write_plain(socket, buffer),
+    };
+    let left_for_task = match written {
+        Ok(left_for_task) => left_for_task,
+        Err((error, stream_broken)) => {
+            counters.dropped_messages.fetch_add(1, Ordering::Relaxed);
+            if stream_broken {
+                // Half a frame is on the wire, or the session sealed records the peer will
+                // never see: nothing after it can be read there, and the peer task must
+                // reconnect.
+                let _ = socket.shutdown(std::net::Shutdown::Both);
             }
+            return Err(Error::PeerIo(error));
         }
-    }
+    };
     counters.sent_messages.fetch_add(1, Ordering::Relaxed);
     counters.direct_messages.fetch_add(1, Ordering::Relaxed);
     counters.sent_writes.fetch_add(1, Ordering::Relaxed);
     counters
         .sent_bytes
         .fetch_add(buffer.len() as u64, Ordering::Relaxed);
-    if written < buffer.len() {
+    if let Some(unwritten) = left_for_task {
         counters.direct_tails.fetch_add(1, Ordering::Relaxed);
-        tail.extend_from_slice(&buffer[written..]);
+        tail.extend_from_slice(&buffer[unwritten..]);
         *pump_writing = true;
         wake.tail_left.notify_one();
     }
     Ok(())
+}
+
+/// What a direct write left for the link's task: `Some(offset)` when the frame's bytes from
+/// `offset` on are the lane's tail (on a TLS link the session holds its sealed remainder and
+/// the offset is the frame's end). The error says whether the stream is broken.
+type DirectWritten = Result<Option<usize>, (std::io::Error, bool)>;
+
+/// Writes `frame` as it is, without blocking.
+fn write_plain(socket: &mut std::net::TcpStream, frame: &[u8]) -> DirectWritten {
+    let mut written = 0;
+    while written < frame.len() {
+        match socket.write(&frame[written..]) {
+            Ok(0) => break,
+            Ok(n) => written += n,
+            Err(error) if error.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => break,
+            Err(error) => return Err((error, written > 0)),
+        }
+    }
+    Ok((written < frame.len()).then_some(written))
+}
+
+/// Seals `frame` with the link's TLS session and writes what the socket takes without
+/// blocking; sealed bytes the socket did not take stay in the session.
+fn seal_and_write(
+    tls: &mut ClientConnection,
+    socket: &mut std::net::TcpStream,
+    frame: &[u8],
+) -> DirectWritten {
+    // Any error once sealing began leaves records the peer will never see.
+    let broken = |error| Err((error, true));
+    if let Err(error) = tls.writer().write_all(frame) {
+        return broken(error);
+    }
+    while tls.wants_write() {
+        match tls.write_tls(socket) {
+            // A non-blocking socket takes nothing only when it is full.
+            Ok(0) => return Ok(Some(frame.len())),
+            Ok(_) => {}
+            Err(error) if error.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {
+                return Ok(Some(frame.len()));
+            }
+            Err(error) => return broken(error),
+        }
+    }
+    Ok(None)
 }
 
 /// What a queued message is charged against the byte bound: its payload plus a fixed
@@ -570,7 +632,7 @@ impl PeerLink {
         let mut backoff_ms = self.config.reconnect_backoff_initial_ms;
         let mut failures_in_row = 0u64;
         loop {
-            let (stream, direct) = match self.connect().await {
+            let (stream, direct, tls) = match self.connect().await {
                 Ok(connected) => connected,
                 Err(error) => {
                     failures_in_row += 1;
@@ -595,7 +657,7 @@ impl PeerLink {
             self.counters.connections.fetch_add(1, Ordering::Relaxed);
             self.counters.connected.store(true, Ordering::Relaxed);
             let connected_at = Instant::now();
-            self.lane.connected(direct);
+            self.lane.connected(direct, tls);
             let outcome = self.pump(stream, &mut queue).await;
             self.lane.disconnected();
             self.counters.connected.store(false, Ordering::Relaxed);
@@ -617,9 +679,10 @@ impl PeerLink {
         }
     }
 
-    /// Opens a connection and completes the handshake. With plain TCP, also returns a
-    /// duplicate of the socket for the driver's direct writes.
-    async fn connect(&self) -> Result<(PeerStream, Option<std::net::TcpStream>), Error> {
+    /// Opens a connection and completes the handshake (TLS when on, then the Hello). Returns
+    /// the socket, a duplicate of it for the driver's direct writes, and on a TLS link the
+    /// session that seals every byte written to it from now on.
+    async fn connect(&self) -> Result<ConnectedLink, Error> {
         let timeout = Duration::from_millis(self.config.connect_timeout_ms);
         let stream = tokio::time::timeout(timeout, TcpStream::connect(&self.address))
             .await
@@ -635,17 +698,39 @@ impl PeerLink {
         let timed_out = |_| Error::HandshakeTimeout {
             timeout_ms: self.config.handshake_timeout_ms,
         };
-        let (mut stream, direct): (PeerStream, _) = match &self.config.tls {
-            Some(tls) => (
-                tokio::time::timeout(handshake_timeout, tls.connect(self.peer, stream))
-                    .await
-                    .map_err(timed_out)??,
-                None,
-            ),
-            None => {
-                let direct = duplicate_socket(&stream)?;
-                (Box::new(stream), direct)
+        match &self.config.tls {
+            Some(tls) => {
+                let mut stream =
+                    tokio::time::timeout(handshake_timeout, tls.connect(self.peer, stream))
+                        .await
+                        .map_err(timed_out)??;
+                self.introduce(&mut stream).await?;
+                // The listener sends nothing after its verdict, so the session holds no
+                // record unread; from here on the link seals and writes by itself.
+                let (socket, mut session) = stream.into_inner();
+                // What the session buffers is bounded by the link's batch and the direct
+                // lane's message size, not by rustls's default.
+                session.set_buffer_limit(None);
+                let direct = duplicate_socket(&socket)?;
+                Ok((socket, direct, Some(session)))
             }
+            None => {
+                let mut stream = stream;
+                self.introduce(&mut stream).await?;
+                let direct = duplicate_socket(&stream)?;
+                Ok((stream, direct, None))
+            }
+        }
+    }
+
+    /// The dialer's Hello and the proofs after it, within the handshake deadline.
+    async fn introduce<S: AsyncRead + AsyncWrite + Unpin>(
+        &self,
+        stream: &mut S,
+    ) -> Result<(), Error> {
+        let handshake_timeout = Duration::from_millis(self.config.handshake_timeout_ms);
+        let timed_out = |_| Error::HandshakeTimeout {
+            timeout_ms: self.config.handshake_timeout_ms,
         };
         let dialer_nonce = auth::new_nonce()?;
         let hello = Hello {
@@ -661,20 +746,16 @@ impl PeerLink {
         frame::encode_frame(&Frame::Hello(hello), &mut buffer)?;
         stream.write_all(&buffer).await?;
         stream.flush().await?;
-        tokio::time::timeout(
-            handshake_timeout,
-            self.authenticate(&mut stream, &dialer_nonce),
-        )
-        .await
-        .map_err(timed_out)??;
-        Ok((stream, direct))
+        tokio::time::timeout(handshake_timeout, self.authenticate(stream, &dialer_nonce))
+            .await
+            .map_err(timed_out)?
     }
 
     /// The dialer's side of the handshake after its Hello: check the listener's proof, send
     /// ours, wait for the verdict.
-    async fn authenticate(
+    async fn authenticate<S: AsyncRead + AsyncWrite + Unpin>(
         &self,
-        stream: &mut PeerStream,
+        stream: &mut S,
         dialer_nonce: &auth::Nonce,
     ) -> Result<(), Error> {
         // The reader may buffer past an answer only if the listener sent more than one frame
@@ -737,10 +818,11 @@ impl PeerLink {
     /// Moves messages from the queue to the socket until either side ends.
     async fn pump(
         &self,
-        stream: PeerStream,
+        mut stream: TcpStream,
         queue: &mut mpsc::Receiver<Outgoing>,
     ) -> Result<LinkEnd, Error> {
-        let (mut read_half, mut write_half) = tokio::io::split(stream);
+        let sealed = self.lane.lock().tls.is_some();
+        let (mut read_half, mut write_half) = stream.split();
         let mut batch = Vec::with_capacity(BATCH_MESSAGES_MAX);
         let mut buffer = Vec::with_capacity(self.config.batch_bytes_max);
         // The listener closes a connection idle for peer_idle_timeout_ms; a link with
@@ -759,14 +841,16 @@ impl PeerLink {
                     }
                     let tail = self.lane.begin_pump_write();
                     write_half.write_all(&tail).await?;
-                    self.write_batch(&mut batch, &mut buffer, &mut write_half).await?;
+                    self.write_batch(&mut batch, &mut buffer, &mut write_half, sealed).await?;
                     self.lane.end_pump_write(queue);
                     keepalive_due.as_mut().reset(tokio::time::Instant::now() + keepalive_interval);
                 }
                 () = self.lane.tail_left.notified() => {
                     let tail = self.lane.begin_pump_write();
                     write_half.write_all(&tail).await?;
-                    write_half.flush().await?;
+                    if sealed {
+                        self.write_sealed(&mut write_half).await?;
+                    }
                     self.lane.end_pump_write(queue);
                 }
                 () = &mut keepalive_due => {
@@ -774,8 +858,7 @@ impl PeerLink {
                     write_half.write_all(&tail).await?;
                     buffer.clear();
                     frame::encode_frame(&Frame::Keepalive, &mut buffer)?;
-                    write_half.write_all(&buffer).await?;
-                    write_half.flush().await?;
+                    self.write_out(&buffer, &mut write_half, sealed).await?;
                     buffer.clear();
                     self.lane.end_pump_write(queue);
                     keepalive_due.as_mut().reset(tokio::time::Instant::now() + keepalive_interval);
@@ -783,7 +866,9 @@ impl PeerLink {
                 // The listener never talks after the handshake, so any readiness here is the
                 // connection closing; noticing it now beats losing the next batch into a
                 // dead socket.
-                closed = wait_closed(&mut read_half) => return Err(closed),
+                closed = wait_closed(&mut read_half, sealed.then_some(&*self.lane)) => {
+                    return Err(closed);
+                }
             }
         }
     }
@@ -792,7 +877,8 @@ impl PeerLink {
         &self,
         batch: &mut Vec<Outgoing>,
         buffer: &mut Vec<u8>,
-        socket: &mut WriteHalf<PeerStream>,
+        socket: &mut WriteHalf<'_>,
+        sealed: bool,
     ) -> Result<(), Error> {
         buffer.clear();
         let mut messages_in_buffer = 0u64;
@@ -826,25 +912,25 @@ impl PeerLink {
             }
             messages_in_buffer += 1;
             if buffer.len() >= self.config.batch_bytes_max {
-                self.flush(buffer, messages_in_buffer, socket).await?;
+                self.flush(buffer, messages_in_buffer, socket, sealed)
+                    .await?;
                 messages_in_buffer = 0;
             }
         }
-        self.flush(buffer, messages_in_buffer, socket).await
+        self.flush(buffer, messages_in_buffer, socket, sealed).await
     }
 
     async fn flush(
         &self,
         buffer: &mut Vec<u8>,
         messages: u64,
-        socket: &mut WriteHalf<PeerStream>,
+        socket: &mut WriteHalf<'_>,
+        sealed: bool,
     ) -> Result<(), Error> {
         if buffer.is_empty() {
             return Ok(());
         }
-        socket.write_all(buffer).await?;
-        // TLS holds records until flushed; for plain TCP this is free.
-        socket.flush().await?;
+        self.write_out(buffer, socket, sealed).await?;
         self.counters
             .sent_messages
             .fetch_add(messages, Ordering::Relaxed);
@@ -855,7 +941,75 @@ impl PeerLink {
         buffer.clear();
         Ok(())
     }
+
+    /// Writes `plaintext` to the peer: as it is on plain TCP, sealed by the lane's session
+    /// on a TLS link (after whatever it holds sealed already).
+    async fn write_out(
+        &self,
+        plaintext: &[u8],
+        socket: &mut WriteHalf<'_>,
+        sealed: bool,
+    ) -> Result<(), Error> {
+        if !sealed {
+            socket.write_all(plaintext).await?;
+            return Ok(());
+        }
+        {
+            let mut lane = self.lane.lock();
+            let tls = lane.tls.as_mut().ok_or(Error::ConnectionClosed)?;
+            tls.writer().write_all(plaintext)?;
+        }
+        self.write_sealed(socket).await
+    }
+
+    /// Writes everything the lane's TLS session holds sealed, waiting for room on the socket
+    /// without holding the lane's lock.
+    async fn write_sealed(&self, socket: &mut WriteHalf<'_>) -> Result<(), Error> {
+        loop {
+            {
+                let mut lane = self.lane.lock();
+                let tls = lane.tls.as_mut().ok_or(Error::ConnectionClosed)?;
+                loop {
+                    if !tls.wants_write() {
+                        return Ok(());
+                    }
+                    match tls.write_tls(&mut TryWrite(socket)) {
+                        Ok(0) => break,
+                        Ok(_) => {}
+                        Err(error) if error.kind() == std::io::ErrorKind::Interrupted => {}
+                        Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => break,
+                        Err(error) => return Err(Error::PeerIo(error)),
+                    }
+                }
+            }
+            socket.writable().await?;
+        }
+    }
 }
+
+/// A link's write half as a non-blocking `std::io::Write`, for the TLS session to write into.
+struct TryWrite<'a, 'b>(&'a WriteHalf<'b>);
+
+impl std::io::Write for TryWrite<'_, '_> {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.try_write(bytes)
+    }
+
+    fn write_vectored(&mut self, slices: &[std::io::IoSlice<'_>]) -> std::io::Result<usize> {
+        self.0.try_write_vectored(slices)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// A connected link: its socket, a duplicate for direct writes, and its TLS session if any.
+type ConnectedLink = (
+    TcpStream,
+    Option<std::net::TcpStream>,
+    Option<ClientConnection>,
+);
 
 /// Lets the tasks that are ready on this worker queue their calls before the link writes.
 ///
@@ -890,15 +1044,47 @@ fn duplicate_socket(_stream: &TcpStream) -> Result<Option<std::net::TcpStream>, 
     Ok(None)
 }
 
-/// Resolves when the read half reports end of stream, an error, or unexpected bytes.
-async fn wait_closed(read_half: &mut ReadHalf<PeerStream>) -> Error {
-    let mut probe = [0u8; 1];
-    match read_half.read(&mut probe).await {
-        Ok(0) => Error::ConnectionClosed,
-        Ok(_) => Error::ProtocolViolation {
-            reason: "listener sent data after the handshake".into(),
-        },
-        Err(error) => Error::PeerIo(error),
+/// Resolves when the read half reports end of stream, an error, or unexpected bytes. On a
+/// TLS link (`tls_lane`) the bytes are records for the lane's session: the peer's closing
+/// alert ends the link, and a post-handshake message (a session ticket, a key update) is
+/// taken in and the wait goes on.
+async fn wait_closed(read_half: &mut ReadHalf<'_>, tls_lane: Option<&DirectLane>) -> Error {
+    let mut received = [0u8; 4096];
+    loop {
+        let count = match read_half.read(&mut received).await {
+            Ok(0) => return Error::ConnectionClosed,
+            Ok(count) => count,
+            Err(error) => return Error::PeerIo(error),
+        };
+        let Some(lane) = tls_lane else {
+            return Error::ProtocolViolation {
+                reason: "listener sent data after the handshake".into(),
+            };
+        };
+        let mut lane = lane.lock();
+        let Some(tls) = lane.tls.as_mut() else {
+            return Error::ConnectionClosed;
+        };
+        let mut records = &received[..count];
+        while !records.is_empty() {
+            if let Err(error) = tls.read_tls(&mut records) {
+                return Error::PeerIo(error);
+            }
+            match tls.process_new_packets() {
+                Err(error) => {
+                    return Error::PeerTls {
+                        reason: format!("the peer's TLS records could not be read: {error}"),
+                    };
+                }
+                Ok(state) if state.plaintext_bytes_to_read() > 0 => {
+                    return Error::ProtocolViolation {
+                        reason: "listener sent data after the handshake".into(),
+                    };
+                }
+                Ok(state) if state.peer_has_closed() => return Error::ConnectionClosed,
+                Ok(_) => {}
+            }
+        }
     }
 }
 

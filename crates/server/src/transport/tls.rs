@@ -7,16 +7,10 @@ use std::sync::{Arc, RwLock};
 
 use conclave_raft::NodeId;
 use rustls_pki_types::{CertificateDer, ServerName};
-use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 
 use crate::error::Error;
 use crate::tls::{PeerPortTls, PeerTlsFiles, certificate_names_member, load_peer_port_tls};
-
-/// A peer connection, plaintext or TLS.
-pub(crate) trait PeerIo: AsyncRead + AsyncWrite + Unpin + Send {}
-impl<T: AsyncRead + AsyncWrite + Unpin + Send> PeerIo for T {}
-pub(crate) type PeerStream = Box<dyn PeerIo>;
 
 /// The peer port's TLS: certificates (reloaded on SIGHUP) and the member names they must carry.
 pub struct PeerTls {
@@ -71,7 +65,7 @@ impl PeerTls {
         &self,
         peer: NodeId,
         stream: TcpStream,
-    ) -> Result<PeerStream, Error> {
+    ) -> Result<tokio_rustls::client::TlsStream<TcpStream>, Error> {
         let name = self.member_name(peer).ok_or_else(|| Error::PeerTls {
             reason: format!(
                 "the name of member {peer} is not known, so its certificate cannot be checked"
@@ -87,7 +81,7 @@ impl PeerTls {
             .map_err(|error| Error::PeerTls {
                 reason: format!("TLS with member {peer} ({name}) failed: {error}"),
             })?;
-        Ok(Box::new(stream))
+        Ok(stream)
     }
 
     /// The listener's TLS handshake: the dialer must present a certificate the CA signed.
@@ -95,7 +89,13 @@ impl PeerTls {
     pub(crate) async fn accept(
         &self,
         stream: TcpStream,
-    ) -> Result<(PeerStream, CertificateDer<'static>), Error> {
+    ) -> Result<
+        (
+            tokio_rustls::server::TlsStream<TcpStream>,
+            CertificateDer<'static>,
+        ),
+        Error,
+    > {
         let acceptor = tokio_rustls::TlsAcceptor::from(self.port.current().listener);
         let stream = acceptor
             .accept(stream)
@@ -112,7 +112,7 @@ impl PeerTls {
             .ok_or_else(|| Error::PeerTls {
                 reason: "the peer presented no certificate".into(),
             })?;
-        Ok((Box::new(stream), certificate))
+        Ok((stream, certificate))
     }
 
     /// Why the dialer's certificate does not fit the member its Hello claims, if it does not:
