@@ -620,6 +620,55 @@ async fn a_continued_deposed_leader_does_not_answer_keepalives_itself() {
     assert!(kept.ttl > 0, "lease lost across the pause: {kept:?}");
 }
 
+/// A leader whose followers are both stopped cannot have its term confirmed, so it must not
+/// answer a keepalive, not even one it renews from memory alone (within the checkpoint
+/// interval of the lease's last record), where the driver starts the confirming round in the
+/// same turn as the renewal and answers once that round is in.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_leader_that_cannot_reach_a_quorum_does_not_answer_a_keepalive_renewed_from_memory() {
+    let cluster = Cluster::start(3).await;
+    let leader = cluster.wait_for_leader(Duration::from_secs(10)).await;
+    let lease = grant(&cluster, leader, 5).await;
+    let mut keepalive = KeepAlive::new(&cluster, leader);
+    // The first keepalive on this leader commits a "renewed" record; the next one, well
+    // within the checkpoint interval after it, is renewed from the keeper's memory.
+    let (_, first) = keepalive.until_acked(lease, Duration::from_secs(5)).await;
+    assert!(first.ttl > 0, "first keepalive: {first:?}");
+    let paused: Vec<Paused> = cluster
+        .live_ids()
+        .into_iter()
+        .filter(|&id| id != leader)
+        .map(|id| {
+            let pid = cluster.nodes[(id - 1) as usize]
+                .child
+                .as_ref()
+                .expect("follower running")
+                .id();
+            Paused::new(pid)
+        })
+        .collect();
+    let (sender, stream) = keepalive.open.as_mut().expect("stream open");
+    sender
+        .send(LeaseKeepAliveRequest { id: lease })
+        .await
+        .expect("keepalive queued");
+    let answer = tokio::time::timeout(Duration::from_millis(1500), stream.message()).await;
+    drop(paused);
+    println!("leader {leader} with both followers stopped: {answer:?}");
+    if let Ok(Ok(Some(response))) = &answer {
+        assert!(
+            response.ttl <= 0,
+            "leader {leader} answered a keepalive with TTL {} while no follower could confirm its term",
+            response.ttl
+        );
+    }
+    // With the followers back, the lease is kept alive again.
+    let now_leader = cluster.wait_for_leader(Duration::from_secs(10)).await;
+    let mut fresh = KeepAlive::new(&cluster, now_leader);
+    let (_, kept) = fresh.until_acked(lease, Duration::from_secs(5)).await;
+    assert!(kept.ttl > 0, "lease lost across the stop: {kept:?}");
+}
+
 /// Distinct leases one stream renews back to back in the pipelining test.
 const BURST_LEASES: usize = 200;
 

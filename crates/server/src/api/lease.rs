@@ -4,9 +4,10 @@
 //!  Grant / Revoke ─► Api::write (through the log; followers forward)
 //!  KeepAlive stream ─► up to KEEPALIVE_STREAM_IN_FLIGHT_MAX keepalives at once, each answered
 //!                     as soon as it completes (etcd clients match answers by lease id):
-//!                   ─► leader: NodeHandle::lease_renew (LeaseKeeper, not the log; a checkpoint
-//!                      commits first when the keeper asks) ─► confirm_leadership (a
-//!                      ReadIndex round of the renewing term) ─► TTL
+//!                   ─► leader: NodeHandle::lease_renew (LeaseKeeper, not the log) and a
+//!                      ReadIndex round of the renewing term the driver starts at once ─► TTL;
+//!                      when the keeper asks for a checkpoint, it commits first and then
+//!                      confirm_leadership runs the round
 //!                   └► follower: one upstream KeepAlive stream to the leader per client
 //!                      stream, carrying the same keepalives at once (answers matched by id),
 //!                      re-opened on the new leader when leadership moves
@@ -309,7 +310,9 @@ impl Shared {
                 Ok(Ok(Ok(_))) => {}
             }
         }
-        self.confirm_leadership(ctx, renewal.term).await?;
+        if !renewal.leadership_confirmed {
+            self.confirm_leadership(ctx, renewal.term).await?;
+        }
         if let Ok(mut renewed) = renewed.lock() {
             // Keepalives of one lease on one stream may finish out of order: the orphan logic
             // needs the newest renewal (stamps grow with each renewal).

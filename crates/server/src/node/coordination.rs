@@ -12,7 +12,8 @@ use tokio::sync::{broadcast, mpsc, oneshot, watch};
 
 use super::core::Duties;
 use super::driver::{
-    self, Applied, Core, Handle, NodeRequest, NodeStatus, PeerMatch, ShellDuties, Waiters, now_ms,
+    self, AfterRead, Applied, Core, Handle, NodeRequest, NodeStatus, PeerMatch, ShellDuties,
+    Waiters, now_ms,
 };
 use super::leader_duties::LeaderDuties;
 pub use super::leader_duties::Proposal;
@@ -95,6 +96,28 @@ pub struct LeaseRenewal {
     pub checkpoint: Option<oneshot::Receiver<Result<Applied<ApplyOutput>, Error>>>,
     /// Names this renewal for [`NodeHandle::lease_orphaned`].
     pub stamp: u64,
+    /// A quorum has already confirmed, in a round the driver started right after the
+    /// renewal, that this node still leads `term`: answer without
+    /// [`NodeHandle::confirm_leadership`]. Set when no checkpoint had to commit first.
+    pub leadership_confirmed: bool,
+}
+
+/// A renewal that needed no checkpoint, answered once the leadership round the driver
+/// started after it completes.
+struct RenewalAfterRead {
+    renewal: LeaseRenewal,
+    reply: oneshot::Sender<Result<Option<LeaseRenewal>, Error>>,
+}
+
+impl AfterRead for RenewalAfterRead {
+    fn complete(self: Box<Self>, result: Result<(), Error>) {
+        let RenewalAfterRead { renewal, reply } = *self;
+        let _ = reply.send(result.map(|()| Some(renewal)));
+    }
+
+    fn abandoned(&self) -> bool {
+        self.reply.is_closed()
+    }
 }
 
 /// Requests only the driver thread can answer, because the lease deadlines live there.
@@ -375,19 +398,43 @@ impl ShellDuties<StateMachine> for CoordinationDuties {
         match request {
             LeaseRequest::Renew { id, reply } => {
                 let term = core.raw().term();
-                let result = self.leader.lease_renew(core, id).map(|renewal| {
-                    renewal.map(|renewal| LeaseRenewal {
+                let renewal = match self.leader.lease_renew(core, id) {
+                    Ok(Some(renewal)) => renewal,
+                    other => {
+                        let _ = reply.send(other.map(|_| None));
+                        return;
+                    }
+                };
+                let Some(checkpoint) = renewal.checkpoint else {
+                    // Nothing must commit first: start the round that confirms this term now,
+                    // after the renewal, and answer once it is in, so the caller wakes once.
+                    let renewal = LeaseRenewal {
                         ttl_ms: renewal.ttl_ms,
                         term,
                         stamp: renewal.stamp,
-                        checkpoint: renewal.checkpoint.map(|token| {
-                            let (reply, committed) = oneshot::channel();
-                            waiters.command(token, reply);
-                            committed
-                        }),
-                    })
-                });
-                let _ = reply.send(result);
+                        checkpoint: None,
+                        leadership_confirmed: true,
+                    };
+                    match core.read_index_as_leader(term) {
+                        Ok(token) => {
+                            waiters
+                                .after_read(token, Box::new(RenewalAfterRead { renewal, reply }));
+                        }
+                        Err(error) => {
+                            let _ = reply.send(Err(error));
+                        }
+                    }
+                    return;
+                };
+                let (committed_reply, committed) = oneshot::channel();
+                waiters.command(checkpoint, committed_reply);
+                let _ = reply.send(Ok(Some(LeaseRenewal {
+                    ttl_ms: renewal.ttl_ms,
+                    term,
+                    stamp: renewal.stamp,
+                    checkpoint: Some(committed),
+                    leadership_confirmed: false,
+                })));
             }
             LeaseRequest::Remaining { id, reply } => {
                 let term = core.raw().term();

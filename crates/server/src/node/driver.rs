@@ -75,6 +75,39 @@ pub(crate) type ProposeReply<O> = oneshot::Sender<Result<Applied<O>, Error>>;
 /// Who waits for a linearizable read to become safe.
 pub(crate) type ReadWaiter = oneshot::Sender<Result<(), Error>>;
 
+/// An answer the driver sends once a read round it started completes, carrying more than the
+/// round's outcome (a keepalive's renewal, say), so its caller wakes once for both.
+pub(crate) trait AfterRead: Send {
+    /// The round completed (`Ok`) or failed; answer the caller.
+    fn complete(self: Box<Self>, result: Result<(), Error>);
+    /// The caller stopped waiting (deadline passed, connection closed).
+    fn abandoned(&self) -> bool;
+}
+
+/// Who is told when a read round completes.
+enum PendingRead {
+    Waiter(ReadWaiter),
+    After(Box<dyn AfterRead>),
+}
+
+impl PendingRead {
+    fn complete(self, result: Result<(), Error>) {
+        match self {
+            PendingRead::Waiter(reply) => {
+                let _ = reply.send(result);
+            }
+            PendingRead::After(after) => after.complete(result),
+        }
+    }
+
+    fn abandoned(&self) -> bool {
+        match self {
+            PendingRead::Waiter(reply) => reply.is_closed(),
+            PendingRead::After(after) => after.abandoned(),
+        }
+    }
+}
+
 /// What a handle asks of the driver. `R` is the machine's own requests ([`ShellDuties::Request`]).
 pub(crate) enum NodeRequest<M: ReplicatedMachine, R> {
     /// Replicate `command`; the reply comes once it is applied (or lost).
@@ -157,7 +190,7 @@ enum Reply<O> {
 /// The reply channels behind the core's tokens.
 pub(crate) struct Waiters<O> {
     proposals: HashMap<Token, Reply<O>>,
-    reads: HashMap<Token, ReadWaiter>,
+    reads: HashMap<Token, PendingRead>,
 }
 
 impl<O> Waiters<O> {
@@ -171,6 +204,15 @@ impl<O> Waiters<O> {
     /// `reply` hears the output of the proposal `token` names.
     pub(crate) fn command(&mut self, token: Token, reply: ProposeReply<O>) {
         self.proposals.insert(token, Reply::Command(reply));
+    }
+
+    /// `after` answers its caller once the read round `token` names completes.
+    pub(crate) fn after_read(&mut self, token: Token, after: Box<dyn AfterRead>) {
+        self.reads.insert(token, PendingRead::After(after));
+    }
+
+    fn read(&mut self, token: Token, reply: ReadWaiter) {
+        self.reads.insert(token, PendingRead::Waiter(reply));
     }
 
     fn done(&mut self, token: Token, reply: oneshot::Sender<Result<(), Error>>) {
@@ -207,8 +249,8 @@ impl<O> Waiters<O> {
                 None => {}
             },
             Output::ReadReady { token, result } => {
-                if let Some(reply) = self.reads.remove(&token) {
-                    let _ = reply.send(result);
+                if let Some(pending) = self.reads.remove(&token) {
+                    pending.complete(result);
                 }
             }
         }
@@ -219,7 +261,7 @@ impl<O> Waiters<O> {
         let gone: BTreeSet<Token> = self
             .reads
             .iter()
-            .filter(|(_, r)| r.is_closed())
+            .filter(|(_, r)| r.abandoned())
             .map(|(&t, _)| t)
             .collect();
         self.reads.retain(|t, _| !gone.contains(t));
@@ -897,7 +939,7 @@ impl<M: ReplicatedMachine, D: ShellDuties<M>> Driver<M, D> {
             },
             NodeRequest::ReadIndex { reply } => match core.read_index() {
                 Ok(token) => {
-                    waiters.reads.insert(token, reply);
+                    waiters.read(token, reply);
                 }
                 Err(error) => {
                     let _ = reply.send(Err(error));
@@ -906,7 +948,7 @@ impl<M: ReplicatedMachine, D: ShellDuties<M>> Driver<M, D> {
             NodeRequest::ConfirmLeadership { term, reply } => {
                 match core.read_index_as_leader(term) {
                     Ok(token) => {
-                        waiters.reads.insert(token, reply);
+                        waiters.read(token, reply);
                     }
                     Err(error) => {
                         let _ = reply.send(Err(error));
