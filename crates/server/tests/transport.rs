@@ -476,23 +476,9 @@ async fn direct_writes_fill_the_socket(
 /// connections in tasks of that runtime, and their messages arrive as before.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_are_read_on_the_runtime_given_to_the_listener() {
-    let (runtime_sender, runtime_receiver) = std::sync::mpsc::channel();
-    let (stop_reader, reader_stopped) = oneshot::channel::<()>();
-    let reader_thread = std::thread::spawn(move || {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("a runtime builds");
-        runtime_sender
-            .send(runtime.handle().clone())
-            .expect("the test waits for the handle");
-        runtime.block_on(async {
-            let _ = reader_stopped.await;
-        });
-    });
-    let reader = runtime_receiver.recv().expect("the reader runtime starts");
+    let reader = ReaderRuntime::start();
     let state = PeerListenerState::new();
-    state.receive_on(reader.clone());
+    state.receive_on(reader.handle.clone());
     let mut listener = Listener::start_with_state(
         TransportConfig::new(CLUSTER_ID, 2),
         "127.0.0.1:0",
@@ -500,7 +486,7 @@ async fn connections_are_read_on_the_runtime_given_to_the_listener() {
         state,
     )
     .await;
-    assert_eq!(reader.metrics().num_alive_tasks(), 0);
+    assert_eq!(reader.handle.metrics().num_alive_tasks(), 0);
     let mut transport =
         PeerTransport::new(TransportConfig::new(CLUSTER_ID, 1)).expect("valid config");
     transport
@@ -511,14 +497,13 @@ async fn connections_are_read_on_the_runtime_given_to_the_listener() {
         assert_eq!(listener.receive().await, (1, sample_message(seq)));
     }
     assert_eq!(
-        reader.metrics().num_alive_tasks(),
+        reader.handle.metrics().num_alive_tasks(),
         1,
         "the connection is not read on the given runtime"
     );
     drop(transport);
     listener.stop().await;
-    let _ = stop_reader.send(());
-    reader_thread.join().expect("the reader thread ends");
+    reader.stop();
 }
 
 /// Transports for nodes 1 and 2, each with the other's listener as its peer.
