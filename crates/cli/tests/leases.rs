@@ -623,9 +623,10 @@ async fn a_continued_deposed_leader_does_not_answer_keepalives_itself() {
 /// A leader whose followers are both stopped cannot have its term confirmed, so it must not
 /// answer a keepalive, not even one it renews from memory alone (within the checkpoint
 /// interval of the lease's last record), where the driver starts the confirming round in the
-/// same turn as the renewal and answers once that round is in.
+/// same turn as the renewal and answers once that round is in; nor a TimeToLive, whose
+/// remaining TTL the driver reads from memory and confirms the same way.
 #[tokio::test(flavor = "multi_thread")]
-async fn a_leader_that_cannot_reach_a_quorum_does_not_answer_a_keepalive_renewed_from_memory() {
+async fn a_leader_that_cannot_reach_a_quorum_answers_neither_a_keepalive_nor_a_time_to_live() {
     let cluster = Cluster::start(3).await;
     let leader = cluster.wait_for_leader(Duration::from_secs(10)).await;
     let lease = grant(&cluster, leader, 5).await;
@@ -647,12 +648,24 @@ async fn a_leader_that_cannot_reach_a_quorum_does_not_answer_a_keepalive_renewed
             Paused::new(pid)
         })
         .collect();
+    // Both asked at once, right after the stop: a leader that hears no quorum steps down
+    // after an election timeout, and must not answer either before that.
     let (sender, stream) = keepalive.open.as_mut().expect("stream open");
     sender
         .send(LeaseKeepAliveRequest { id: lease })
         .await
         .expect("keepalive queued");
-    let answer = tokio::time::timeout(Duration::from_millis(1500), stream.message()).await;
+    let mut asked = lease_client(&cluster, leader);
+    let (answer, time_to_live) = tokio::join!(
+        tokio::time::timeout(Duration::from_millis(1500), stream.message()),
+        tokio::time::timeout(
+            Duration::from_millis(1500),
+            asked.lease_time_to_live(LeaseTimeToLiveRequest {
+                id: lease,
+                keys: false,
+            }),
+        ),
+    );
     drop(paused);
     println!("leader {leader} with both followers stopped: {answer:?}");
     if let Ok(Ok(Some(response))) = &answer {
@@ -660,6 +673,14 @@ async fn a_leader_that_cannot_reach_a_quorum_does_not_answer_a_keepalive_renewed
             response.ttl <= 0,
             "leader {leader} answered a keepalive with TTL {} while no follower could confirm its term",
             response.ttl
+        );
+    }
+    println!("TimeToLive on leader {leader} with both followers stopped: {time_to_live:?}");
+    if let Ok(Ok(response)) = &time_to_live {
+        assert!(
+            response.get_ref().ttl <= 0,
+            "leader {leader} answered TimeToLive with TTL {} while no follower could confirm its term",
+            response.get_ref().ttl
         );
     }
     // With the followers back, the lease is kept alive again.

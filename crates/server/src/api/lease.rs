@@ -326,7 +326,7 @@ impl Shared {
         })
     }
 
-    /// Holds a keepalive's (or TimeToLive's) answer until a quorum has confirmed, in a
+    /// Holds a keepalive's answer until a quorum has confirmed, in a
     /// ReadIndex round started after the renewal was recorded, that this node still leads
     /// the term it renewed in.
     ///
@@ -474,15 +474,15 @@ impl Shared {
         ctx: &CallContext,
         message: &pb::LeaseTimeToLiveRequest,
     ) -> Result<pb::LeaseTimeToLiveResponse, Status> {
-        let (remaining_ms, term) = tokio::time::timeout(
+        // Answered once a quorum has confirmed this node's term after the reading: a deposed
+        // leader's remaining TTL may be one the cluster has already ended.
+        let remaining_ms = tokio::time::timeout(
             ctx.remaining(),
             self.api.node.lease_remaining_ms(message.id),
         )
         .await
         .map_err(|_| to_status(Error::Timeout))?
         .map_err(to_status)?;
-        // A deposed leader's remaining TTL may be one the cluster has already ended.
-        self.confirm_leadership(ctx, term).await?;
         let found = self.api.node.read_state(|state| {
             let revision = state.revision();
             let lease = state.lease(message.id).map(|lease| {

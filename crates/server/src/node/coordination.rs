@@ -109,6 +109,27 @@ struct RenewalAfterRead {
     reply: oneshot::Sender<Result<Option<LeaseRenewal>, Error>>,
 }
 
+/// A remaining TTL, answered once the leadership round the driver started after reading it
+/// completes.
+struct RemainingAfterRead {
+    remaining_ms: Option<u64>,
+    reply: oneshot::Sender<Result<Option<u64>, Error>>,
+}
+
+impl AfterRead for RemainingAfterRead {
+    fn complete(self: Box<Self>, result: Result<(), Error>) {
+        let RemainingAfterRead {
+            remaining_ms,
+            reply,
+        } = *self;
+        let _ = reply.send(result.map(|()| remaining_ms));
+    }
+
+    fn abandoned(&self) -> bool {
+        self.reply.is_closed()
+    }
+}
+
 impl AfterRead for RenewalAfterRead {
     fn complete(self: Box<Self>, result: Result<(), Error>) {
         let RenewalAfterRead { renewal, reply } = *self;
@@ -128,11 +149,12 @@ pub(crate) enum LeaseRequest {
         id: i64,
         reply: oneshot::Sender<Result<Option<LeaseRenewal>, Error>>,
     },
-    /// The leader's remaining time to live of a lease (`None` when it does not exist), with
-    /// the term this node led when it read it.
+    /// The leader's remaining time to live of a lease (`None` when it does not exist),
+    /// answered once a ReadIndex round started right after the reading has confirmed that
+    /// this node still leads: a deposed leader's figure may be one the cluster has ended.
     Remaining {
         id: i64,
-        reply: oneshot::Sender<Result<(Option<u64>, u64), Error>>,
+        reply: oneshot::Sender<Result<Option<u64>, Error>>,
     },
     /// The keepalive stream of renewal `stamp` ended without a goodbye.
     Orphaned {
@@ -271,9 +293,9 @@ impl NodeHandle {
             .await
     }
 
-    /// The leader's remaining TTL of a lease (`None` when it does not exist), with the term
-    /// this node led when it read it.
-    pub async fn lease_remaining_ms(&self, id: i64) -> Result<(Option<u64>, u64), Error> {
+    /// The leader's remaining TTL of a lease (`None` when it does not exist), once a quorum
+    /// has confirmed, after the reading, that this node still leads. Leader only.
+    pub async fn lease_remaining_ms(&self, id: i64) -> Result<Option<u64>, Error> {
         self.node
             .ask(|reply| NodeRequest::Duty(LeaseRequest::Remaining { id, reply }))
             .await
@@ -438,8 +460,27 @@ impl ShellDuties<StateMachine> for CoordinationDuties {
             }
             LeaseRequest::Remaining { id, reply } => {
                 let term = core.raw().term();
-                let remaining = self.leader.lease_remaining_ms(core, id);
-                let _ = reply.send(remaining.map(|remaining| (remaining, term)));
+                let remaining_ms = match self.leader.lease_remaining_ms(core, id) {
+                    Ok(remaining_ms) => remaining_ms,
+                    Err(error) => {
+                        let _ = reply.send(Err(error));
+                        return;
+                    }
+                };
+                // The round starts after the reading, in the same turn, so the caller wakes
+                // once, with a figure a quorum has since confirmed this term for.
+                match core.read_index_as_leader(term) {
+                    Ok(token) => waiters.after_read(
+                        token,
+                        Box::new(RemainingAfterRead {
+                            remaining_ms,
+                            reply,
+                        }),
+                    ),
+                    Err(error) => {
+                        let _ = reply.send(Err(error));
+                    }
+                }
             }
             LeaseRequest::Orphaned { id, stamp, reply } => {
                 let _ = reply.send(Ok(self.leader.lease_orphan(core, id, stamp)));
