@@ -15,7 +15,7 @@
 use std::collections::VecDeque;
 use std::io;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 
 use bytes::Bytes;
 use conclave_raft::{
@@ -160,12 +160,57 @@ impl EntryCache {
 }
 
 /// Where the current snapshot's image is: a follower that falls behind the log needs it whole.
+///
+/// An image (hundreds of MB for a large state) stays in memory only while a copy handed out is
+/// alive: a transfer to a follower under way, or the Ready that installs it. Held for good, it
+/// would sit beside the state it encodes on every member that started from it, received it or
+/// sent it, until the next snapshot; snapshots are sent rarely, and the file has it.
 enum HeldImage {
     /// Only in its file (read when a follower first needs it).
     Absent,
-    Loaded(Bytes),
+    /// In memory while someone holds a copy of it: handed out again from here, and gone
+    /// (freed on the release thread) with the last copy.
+    Lent(Weak<ImageBuffer>),
     /// Being read from its file on a helper thread.
     Loading(std::sync::mpsc::Receiver<Result<Bytes>>),
+}
+
+/// An image handed out as [`Bytes`] that the storage can find again while any copy is alive.
+struct ImageBuffer {
+    image: Option<Bytes>,
+}
+
+impl Drop for ImageBuffer {
+    fn drop(&mut self) {
+        // The last copy is usually dropped on the Raft thread (a transfer finished, a snapshot
+        // installed), which must not spend milliseconds freeing a large image.
+        if let Some(image) = self.image.take() {
+            crate::release::release(image);
+        }
+    }
+}
+
+/// What a lent [`Bytes`] owns: one strong reference to the buffer.
+struct LentImage(Arc<ImageBuffer>);
+
+impl AsRef<[u8]> for LentImage {
+    fn as_ref(&self) -> &[u8] {
+        self.0.image.as_deref().unwrap_or_default()
+    }
+}
+
+/// Hands `image` out, keeping only a weak reference to it for the next asker.
+fn lend(image: Bytes) -> (Bytes, HeldImage) {
+    let buffer = Arc::new(ImageBuffer { image: Some(image) });
+    let held = HeldImage::Lent(Arc::downgrade(&buffer));
+    (Bytes::from_owner(LentImage(buffer)), held)
+}
+
+/// Another copy of a lent image, if any copy is still alive.
+fn borrow(buffer: &Weak<ImageBuffer>) -> Option<Bytes> {
+    buffer
+        .upgrade()
+        .map(|buffer| Bytes::from_owner(LentImage(buffer)))
 }
 
 /// Durable Raft storage: a write-ahead log plus snapshot files, in one locked directory.
@@ -350,7 +395,6 @@ impl WalStorage {
         let writer = self.begin_snapshot(meta)?;
         let file = writer.finish()?;
         self.record_snapshot(file, false)?;
-        self.set_snapshot_data(Some(Bytes::new()));
         self.set_hard_state(hard_state)?;
         self.wal.sync()?;
         Ok(())
@@ -492,7 +536,6 @@ impl WalStorage {
         writer.write_chunk(&data)?;
         let file = writer.finish()?;
         self.record_created_snapshot(file)?;
-        self.set_snapshot_data(Some(data));
         Ok(())
     }
 
@@ -502,7 +545,6 @@ impl WalStorage {
         writer.write_chunk(&snapshot.data)?;
         let file = writer.finish()?;
         self.install_snapshot(file)?;
-        self.set_snapshot_data(Some(snapshot.data));
         Ok(())
     }
 
@@ -534,7 +576,7 @@ impl WalStorage {
             self.cache = EntryCache::default();
         }
         self.snapshot_file = Some(file);
-        self.set_snapshot_data(None);
+        self.forget_snapshot_data();
         Ok(())
     }
 
@@ -587,6 +629,17 @@ impl WalStorage {
             return Ok(Snapshot::default());
         };
         let mut held = self.lock_snapshot_data();
+        if let HeldImage::Lent(buffer) = &*held {
+            match borrow(buffer) {
+                Some(data) => {
+                    return Ok(Snapshot {
+                        meta: file.meta.clone(),
+                        data,
+                    });
+                }
+                None => *held = HeldImage::Absent,
+            }
+        }
         if let HeldImage::Loading(reading) = &*held {
             let answer = match read {
                 ImageRead::Now => reading.recv().ok(),
@@ -599,7 +652,14 @@ impl WalStorage {
                 },
             };
             match answer {
-                Some(Ok(data)) => *held = HeldImage::Loaded(data),
+                Some(Ok(data)) => {
+                    let (data, lent) = lend(data);
+                    *held = lent;
+                    return Ok(Snapshot {
+                        meta: file.meta.clone(),
+                        data,
+                    });
+                }
                 Some(Err(error)) => {
                     *held = HeldImage::Absent;
                     return Err(to_storage_error(error));
@@ -607,12 +667,6 @@ impl WalStorage {
                 // A reader that stopped without an answer: read again below.
                 None => *held = HeldImage::Absent,
             }
-        }
-        if let HeldImage::Loaded(data) = &*held {
-            return Ok(Snapshot {
-                meta: file.meta.clone(),
-                data: data.clone(),
-            });
         }
         if read == ImageRead::InBackground {
             let disk = self.disk.clone();
@@ -630,7 +684,8 @@ impl WalStorage {
             }
         }
         let data = read_image(self.disk.as_ref(), file.clone()).map_err(to_storage_error)?;
-        *held = HeldImage::Loaded(data.clone());
+        let (data, lent) = lend(data);
+        *held = lent;
         Ok(Snapshot {
             meta: file.meta.clone(),
             data,
@@ -645,19 +700,16 @@ impl WalStorage {
         }
     }
 
-    /// Replaces the image kept for followers; the old one is freed off this thread. A read
-    /// still under way is abandoned: its thread frees what it read.
-    fn set_snapshot_data(&self, data: Option<Bytes>) {
-        let held = data.map_or(HeldImage::Absent, HeldImage::Loaded);
-        let replaced = std::mem::replace(&mut *self.lock_snapshot_data(), held);
-        let replaced = match replaced {
-            HeldImage::Loaded(image) => Some(image),
+    /// Forgets the image lent for followers: a new snapshot replaced it. A copy still held
+    /// elsewhere lives on with its holder; a read still under way is abandoned (its thread
+    /// frees what it read). The new image is read from its file when a follower needs it.
+    fn forget_snapshot_data(&self) {
+        let replaced = std::mem::replace(&mut *self.lock_snapshot_data(), HeldImage::Absent);
+        if let HeldImage::Loading(reading) = replaced {
             // A read that finished but was never asked for holds an image too.
-            HeldImage::Loading(reading) => reading.try_recv().ok().and_then(|read| read.ok()),
-            HeldImage::Absent => None,
-        };
-        if let Some(replaced) = replaced {
-            crate::release::release(replaced);
+            if let Ok(Ok(image)) = reading.try_recv() {
+                crate::release::release(image);
+            }
         }
     }
 

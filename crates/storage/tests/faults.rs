@@ -344,12 +344,10 @@ fn a_snapshot_written_on_another_thread_while_the_log_grows_is_recorded() {
     assert_eq!(storage.snapshot().expect("snapshot").meta.index, 100);
 }
 
-/// With `snapshot_read_in_background`, an image that is only in its file is read on a helper
-/// thread: the caller hears "temporarily unavailable" until it is read, never waits for it;
-/// `load_snapshot` reads at once; a newer snapshot abandons a read under way.
-#[test]
-fn an_image_only_on_disk_is_read_in_the_background_when_asked() {
-    let disk = SimDisk::new(7, SimDiskOptions::default());
+/// A storage on a fresh simulated disk that reads snapshot images on a helper thread, as the
+/// server's does, with entries 1 to 100 in its log.
+fn reading_in_the_background(seed: u64) -> WalStorage {
+    let disk = SimDisk::new(seed, SimDiskOptions::default());
     let options = conclave_storage::StorageOptions {
         snapshot_read_in_background: true,
         ..small_options()
@@ -358,30 +356,29 @@ fn an_image_only_on_disk_is_read_in_the_background_when_asked() {
     for index in 1..=100 {
         storage.append(&[entry(index, 1, 50)]).expect("append");
     }
-    let record = |storage: &mut WalStorage, index: u64, image: &[u8]| {
-        let mut writer = storage
-            .begin_snapshot(conclave_raft::SnapshotMeta {
-                index,
-                term: 1,
-                conf_state: ConfState::with_voters([1]),
-            })
-            .expect("begin");
-        writer.write_chunk(image).expect("chunk");
-        let file = writer.finish().expect("finish");
-        storage.record_created_snapshot(file).expect("record");
-    };
-    record(&mut storage, 60, b"state@60");
-    assert_eq!(
-        storage.snapshot().map(|s| s.meta.index),
-        Err(conclave_raft::StorageError::SnapshotTemporarilyUnavailable),
-        "the first ask starts the read and does not wait for it"
-    );
-    // A newer snapshot abandons that read; asking again reads the newer one.
-    record(&mut storage, 80, b"state@80");
+    storage
+}
+
+/// Writes `image` as the snapshot at `index` and records it.
+fn record_image(storage: &mut WalStorage, index: u64, image: &[u8]) {
+    let mut writer = storage
+        .begin_snapshot(conclave_raft::SnapshotMeta {
+            index,
+            term: 1,
+            conf_state: ConfState::with_voters([1]),
+        })
+        .expect("begin");
+    writer.write_chunk(image).expect("chunk");
+    let file = writer.finish().expect("finish");
+    storage.record_created_snapshot(file).expect("record");
+}
+
+/// Asks for the snapshot until its image has been read.
+fn snapshot_once_read(storage: &WalStorage) -> conclave_raft::Snapshot {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    let snapshot = loop {
+    loop {
         match storage.snapshot() {
-            Ok(snapshot) => break snapshot,
+            Ok(snapshot) => return snapshot,
             Err(conclave_raft::StorageError::SnapshotTemporarilyUnavailable) => {
                 assert!(
                     std::time::Instant::now() < deadline,
@@ -391,18 +388,86 @@ fn an_image_only_on_disk_is_read_in_the_background_when_asked() {
             }
             Err(other) => panic!("reading the image failed: {other}"),
         }
-    };
+    }
+}
+
+const STILL_READING: Result<u64, conclave_raft::StorageError> =
+    Err(conclave_raft::StorageError::SnapshotTemporarilyUnavailable);
+
+/// With `snapshot_read_in_background`, an image that is only in its file is read on a helper
+/// thread: the caller hears "temporarily unavailable" until it is read, never waits for it;
+/// `load_snapshot` reads at once; a newer snapshot abandons a read under way.
+#[test]
+fn an_image_only_on_disk_is_read_in_the_background_when_asked() {
+    let mut storage = reading_in_the_background(7);
+    record_image(&mut storage, 60, b"state@60");
+    assert_eq!(
+        storage.snapshot().map(|s| s.meta.index),
+        STILL_READING,
+        "the first ask starts the read and does not wait for it"
+    );
+    // A newer snapshot abandons that read; asking again reads the newer one.
+    record_image(&mut storage, 80, b"state@80");
+    let snapshot = snapshot_once_read(&storage);
     assert_eq!(
         (snapshot.meta.index, snapshot.data.as_ref()),
         (80, &b"state@80"[..])
     );
-    // Once read, it is held: the next ask answers at once.
+    // Once read, it is held while a copy is: the next ask answers at once.
     assert_eq!(storage.snapshot().expect("held").data.as_ref(), b"state@80");
     // load_snapshot never answers "temporarily unavailable".
-    record(&mut storage, 90, b"state@90");
+    record_image(&mut storage, 90, b"state@90");
     assert_eq!(
         storage.load_snapshot().expect("loaded").data.as_ref(),
         b"state@90"
+    );
+}
+
+/// An image read from its file, or received from a leader, stays in memory only while a copy
+/// of it is held (a transfer under way): the storage hands out the same copy while one is
+/// alive, and reads the file again once none is, instead of keeping hundreds of MB beside
+/// the state until the next snapshot.
+#[test]
+fn an_image_stays_in_memory_only_while_a_copy_is_held() {
+    let mut storage = reading_in_the_background(8);
+    record_image(&mut storage, 60, b"state@60");
+
+    // Read at start-up: while that copy is held, a follower's ask gets the same bytes at once.
+    let loaded = storage.load_snapshot().expect("loaded");
+    let lent = storage.snapshot().expect("held while a copy is alive");
+    assert_eq!(lent.data.as_ref(), b"state@60");
+    assert_eq!(
+        lent.data.as_ptr(),
+        loaded.data.as_ptr(),
+        "a second copy of one image, not a second read"
+    );
+    // With every copy gone the image is no longer in memory: the next ask reads the file.
+    drop((loaded, lent));
+    assert_eq!(
+        storage.snapshot().map(|s| s.meta.index),
+        STILL_READING,
+        "the image was kept after its last copy was dropped"
+    );
+
+    // A snapshot installed from a leader is not kept either.
+    let installed = conclave_raft::Snapshot {
+        meta: conclave_raft::SnapshotMeta {
+            index: 150,
+            term: 2,
+            conf_state: ConfState::with_voters([1]),
+        },
+        data: bytes::Bytes::from_static(b"state@150"),
+    };
+    storage.apply_snapshot(installed).expect("install");
+    assert_eq!(
+        storage.snapshot().map(|s| s.meta.index),
+        STILL_READING,
+        "the installed image was kept"
+    );
+    let read = snapshot_once_read(&storage);
+    assert_eq!(
+        (read.meta.index, read.data.as_ref()),
+        (150, &b"state@150"[..])
     );
 }
 
