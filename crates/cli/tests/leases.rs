@@ -635,19 +635,7 @@ async fn a_leader_that_cannot_reach_a_quorum_answers_neither_a_keepalive_nor_a_t
     // within the checkpoint interval after it, is renewed from the keeper's memory.
     let (_, first) = keepalive.until_acked(lease, Duration::from_secs(5)).await;
     assert!(first.ttl > 0, "first keepalive: {first:?}");
-    let paused: Vec<Paused> = cluster
-        .live_ids()
-        .into_iter()
-        .filter(|&id| id != leader)
-        .map(|id| {
-            let pid = cluster.nodes[(id - 1) as usize]
-                .child
-                .as_ref()
-                .expect("follower running")
-                .id();
-            Paused::new(pid)
-        })
-        .collect();
+    let paused = cluster.pause_all_but(leader);
     // Both asked at once, right after the stop: a leader that hears no quorum steps down
     // after an election timeout, and must not answer either before that.
     let (sender, stream) = keepalive.open.as_mut().expect("stream open");

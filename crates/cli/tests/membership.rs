@@ -540,3 +540,40 @@ async fn a_learner_catches_up_while_the_leader_snapshots_faster_than_it_can_send
         written.load(std::sync::atomic::Ordering::SeqCst)
     );
 }
+
+/// MemberList with etcd's `linearizable` flag answers only once a quorum has confirmed the
+/// commit index the list must include; without it, a member answers from what it has applied,
+/// even cut off from everyone.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_linearizable_member_list_needs_a_quorum_and_a_serializable_one_does_not() {
+    let cluster = Cluster::start(3).await;
+    cluster.wait_for_leader(WRITE_TIMEOUT).await;
+    let asked = 1;
+    let mut client = cluster_client(&cluster, asked);
+    // The connection is up before the others stop.
+    assert_eq!(members(&cluster, asked).await.len(), 3);
+    let paused = cluster.pause_all_but(asked);
+    let serializable = tokio::time::timeout(
+        Duration::from_millis(1500),
+        client.member_list(MemberListRequest {
+            linearizable: false,
+        }),
+    )
+    .await;
+    let linearizable = tokio::time::timeout(
+        Duration::from_millis(1500),
+        client.member_list(MemberListRequest { linearizable: true }),
+    )
+    .await;
+    drop(paused);
+    let listed = serializable
+        .expect("a serializable list answers at once")
+        .expect("serializable list")
+        .into_inner()
+        .members;
+    assert_eq!(listed.len(), 3, "{listed:?}");
+    assert!(
+        !matches!(linearizable, Ok(Ok(_))),
+        "member {asked} answered a linearizable MemberList with no quorum reachable: {linearizable:?}"
+    );
+}

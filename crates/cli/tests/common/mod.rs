@@ -441,6 +441,16 @@ impl Cluster {
             .collect()
     }
 
+    /// Stops every running member but `keep` with SIGSTOP, until the guards are dropped.
+    pub fn pause_all_but(&self, keep: u64) -> Vec<Paused> {
+        self.nodes
+            .iter()
+            .filter(|n| n.id != keep)
+            .filter_map(|n| n.child.as_ref())
+            .map(|child| Paused::new(child.id()))
+            .collect()
+    }
+
     pub async fn kv(&self, id: u64) -> KvClient<Channel> {
         KvClient::new(self.channel(id))
     }

@@ -260,8 +260,14 @@ impl Cluster for ClusterService {
 
     async fn member_list(
         &self,
-        _request: tonic::Request<pb::MemberListRequest>,
+        request: tonic::Request<pb::MemberListRequest>,
     ) -> Result<tonic::Response<pb::MemberListResponse>, Status> {
+        if request.get_ref().linearizable {
+            // etcd's `linearizable` flag: the list includes every configuration change
+            // committed before the call, not only those this member has heard of.
+            let ctx = CallContext::new(&request, self.api.config.request_timeout_ms);
+            self.api.linearizable_barrier(&ctx).await?;
+        }
         Ok(tonic::Response::new(pb::MemberListResponse {
             header: Some(self.api.header(NO_REVISION)),
             members: self.members(),
