@@ -706,10 +706,12 @@ fn check_events(
             .or_default()
             .extend(found);
     }
+    let slow_clocks = SlowClock::from_faults(&history::pair(get("faults")).unwrap_or_default());
     for name in ["lock", "election"] {
         if !get(name).is_empty() {
             let ops = paired(name, get(name), &mut report);
-            let found = checkers::fence::check(&ops);
+            let hold_ttl_us = workloads::HOLD_TTL.as_micros() as u64;
+            let found = checkers::fence::check_with_slow_clocks(&ops, &slow_clocks, hold_ttl_us);
             report
                 .anomalies
                 .entry(name.into())
@@ -742,7 +744,6 @@ fn check_events(
             slack_us: LEASE_SLACK.as_micros() as u64,
             clock_drift_ppm: if skewed { SKEW_DRIFT_PPM } else { 0 },
         };
-        let slow_clocks = SlowClock::from_faults(&history::pair(get("faults")).unwrap_or_default());
         let found = checkers::lease::check_with_slow_clocks(&ops, bounds, windows, &slow_clocks);
         report
             .anomalies

@@ -3,7 +3,9 @@
 use std::time::{Duration, Instant};
 
 use conclave_proto::etcdserverpb::cluster_client::ClusterClient;
-use conclave_proto::etcdserverpb::{MemberAddRequest, MemberPromoteRequest, MemberRemoveRequest};
+use conclave_proto::etcdserverpb::{
+    MemberAddRequest, MemberListRequest, MemberPromoteRequest, MemberRemoveRequest,
+};
 use serde_json::json;
 
 use crate::cluster::Cluster;
@@ -166,22 +168,36 @@ async fn start_fault(
         Family::Member => {
             // Replace a member: remove it from the configuration, stop it, and add a fresh
             // node at its address as a learner under a new id, promoted when the fault ends.
-            // Voters never drop below a majority of the founding ones.
-            let voters = cluster.members.iter().filter(|m| !m.learner).count();
+            // Voters never drop below a majority of the founding ones, counted in the
+            // configuration itself: a membership call whose answer was lost may have taken
+            // effect all the same.
+            let Some((listed, _)) = configuration(cluster).await else {
+                return (String::new(), None);
+            };
+            let voters = listed.iter().filter(|m| !m.learner).count();
             let victim = pick(rng);
-            let was_voter = !cluster.members[victim].learner;
-            if was_voter && voters - 1 < n / 2 + 1 {
+            let old_id = cluster.members[victim].id;
+            let was_voter = listed.iter().any(|m| m.id == old_id && !m.learner);
+            if was_voter && voters.saturating_sub(1) < n / 2 + 1 {
                 return (String::new(), None);
             }
-            let old_id = cluster.members[victim].id;
-            let removed = membership_call(cluster, |mut c| async move {
-                c.member_remove(MemberRemoveRequest { id: old_id })
-                    .await
-                    .map(|_| ())
-            })
-            .await;
-            if removed.is_none() {
-                return (String::new(), None);
+            if listed.iter().any(|m| m.id == old_id) {
+                let answered = membership_call(cluster, |mut c| async move {
+                    c.member_remove(MemberRemoveRequest { id: old_id })
+                        .await
+                        .map(|_| ())
+                })
+                .await
+                .is_some();
+                // A removal whose answer was lost, retried on another member, hears "member
+                // not found": the configuration says whether it took effect.
+                let removed = answered
+                    || configuration(cluster)
+                        .await
+                        .is_some_and(|(listed, _)| listed.iter().all(|m| m.id != old_id));
+                if !removed {
+                    return (String::new(), None);
+                }
             }
             cluster.kill(victim);
             cluster.members[victim].learner = true;
@@ -320,15 +336,45 @@ where
     None
 }
 
+/// A member of the configuration, as MemberList reports it.
+struct Listed {
+    id: u64,
+    peer_url: String,
+    learner: bool,
+}
+
+/// The configuration, read linearizably (it includes every change committed before the call),
+/// with the cluster id; `None` when no member answered.
+async fn configuration(cluster: &Cluster) -> Option<(Vec<Listed>, u64)> {
+    membership_call(cluster, |mut c| async move {
+        c.member_list(MemberListRequest { linearizable: true })
+            .await
+            .map(|answer| {
+                let answer = answer.into_inner();
+                let listed = answer
+                    .members
+                    .into_iter()
+                    .map(|m| Listed {
+                        id: m.id,
+                        peer_url: m.peer_ur_ls.into_iter().next().unwrap_or_default(),
+                        learner: m.is_learner,
+                    })
+                    .collect();
+                (listed, answer.header.map_or(0, |h| h.cluster_id))
+            })
+    })
+    .await
+}
+
 /// Adds a fresh learner at member `index`'s address and starts it; its new id, if added.
 async fn add_learner(cluster: &mut Cluster, index: usize) -> Option<u64> {
     let peer = format!("http://{}", cluster.net.places[index].peer_addr);
     // The removed record may still be there for a moment (the joint phase needs it).
     let mut added = None;
     for _ in 0..5 {
-        let peer = peer.clone();
+        let asked = peer.clone();
         added = membership_call(cluster, move |mut c| {
-            let peer = peer.clone();
+            let peer = asked.clone();
             async move {
                 c.member_add(MemberAddRequest {
                     peer_ur_ls: vec![peer],
@@ -345,6 +391,18 @@ async fn add_learner(cluster: &mut Cluster, index: usize) -> Option<u64> {
         .await
         .flatten();
         if added.is_some() {
+            break;
+        }
+        // An add whose answer was lost may have taken effect, and a retry would be refused
+        // ("Peer URLs already exists"): take the member the configuration lists at this
+        // address (not the removed one, whose record may linger for a moment).
+        let removed_id = cluster.members[index].id;
+        if let Some((listed, cluster_id)) = configuration(cluster).await
+            && let Some(member) = listed
+                .iter()
+                .find(|m| m.peer_url == peer && m.id != removed_id)
+        {
+            added = Some((member.id, cluster_id));
             break;
         }
         tokio::time::sleep(Duration::from_millis(300)).await;
@@ -394,7 +452,12 @@ async fn undo_fault(cluster: &mut Cluster, undo: Undo) {
                         .map(|_| ())
                 })
                 .await;
-                if promoted.is_some() {
+                // A promotion whose answer was lost counts if the configuration shows it.
+                let promoted = promoted.is_some()
+                    || configuration(cluster)
+                        .await
+                        .is_some_and(|(listed, _)| listed.iter().any(|m| m.id == id && !m.learner));
+                if promoted {
                     cluster.members[index].learner = false;
                     return;
                 }

@@ -309,23 +309,26 @@ impl Resource {
         })
     }
 
-    /// One write under `fence`, recorded; true when accepted.
+    /// One write under `fence`, recorded with the time left before the holder's conservative
+    /// lease deadline (`None`: past it); true when accepted.
     pub fn write(
         &self,
         history: &Recorder,
         process: u64,
         key: &str,
         fence: u64,
-        within_deadline: bool,
+        deadline_left: Option<Duration>,
     ) -> bool {
         let mut highest = self.highest.lock().unwrap_or_else(|p| p.into_inner());
-        history.record(
-            process,
-            Kind::Invoke,
-            "resource",
-            key,
-            json!({"fence": fence, "within_deadline": within_deadline}),
-        );
+        let args = match deadline_left {
+            Some(left) => json!({
+                "fence": fence,
+                "within_deadline": true,
+                "deadline_left_us": left.as_micros() as u64,
+            }),
+            None => json!({"fence": fence, "within_deadline": false}),
+        };
+        history.record(process, Kind::Invoke, "resource", key, args);
         let accepted = !self.fenced || fence >= *highest;
         if accepted {
             *highest = (*highest).max(fence);
@@ -334,6 +337,13 @@ impl Resource {
         history.record(process, kind, "resource", key, Value::Null);
         accepted
     }
+}
+
+/// The time from now until `deadline`; `None` once it has passed.
+fn time_left(deadline: Instant) -> Option<Duration> {
+    deadline
+        .checked_duration_since(Instant::now())
+        .filter(|left| !left.is_zero())
 }
 
 /// Lock holders writing to a fenced resource. Each keeps its own lease alive by hand, so a
@@ -427,18 +437,18 @@ pub async fn lock(
                 }
                 next_keepalive = sent + HOLD_TTL / 4;
             }
-            let within = Instant::now() < safety.local_deadline(last_ack_sent, HOLD_TTL);
-            if !within {
+            let left = time_left(safety.local_deadline(last_ack_sent, HOLD_TTL));
+            if left.is_none() {
                 break;
             }
-            resource.write(&history, process, name, fence, true);
+            resource.write(&history, process, name, fence, left);
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         if pause {
             // A stopped holder: no keepalives, no work, then one write with its old fence.
             tokio::time::sleep(HOLD_TTL + PAUSE_PAST_TTL).await;
-            let within = Instant::now() < safety.local_deadline(last_ack_sent, HOLD_TTL);
-            resource.write(&history, process, name, fence, within);
+            let left = time_left(safety.local_deadline(last_ack_sent, HOLD_TTL));
+            resource.write(&history, process, name, fence, left);
         }
         // Release: delete our key only if it is still ours, then end the lease.
         let unlock = Txn::new()
@@ -497,22 +507,27 @@ pub async fn election(
         let hold_until = Instant::now() + Duration::from_millis(300 + rng.below(1500));
         let pause = rng.below(1000) < pause_per_mille;
         while Instant::now() < hold_until {
-            let within = leadership.lost_reason().is_none()
-                && leadership
-                    .lease_deadline()
-                    .is_some_and(|d| Instant::now() < d);
-            if !within {
+            let left = leadership
+                .lease_deadline()
+                .filter(|_| leadership.lost_reason().is_none())
+                .and_then(time_left);
+            if left.is_none() {
                 break;
             }
-            resource.write(&history, process, group, fence, true);
+            resource.write(&history, process, group, fence, left);
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         if pause {
             let deadline = leadership.lease_deadline();
             leadership.abandon();
             tokio::time::sleep(HOLD_TTL + PAUSE_PAST_TTL).await;
-            let within = deadline.is_some_and(|d| Instant::now() < d);
-            resource.write(&history, process, group, fence, within);
+            resource.write(
+                &history,
+                process,
+                group,
+                fence,
+                deadline.and_then(time_left),
+            );
         } else {
             let _ = leadership.resign().await;
         }
@@ -795,6 +810,15 @@ const QUEUE_CLAIM_WAIT: Duration = Duration::from_millis(200);
 const QUEUE_MAX_ATTEMPTS: u32 = 10_000;
 /// How long the workers may take to empty the queue once the run is over.
 const QUEUE_DRAIN_MAX: Duration = Duration::from_secs(30);
+/// Jobs waiting (ready or claimed) at which producers hold off. The workers are slower than
+/// the producers (two calls per job, and one claim in twenty dawdles past its timeout), so
+/// without a cap the backlog grows with the run's length: a 15-minute run left 100,000 jobs,
+/// more than the workers drain in `QUEUE_DRAIN_MAX`, and the checker could not judge lost jobs.
+const QUEUE_BACKLOG_MAX: u64 = 2_000;
+/// Pushes between two looks at the backlog.
+const QUEUE_BACKLOG_CHECK_EVERY: u64 = 50;
+/// How long a producer holding off waits before it looks again.
+const QUEUE_BACKLOG_WAIT: Duration = Duration::from_millis(200);
 
 /// Pushes unique jobs (`p<process>-<n>`) to the queue, in the client's exactly-once session.
 pub async fn producer(ctx: Ctx, process: u64, history: Recorder) {
@@ -803,6 +827,20 @@ pub async fn producer(ctx: Ctx, process: u64, history: Recorder) {
     let mut counter = 0u64;
     while ctx.running() {
         counter += 1;
+        if counter.is_multiple_of(QUEUE_BACKLOG_CHECK_EVERY) {
+            // Stats that cannot be read (a fault) do not hold the producer up.
+            while ctx.running()
+                && queues.stats(QUEUE).await.is_ok_and(|stats| {
+                    stats
+                        .iter()
+                        .map(|queue| queue.ready + queue.in_flight)
+                        .sum::<u64>()
+                        >= QUEUE_BACKLOG_MAX
+                })
+            {
+                tokio::time::sleep(QUEUE_BACKLOG_WAIT).await;
+            }
+        }
         let payload = format!("p{process}-{counter}");
         history.record(process, Kind::Invoke, "push", QUEUE, json!(payload));
         let options = conclave_client::PushOptions {

@@ -412,6 +412,75 @@ fn negative_control_a_refused_holder_within_its_lease_is_an_exclusion_violation(
     );
 }
 
+/// A refused write `left_us` before the holder's deadline, at `t`.
+fn refused_with_time_left(process: u64, fence: u64, left_us: u64, t: u64) -> Op {
+    op(
+        process,
+        "resource",
+        "election",
+        json!({"fence": fence, "within_deadline": true, "deadline_left_us": left_us}),
+        Kind::Fail,
+        Value::Null,
+        t,
+        t + 1,
+    )
+}
+
+/// The case of the 15-minute run of 2026-12-07 (seed 11): the only voter led with its clock at
+/// rate 0.5 for 2.9 s and was then restarted at the real rate; a holder whose session it had
+/// renewed was refused 0.6 s before its own deadline, as the leader resumed the lease at the
+/// deadline the slow clock had stamped. Allowed for up to the clock's lag, and no further.
+#[test]
+fn a_refusal_a_slow_clocks_lag_explains_is_allowed_and_no_other() {
+    const TTL_US: u64 = 2_000_000;
+    let slow = lease::SlowClock {
+        start_us: 597_611_141,
+        end_us: 600_511_669,
+        rate: 0.5,
+    };
+    // The clock's lag once it stopped: (end - (start - 0.2 s)) * 0.5, about 1.55 s.
+    let lag_us = slow.lag_us(601_428_912);
+    assert!((1_500_000..1_600_000).contains(&lag_us), "{lag_us}");
+    let history = |left_us: u64| {
+        vec![
+            acquire(303, 152_270, 600_024_517, 600_457_583),
+            acquire(302, 152_401, 600_681_901, 601_413_781),
+            refused_with_time_left(303, 152_270, left_us, 601_428_912),
+        ]
+    };
+    let exclusions = |ops: &[Op], clocks: &[lease::SlowClock]| {
+        fence::check_with_slow_clocks(ops, clocks, TTL_US)
+            .into_iter()
+            .filter(|a| a.starts_with("exclusion"))
+            .count()
+    };
+    assert_eq!(exclusions(&history(600_000), &[slow]), 0);
+    assert_eq!(exclusions(&history(lag_us), &[slow]), 0);
+    // Earlier than the lag allows, or without the slow clock, it is two holders at once.
+    assert_eq!(exclusions(&history(lag_us + 1), &[slow]), 1);
+    assert_eq!(exclusions(&history(600_000), &[]), 1);
+    // A slow clock that was over more than a TTL before the refusal stamped nothing still
+    // valid then.
+    let long_over = lease::SlowClock {
+        start_us: 590_000_000,
+        end_us: 599_000_000,
+        rate: 0.5,
+    };
+    assert_eq!(exclusions(&history(600_000), &[long_over]), 1);
+    // A write recorded without the time left (older histories) is judged as before.
+    assert_eq!(
+        exclusions(
+            &[
+                acquire(1, 10, 0, 5),
+                acquire(2, 12, 1, 6),
+                write(1, 10, true, false, 600_500_000)
+            ],
+            &[slow]
+        ),
+        1
+    );
+}
+
 #[test]
 fn negative_control_reused_and_backward_fences_are_caught() {
     let reused = fence::check(&[acquire(1, 10, 0, 5), acquire(2, 10, 10, 15)]);

@@ -9,7 +9,11 @@
 //! - `fence-reused`: two acquisitions got the same fence;
 //! - `fence-order`: an acquisition that began after another had completed got a lower fence;
 //! - `exclusion`: the resource refused a holder whose lease was still valid by the client's
-//!   conservative local deadline, so someone else held the lock while it did;
+//!   conservative local deadline, so someone else held the lock while it did. Under the skew
+//!   nemesis a member whose clock ran slow may have stamped the lease's deadline early by its
+//!   lag (the lease checker's finding 8): a refusal that came no earlier than that lag before
+//!   the holder's deadline (`deadline_left_us`), with the slow clock running within a TTL
+//!   before it, is allowed; any other is not;
 //! - `interleaved`: the resource accepted a write of an older tenure after one of a newer
 //!   tenure — two holders acting at once. A fenced resource cannot let this happen; an unfenced
 //!   one (the negative control) does when a paused holder wakes up.
@@ -18,6 +22,7 @@ use std::collections::BTreeMap;
 
 use serde_json::Value;
 
+use crate::checkers::lease::SlowClock;
 use crate::history::{Kind, Op};
 
 fn fence_of(value: &Value) -> Option<u64> {
@@ -26,6 +31,12 @@ fn fence_of(value: &Value) -> Option<u64> {
 
 /// Returns one sentence per anomaly.
 pub fn check(ops: &[Op]) -> Vec<String> {
+    check_with_slow_clocks(ops, &[], 0)
+}
+
+/// [`check`], allowing a refusal within the holder's deadline by no more than the lag of a
+/// member's slow clock that ran within `ttl_us` before it (see the module's `exclusion`).
+pub fn check_with_slow_clocks(ops: &[Op], slow_clocks: &[SlowClock], ttl_us: u64) -> Vec<String> {
     let mut anomalies = Vec::new();
     let acquires: Vec<(&Op, u64)> = ops
         .iter()
@@ -64,8 +75,19 @@ pub fn check(ops: &[Op]) -> Vec<String> {
             .get("within_deadline")
             .and_then(Value::as_bool)
             .unwrap_or(false);
+        let slow_clock_lag_us = slow_clocks
+            .iter()
+            .filter(|clock| clock.end_us.saturating_add(ttl_us) >= op.invoke_us)
+            .map(|clock| clock.lag_us(op.complete_us))
+            .max()
+            .unwrap_or(0);
+        let stamped_early = op
+            .args
+            .get("deadline_left_us")
+            .and_then(Value::as_u64)
+            .is_some_and(|left_us| left_us <= slow_clock_lag_us);
         match op.outcome {
-            Kind::Fail if within => anomalies.push(format!(
+            Kind::Fail if within && !stamped_early => anomalies.push(format!(
                 "exclusion: the resource refused process {}'s fence {fence} at {} us while its lease was still valid",
                 op.process, op.complete_us
             )),

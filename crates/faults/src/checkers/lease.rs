@@ -42,7 +42,7 @@ const SLOW_CLOCK_START_MARGIN_US: u64 = 200_000;
 
 impl SlowClock {
     /// How far behind real time this clock can be at `at_us` (0 outside its window).
-    fn lag_us(&self, at_us: u64) -> u64 {
+    pub fn lag_us(&self, at_us: u64) -> u64 {
         let start_us = self.start_us.saturating_sub(SLOW_CLOCK_START_MARGIN_US);
         if at_us < start_us {
             return 0;
