@@ -102,27 +102,17 @@ pub struct LeaseRenewal {
     pub leadership_confirmed: bool,
 }
 
-/// A renewal that needed no checkpoint, answered once the leadership round the driver
-/// started after it completes.
-struct RenewalAfterRead {
-    renewal: LeaseRenewal,
-    reply: oneshot::Sender<Result<Option<LeaseRenewal>, Error>>,
+/// An answer read from the leader's memory (a renewal, a remaining TTL), sent once the
+/// leadership round the driver started right after reading it completes.
+struct AnswerAfterRound<T> {
+    answer: T,
+    reply: oneshot::Sender<Result<T, Error>>,
 }
 
-/// A remaining TTL, answered once the leadership round the driver started after reading it
-/// completes.
-struct RemainingAfterRead {
-    remaining_ms: Option<u64>,
-    reply: oneshot::Sender<Result<Option<u64>, Error>>,
-}
-
-impl AfterRead for RemainingAfterRead {
+impl<T: Send> AfterRead for AnswerAfterRound<T> {
     fn complete(self: Box<Self>, result: Result<(), Error>) {
-        let RemainingAfterRead {
-            remaining_ms,
-            reply,
-        } = *self;
-        let _ = reply.send(result.map(|()| remaining_ms));
+        let AnswerAfterRound { answer, reply } = *self;
+        let _ = reply.send(result.map(|()| answer));
     }
 
     fn abandoned(&self) -> bool {
@@ -130,14 +120,21 @@ impl AfterRead for RemainingAfterRead {
     }
 }
 
-impl AfterRead for RenewalAfterRead {
-    fn complete(self: Box<Self>, result: Result<(), Error>) {
-        let RenewalAfterRead { renewal, reply } = *self;
-        let _ = reply.send(result.map(|()| Some(renewal)));
-    }
-
-    fn abandoned(&self) -> bool {
-        self.reply.is_closed()
+/// Starts the round that confirms this node still leads `term`, in the turn that read
+/// `answer`, and answers once it is in: the caller wakes once, with something a quorum has
+/// confirmed this term for since it was read.
+fn answer_after_round<T: Send + 'static>(
+    core: &mut Core<StateMachine>,
+    waiters: &mut Waiters<ApplyOutput>,
+    term: u64,
+    answer: T,
+    reply: oneshot::Sender<Result<T, Error>>,
+) {
+    match core.read_index_as_leader(term) {
+        Ok(token) => waiters.after_read(token, Box::new(AnswerAfterRound { answer, reply })),
+        Err(error) => {
+            let _ = reply.send(Err(error));
+        }
     }
 }
 
@@ -428,8 +425,7 @@ impl ShellDuties<StateMachine> for CoordinationDuties {
                     }
                 };
                 let Some(checkpoint) = renewal.checkpoint else {
-                    // Nothing must commit first: start the round that confirms this term now,
-                    // after the renewal, and answer once it is in, so the caller wakes once.
+                    // Nothing must commit first: confirm the term right after the renewal.
                     let renewal = LeaseRenewal {
                         ttl_ms: renewal.ttl_ms,
                         term,
@@ -437,15 +433,7 @@ impl ShellDuties<StateMachine> for CoordinationDuties {
                         checkpoint: None,
                         leadership_confirmed: true,
                     };
-                    match core.read_index_as_leader(term) {
-                        Ok(token) => {
-                            waiters
-                                .after_read(token, Box::new(RenewalAfterRead { renewal, reply }));
-                        }
-                        Err(error) => {
-                            let _ = reply.send(Err(error));
-                        }
-                    }
+                    answer_after_round(core, waiters, term, Some(renewal), reply);
                     return;
                 };
                 let (committed_reply, committed) = oneshot::channel();
@@ -467,20 +455,7 @@ impl ShellDuties<StateMachine> for CoordinationDuties {
                         return;
                     }
                 };
-                // The round starts after the reading, in the same turn, so the caller wakes
-                // once, with a figure a quorum has since confirmed this term for.
-                match core.read_index_as_leader(term) {
-                    Ok(token) => waiters.after_read(
-                        token,
-                        Box::new(RemainingAfterRead {
-                            remaining_ms,
-                            reply,
-                        }),
-                    ),
-                    Err(error) => {
-                        let _ = reply.send(Err(error));
-                    }
-                }
+                answer_after_round(core, waiters, term, remaining_ms, reply);
             }
             LeaseRequest::Orphaned { id, stamp, reply } => {
                 let _ = reply.send(Ok(self.leader.lease_orphan(core, id, stamp)));
