@@ -43,6 +43,20 @@ pub struct Config {
     /// on any member, less what the members' clocks may drift apart meanwhile. Needs
     /// `check_quorum`.
     pub lease_read_ms: u64,
+    /// A commit index that advances while a follower already holds every entry is not sent
+    /// to it at once: the next `Append` or heartbeat carries it, or the leader's next tick.
+    /// Saves each caught-up follower a message, a wake-up and an acknowledgement per commit;
+    /// its serializable reads and watches lag by at most a tick. Off by default; the server
+    /// turns it on.
+    pub defer_commit_notice: bool,
+    /// A leader sends a new entry at once only to the followers it needs for a quorum (those
+    /// with the highest match index). The others, the spares, get committed entries in
+    /// batches: once one lacks [`crate::SPARE_LAG_ENTRIES_MAX`] of them, at the leader's next
+    /// tick, before a read it asked for is answered, and everything at once when an entry has
+    /// waited a whole tick without committing (the followers counted on are not answering).
+    /// At one request in flight, two disk syncs then run at once instead of three, and the
+    /// commit waits for the second of two. Off by default; the server turns it on.
+    pub replicate_to_quorum_first: bool,
     /// Seed of the PRNG behind election timeouts. Give each node its own.
     pub seed: u64,
     /// Deliberately broken behaviour for negative-control tests of the simulator's checkers.
@@ -65,6 +79,8 @@ impl Config {
             snapshot_chunk_bytes: 1024 * 1024,
             max_snapshot_bytes: DEFAULT_MAX_SNAPSHOT_BYTES,
             lease_read_ms: 0,
+            defer_commit_notice: false,
+            replicate_to_quorum_first: false,
             seed: id,
             #[cfg(feature = "negative-controls")]
             bugs: crate::Bugs::default(),

@@ -30,7 +30,7 @@ pub mod types;
 pub use config::{Config, DEFAULT_MAX_SNAPSHOT_BYTES};
 pub use error::{Error, Refusal, StorageError};
 pub use prng::Prng;
-pub use raft::apply_steps;
+pub use raft::{SPARE_LAG_ENTRIES_MAX, apply_steps};
 pub use raw_node::{MAX_COMMITTED_BYTES_PER_READY, RawNode, Ready};
 pub use storage::{BOOTSTRAP_TERM, MemStorage, Storage, bootstrap_snapshot};
 pub use types::*;

@@ -47,6 +47,8 @@ pub struct Progress {
     /// With lease reads on: when (the leader's `now_ms`) the newest lease round this
     /// follower acknowledged was sent.
     pub lease_acked_ms: Option<u64>,
+    /// The highest commit index sent to this follower (in an `Append` or a heartbeat).
+    pub commit_sent: Index,
 }
 
 impl Progress {
@@ -60,6 +62,7 @@ impl Progress {
             recent_active: false,
             catching_up: false,
             lease_acked_ms: None,
+            commit_sent: 0,
         }
     }
 

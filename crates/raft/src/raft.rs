@@ -32,6 +32,11 @@ pub enum CampaignKind {
 /// lasts.
 const LEASE_ROUNDS_MAX: usize = 64;
 
+/// With `Config::replicate_to_quorum_first`: a spare follower that lacks this many committed
+/// entries is sent them at the next commit or acknowledgement; fewer wait for the leader's
+/// next tick. Each send costs the spare a disk sync that competes with the quorum's.
+pub const SPARE_LAG_ENTRIES_MAX: u64 = 32;
+
 /// Heartbeat contexts of lease rounds start with these bytes and carry the round after them
 /// (big-endian u64). Read contexts of that shape are refused, so the two never mix.
 const LEASE_CONTEXT_TAG: [u8; 2] = [0xff, b'L'];
@@ -116,6 +121,9 @@ pub struct Raft<S> {
     /// Proposals are appended at once but broadcast when the application next asks for a
     /// Ready, so that many proposals travel in one message.
     broadcast_pending: bool,
+    /// The last index at the previous leader tick if it was not committed then
+    /// (`replicate_to_quorum_first`'s stall check).
+    uncommitted_at_last_tick: Option<Index>,
     /// The application's clock, in milliseconds ([`Raft::set_now_ms`]); only lease reads
     /// use it.
     now_ms: u64,
@@ -170,6 +178,7 @@ impl<S: Storage> Raft<S> {
             pending_reads: VecDeque::new(),
             reads_awaiting_commit: Vec::new(),
             incoming_snapshot: None,
+            uncommitted_at_last_tick: None,
             broadcast_pending: false,
             now_ms: 0,
             // A node that never went past the bootstrap term never acknowledged a leader (the
@@ -237,6 +246,7 @@ impl<S: Storage> Raft<S> {
         self.lease_rounds.clear();
         self.lease_void = false;
         self.broadcast_pending = false;
+        self.uncommitted_at_last_tick = None;
         self.uncommitted_bytes = 0;
         let next = self.log.last_index() + 1;
         self.progress = self
@@ -346,6 +356,9 @@ impl<S: Storage> Raft<S> {
     }
 
     fn tick_leader(&mut self) {
+        if self.config.defer_commit_notice || self.config.replicate_to_quorum_first {
+            self.send_held_back();
+        }
         self.heartbeat_elapsed += 1;
         self.election_elapsed += 1;
         if self.election_elapsed >= self.config.election_ticks {
@@ -1189,8 +1202,14 @@ impl<S: Storage> Raft<S> {
         // an empty append would only buy another acknowledgement: two messages and two
         // wake-ups per follower per commit.
         let lacks_something = was_paused || pr.next_index <= last_index;
+        // A spare is sent entries as it acknowledges only while it lags far behind.
+        let lacks_something = if self.spare_followers().contains(&from) {
+            self.spare_lags_too_far(&self.progress[&from])
+        } else {
+            lacks_something
+        };
         if self.maybe_commit() {
-            self.broadcast_append();
+            self.announce_commit();
         } else if lacks_something {
             self.send_append(from);
         }
@@ -1247,9 +1266,46 @@ impl<S: Storage> Raft<S> {
     pub fn broadcast_append(&mut self) {
         self.broadcast_pending = false;
         let ids: Vec<NodeId> = self.progress.keys().copied().collect();
+        let spares = self.spare_followers();
         for id in ids {
-            self.send_append(id);
+            if !spares.contains(&id) {
+                self.send_append(id);
+            }
         }
+    }
+
+    /// With `replicate_to_quorum_first`, the followers a new entry does not go to at once:
+    /// every voter beyond the fewest that make a quorum with the leader, those chosen by the
+    /// highest match index (then the lowest id). None in a joint configuration, during a
+    /// leadership transfer, or while fewer than that many followers are in replicate mode.
+    fn spare_followers(&self) -> Vec<NodeId> {
+        if !self.config.replicate_to_quorum_first
+            || self.role != Role::Leader
+            || self.conf.is_joint()
+            || !self.conf.voters.contains(&self.id)
+            || self.transferee.is_some()
+        {
+            return Vec::new();
+        }
+        let followers_needed = self.conf.voters.len() / 2;
+        let mut replicating: Vec<(Index, NodeId)> = self
+            .conf
+            .voters
+            .iter()
+            .filter(|&&id| id != self.id)
+            .filter_map(|&id| {
+                let pr = self.progress.get(&id)?;
+                matches!(pr.mode, ReplicationMode::Replicate).then_some((pr.match_index, id))
+            })
+            .collect();
+        if replicating.len() <= followers_needed {
+            return Vec::new();
+        }
+        replicating.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+        replicating[followers_needed..]
+            .iter()
+            .map(|&(_, id)| id)
+            .collect()
     }
 
     /// Broadcasts appends held back for batching, if any (called before building a Ready).
@@ -1298,6 +1354,79 @@ impl<S: Storage> Raft<S> {
         self.send(to, body);
         if let Some(pr) = self.progress.get_mut(&to) {
             pr.sent_append(last_sent, count);
+            pr.commit_sent = pr.commit_sent.max(commit);
+        }
+    }
+
+    /// Tells the followers of a commit index that just advanced. A follower still missing
+    /// entries gets them (the append carries the commit), a spare only once it lacks
+    /// [`SPARE_LAG_ENTRIES_MAX`] committed ones; one that holds everything gets an empty
+    /// append, unless `defer_commit_notice` leaves the index to the next message.
+    fn announce_commit(&mut self) {
+        let last_index = self.log.last_index();
+        let spares = self.spare_followers();
+        let ids: Vec<NodeId> = self.progress.keys().copied().collect();
+        for id in ids {
+            let pr = &self.progress[&id];
+            let send = if spares.contains(&id) {
+                self.spare_lags_too_far(pr)
+            } else {
+                pr.next_index <= last_index || !self.config.defer_commit_notice
+            };
+            if send {
+                self.send_append(id);
+            }
+        }
+    }
+
+    fn spare_lags_too_far(&self, pr: &Progress) -> bool {
+        // Committed entries not sent yet: committed - (next_index - 1).
+        self.log.committed.saturating_add(1) >= pr.next_index.saturating_add(SPARE_LAG_ENTRIES_MAX)
+    }
+
+    /// What a leader holds back for a tick at most: commit indexes `defer_commit_notice` did
+    /// not send, committed entries a spare lacks, and, after a stall, everything.
+    fn send_held_back(&mut self) {
+        let ids: Vec<NodeId> = self.progress.keys().copied().collect();
+        for id in ids {
+            self.send_owed(id);
+        }
+        if self.config.replicate_to_quorum_first {
+            self.resend_if_stalled();
+        }
+    }
+
+    /// Sends every follower what it lacks when an entry that was already waiting at the
+    /// last tick is still not committed: the followers a quorum-first broadcast counted on
+    /// are not answering, so the spares are asked too (and, answering, become the ones new
+    /// entries go to first).
+    fn resend_if_stalled(&mut self) {
+        let last_index = self.log.last_index();
+        let stalled = self
+            .uncommitted_at_last_tick
+            .is_some_and(|waiting| self.log.committed < waiting);
+        if stalled {
+            let ids: Vec<NodeId> = self.progress.keys().copied().collect();
+            for id in ids {
+                if self.progress[&id].next_index <= last_index {
+                    self.send_append(id);
+                }
+            }
+        }
+        self.uncommitted_at_last_tick = (self.log.committed < last_index).then_some(last_index);
+    }
+
+    /// Sends `to` committed entries it was not sent, or the commit index of entries it holds
+    /// when it was not told it.
+    fn send_owed(&mut self, to: NodeId) {
+        let committed = self.log.committed;
+        let Some(pr) = self.progress.get(&to) else {
+            return;
+        };
+        if matches!(pr.mode, ReplicationMode::Replicate)
+            && (pr.next_index <= committed || pr.commit_sent < committed.min(pr.match_index))
+        {
+            self.send_append(to);
         }
     }
 
@@ -1351,8 +1480,11 @@ impl<S: Storage> Raft<S> {
     fn broadcast_heartbeat(&mut self, context: Option<Bytes>) {
         let ids: Vec<NodeId> = self.progress.keys().copied().collect();
         for id in ids {
-            let match_index = self.progress[&id].match_index;
-            let commit = self.log.committed.min(match_index);
+            let Some(pr) = self.progress.get_mut(&id) else {
+                continue;
+            };
+            let commit = self.log.committed.min(pr.match_index);
+            pr.commit_sent = pr.commit_sent.max(commit);
             self.send(
                 id,
                 MessageBody::Heartbeat {
@@ -1730,6 +1862,9 @@ impl<S: Storage> Raft<S> {
         if requester == self.id {
             self.read_states.push(ReadState { index, context });
         } else {
+            // The follower serves the read once it has applied up to `index`, so it needs
+            // the entries and the commit index up to it; what was held back goes out first.
+            self.send_owed(requester);
             self.send(requester, MessageBody::ReadIndexResponse { context, index });
         }
     }
@@ -1770,7 +1905,7 @@ impl<S: Storage> Raft<S> {
     pub fn on_persisted(&mut self, index: Index, term: Term) {
         self.log.stable_to(index, term);
         if self.maybe_commit() {
-            self.broadcast_append();
+            self.announce_commit();
         }
     }
 

@@ -10,7 +10,7 @@ use bytes::Bytes;
 use common::{Net, config, entry};
 use conclave_raft::{
     ConfChangeStep, ConfState, Config, Entry, Error, HardState, MemStorage, Message, MessageBody,
-    RawNode, ReadState, Role, Snapshot, SnapshotMeta, Storage, apply_steps,
+    RawNode, ReadState, Role, SPARE_LAG_ENTRIES_MAX, Snapshot, SnapshotMeta, Storage, apply_steps,
 };
 
 #[test]
@@ -700,4 +700,106 @@ fn a_commit_with_three_voters_takes_eight_messages_and_reaches_every_follower() 
             );
         }
     }
+}
+
+/// The server's settings: new entries to a quorum first, commit notices deferred. Heartbeats
+/// every 5 ticks, so that what the tests below see within a tick or two is not a heartbeat.
+fn quorum_first_config(id: u64) -> Config {
+    let mut config = config(id);
+    config.heartbeat_ticks = 5;
+    config.replicate_to_quorum_first = true;
+    config.defer_commit_notice = true;
+    config
+}
+
+/// With the server's settings and three voters, a commit takes two messages: the entry to
+/// the follower the quorum counts on (the lowest id among equals) and its acknowledgement.
+/// The spare gets committed entries in batches of `SPARE_LAG_ENTRIES_MAX`, the first follower
+/// the commit index with the next entry; the leader's next tick sends both what they lack.
+#[test]
+fn with_the_servers_settings_a_commit_takes_two_messages_and_every_follower_learns_it() {
+    let mut net = Net::with_config(3, quorum_first_config);
+    net.elect(1);
+    net.settle();
+    let mut batches_to_spare = Vec::new();
+    for round in 0..2 * SPARE_LAG_ENTRIES_MAX + 5 {
+        let index = net
+            .node(1)
+            .propose(Bytes::from(format!("put {round}")))
+            .expect("the leader takes proposals");
+        let first = net.collect();
+        assert!(
+            first.len() == 1 && first[0].to == 2,
+            "round {round}: a new entry goes to one follower first, not {first:?}"
+        );
+        for m in first {
+            net.node(m.to).step(m).expect("a valid append");
+        }
+        let mut messages = 1;
+        net.settle_with(&mut |m| {
+            messages += 1;
+            if let (3, MessageBody::Append { entries, .. }) = (m.to, &m.body) {
+                batches_to_spare.push(entries.len() as u64);
+            }
+            true
+        });
+        assert!(
+            messages == 2 || messages == 4,
+            "round {round}: one commit took {messages} messages"
+        );
+        assert_eq!(net.node(1).commit_index(), index, "round {round}");
+        if round > 0 {
+            // The previous round's commit index came with this round's entry.
+            assert_eq!(net.node(2).commit_index(), index - 1, "round {round}");
+        }
+        assert!(
+            index - net.node(3).commit_index() < SPARE_LAG_ENTRIES_MAX + 2,
+            "round {round}: the spare lags by more than a batch"
+        );
+    }
+    assert_eq!(batches_to_spare.len(), 2, "{batches_to_spare:?}");
+    assert!(batches_to_spare.iter().all(|&n| n >= SPARE_LAG_ENTRIES_MAX));
+    let last = net.node(1).commit_index();
+    net.node(1).tick();
+    net.settle();
+    for id in [2, 3] {
+        assert_eq!(net.node(id).commit_index(), last, "node {id} after a tick");
+    }
+}
+
+/// The follower a quorum-first broadcast counts on goes silent: within two ticks of the
+/// leader the spare gets the entry too, it commits, and the next entries go to the spare
+/// first, so they commit without waiting for a tick.
+#[test]
+fn when_the_follower_counted_on_is_silent_the_spare_gets_the_entry_within_two_ticks() {
+    let mut net = Net::with_config(3, quorum_first_config);
+    net.elect(1);
+    net.settle();
+    // A tick sends the commit index the followers are owed, so that from here on only the
+    // stall can send the spare anything.
+    net.node(1).tick();
+    net.settle();
+    net.isolate(2);
+    let index = net.node(1).propose(Bytes::from("stalled")).expect("leader");
+    net.settle();
+    assert!(
+        net.node(1).commit_index() < index,
+        "only the silent follower had the entry"
+    );
+    for _ in 0..2 {
+        net.node(1).tick();
+        net.settle();
+    }
+    assert_eq!(
+        net.node(1).commit_index(),
+        index,
+        "the spare's copy commits it"
+    );
+    let next = net.node(1).propose(Bytes::from("next")).expect("leader");
+    net.settle();
+    assert_eq!(
+        net.node(1).commit_index(),
+        next,
+        "new entries go to the answering follower"
+    );
 }

@@ -508,6 +508,8 @@ impl CoreSimulation {
         config.max_inflight_appends = self.params.max_inflight_appends;
         config.max_append_bytes = self.params.max_append_bytes;
         config.snapshot_chunk_bytes = 512;
+        config.replicate_to_quorum_first = self.params.quorum_first;
+        config.defer_commit_notice = self.params.defer_commit_notice;
         // The control for a lease that never runs out keeps every member on the lease: the
         // members started without it would only make the stale read rarer.
         let lease_reads = self.params.lease_reads_at_start(self.seed, id, restarts)

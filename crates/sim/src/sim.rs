@@ -59,6 +59,10 @@ pub struct SwarmParams {
     /// The node core's runs serve reads from a leader lease (`Config::lease_read_ms`, the
     /// server's `--lease-reads`), sized by [`SwarmParams::lease_read_ms`].
     pub lease_reads: bool,
+    /// `Config::replicate_to_quorum_first`, which the server turns on.
+    pub quorum_first: bool,
+    /// `Config::defer_commit_notice`, which the server turns on.
+    pub defer_commit_notice: bool,
 }
 
 impl SwarmParams {
@@ -106,12 +110,17 @@ impl SwarmParams {
             profile: Profile::Swarm,
             storage: StorageKind::Mem,
             lease_reads: false,
+            quorum_first: false,
+            defer_commit_notice: false,
         };
         if rng.range(0, 4) == 0 {
             params.figure8_churn(nodes.clamp(5, 7), &mut rng);
         }
         // Drawn last, so every other parameter of a seed stays what it was before.
         params.lease_reads = params.check_quorum && rng.range(0, 2) == 0;
+        // The server's settings in three seeds of four, the core's defaults in the fourth.
+        params.quorum_first = rng.range(0, 4) != 0;
+        params.defer_commit_notice = rng.range(0, 4) != 0;
         params
     }
 
@@ -172,6 +181,8 @@ impl SwarmParams {
             profile: Profile::Swarm,
             storage: StorageKind::Mem,
             lease_reads: false,
+            quorum_first: true,
+            defer_commit_notice: true,
         }
     }
 
@@ -338,6 +349,8 @@ impl Simulation {
         config.max_inflight_appends = self.params.max_inflight_appends;
         config.max_append_bytes = self.params.max_append_bytes;
         config.snapshot_chunk_bytes = 40;
+        config.replicate_to_quorum_first = self.params.quorum_first;
+        config.defer_commit_notice = self.params.defer_commit_notice;
         if let Some(hook) = self.config_hook {
             hook(&mut config);
         }

@@ -569,6 +569,10 @@ fn raft_config(config: &ServerConfig) -> Result<RaftConfig, Error> {
     raft_config.max_uncommitted_bytes = (config.request_bytes_max as u64) * 64;
     raft_config.max_snapshot_bytes = config.snapshot_bytes_max;
     raft_config.lease_read_ms = config.lease_read_ms();
+    // Fewer messages, wake-ups and concurrent disk syncs per commit (docs/performance.md,
+    // "A quorum first"); the simulator runs seeds with and without them.
+    raft_config.defer_commit_notice = true;
+    raft_config.replicate_to_quorum_first = true;
     raft_config.seed = election_seed(config.id);
     raft_config
         .validate()
