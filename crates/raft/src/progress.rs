@@ -49,6 +49,9 @@ pub struct Progress {
     pub lease_acked_ms: Option<u64>,
     /// The highest commit index sent to this follower (in an `Append` or a heartbeat).
     pub commit_sent: Index,
+    /// A commit index this follower is to hear of as soon as it is reached, held back or not
+    /// (a write through it waits for it there); 0 for none.
+    pub commit_wanted: Index,
 }
 
 impl Progress {
@@ -63,6 +66,7 @@ impl Progress {
             catching_up: false,
             lease_acked_ms: None,
             commit_sent: 0,
+            commit_wanted: 0,
         }
     }
 

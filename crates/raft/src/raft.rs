@@ -1366,16 +1366,34 @@ impl<S: Storage> Raft<S> {
         let last_index = self.log.last_index();
         let spares = self.spare_followers();
         let ids: Vec<NodeId> = self.progress.keys().copied().collect();
+        let committed = self.log.committed;
         for id in ids {
             let pr = &self.progress[&id];
+            let wanted = pr.commit_wanted > pr.commit_sent && pr.commit_wanted <= committed;
             let send = if spares.contains(&id) {
-                self.spare_lags_too_far(pr)
+                wanted || self.spare_lags_too_far(pr)
             } else {
-                pr.next_index <= last_index || !self.config.defer_commit_notice
+                wanted || pr.next_index <= last_index || !self.config.defer_commit_notice
             };
             if send {
                 self.send_append(id);
             }
+        }
+    }
+
+    /// Follower `to` is to hear that `index` committed as soon as it does, with the entries
+    /// up to it, whatever `defer_commit_notice` and `replicate_to_quorum_first` hold back: a
+    /// client that wrote through `to` waits there for it.
+    pub fn hasten_commit_notice(&mut self, to: NodeId, index: Index) {
+        if self.role != Role::Leader || to == self.id {
+            return;
+        }
+        let Some(pr) = self.progress.get_mut(&to) else {
+            return;
+        };
+        pr.commit_wanted = pr.commit_wanted.max(index);
+        if index <= self.log.committed {
+            self.send_owed(to);
         }
     }
 

@@ -803,3 +803,26 @@ fn when_the_follower_counted_on_is_silent_the_spare_gets_the_entry_within_two_ti
         "new entries go to the answering follower"
     );
 }
+
+/// A write a follower handed to the leader: that follower hears of the commit at once, with
+/// the entry, even when it is the spare and the commit notice would otherwise wait.
+#[test]
+fn a_follower_waiting_for_a_write_hears_of_its_commit_at_once() {
+    let mut net = Net::with_config(3, quorum_first_config);
+    net.elect(1);
+    net.settle();
+    for (waiting, round) in [(3, 0), (2, 1), (3, 2)] {
+        let index = net
+            .node(1)
+            .propose(Bytes::from(format!("through {waiting}")))
+            .expect("leader");
+        net.node(1).hasten_commit_notice(waiting, index);
+        net.settle();
+        assert_eq!(net.node(1).commit_index(), index, "round {round}");
+        assert_eq!(
+            net.node(waiting).commit_index(),
+            index,
+            "round {round}: member {waiting}, whose client waits, knows the commit"
+        );
+    }
+}

@@ -689,6 +689,7 @@ impl Lease for LeaseService {
                             deadline: Instant::now()
                                 + Duration::from_millis(shared.api.config.request_timeout_ms),
                             forwarded,
+                            forwarded_by: None,
                             session: None,
                             fence: None,
                             token: token.clone(),

@@ -316,6 +316,7 @@ impl Drop for QueueGuard {
             let ctx = CallContext {
                 deadline: Instant::now() + Duration::from_millis(api.config.request_timeout_ms),
                 forwarded: false,
+                forwarded_by: None,
                 session: None,
                 fence: None,
                 token,

@@ -47,6 +47,10 @@ use crate::node::NodeHandle;
 
 /// Metadata key marking a request a follower forwarded, so the receiver never forwards again.
 pub const FORWARDED_HEADER: &str = "conclave-forwarded";
+/// Metadata key naming the member that forwarded a write, in decimal: the leader has that
+/// member hear of the commit at once, so it can answer its client (a hint: a wrong or absent
+/// one only costs the forwarding member a wait of up to a tick).
+pub const FORWARDED_BY_HEADER: &str = "conclave-forwarded-by";
 /// Metadata keys of an exactly-once client session: the client id `OpenSession` returned and
 /// the request's sequence number in that session. A write carrying them is applied at most
 /// once however often it is retried (the state machine replays its cached answer).
@@ -65,6 +69,8 @@ pub struct CallContext {
     pub deadline: Instant,
     /// The request came from a follower; do not forward it again.
     pub forwarded: bool,
+    /// The member that forwarded the call, as it said ([`FORWARDED_BY_HEADER`]).
+    pub forwarded_by: Option<NodeId>,
     /// The client's exactly-once session position, when it sent one.
     pub session: Option<SessionSeq>,
     /// The lock fence the call carries (`conclave-fence`, set by the handler that checked
@@ -93,6 +99,9 @@ impl CallContext {
         CallContext {
             deadline: Instant::now() + timeout,
             forwarded: metadata.get(FORWARDED_HEADER).is_some(),
+            forwarded_by: metadata
+                .get(FORWARDED_BY_HEADER)
+                .and_then(|value| value.to_str().ok()?.parse().ok()),
             session: session_from_metadata(metadata),
             fence: None,
             token: metadata

@@ -224,10 +224,10 @@ impl Api {
             ))),
             Ok(WriteCall { request, session }) => {
                 let timeout = Duration::from_millis(self.config.request_timeout_ms);
-                let applied =
-                    tokio::time::timeout(timeout, self.node.propose_in_session(request, session))
-                        .await
-                        .unwrap_or(Err(Error::Timeout));
+                let proposed = self.node.propose_handed_over(request, session, Some(peer));
+                let applied = tokio::time::timeout(timeout, proposed)
+                    .await
+                    .unwrap_or(Err(Error::Timeout));
                 match applied {
                     Ok(applied) => WriteAnswer::Applied {
                         revision: applied.output.revision,

@@ -33,8 +33,8 @@ use tonic::transport::Channel;
 
 use super::lock::FENCE_METADATA;
 use super::{
-    Api, CallContext, FORWARDED_HEADER, SESSION_CLIENT_HEADER, SESSION_SECRET_HEADER,
-    SESSION_SEQ_HEADER, session_secret_hex, state_status,
+    Api, CallContext, FORWARDED_BY_HEADER, FORWARDED_HEADER, SESSION_CLIENT_HEADER,
+    SESSION_SECRET_HEADER, SESSION_SEQ_HEADER, session_secret_hex, state_status,
 };
 use crate::error::Error;
 use crate::node::Applied;
@@ -307,7 +307,10 @@ impl Api {
         message: &M,
         call: LeaderCall<M, R>,
     ) -> Result<tonic::Response<R>, Status> {
-        let request = Api::forwarded_request(message.clone(), &self.forwarding_context(ctx));
+        let mut request = Api::forwarded_request(message.clone(), &self.forwarding_context(ctx));
+        request
+            .metadata_mut()
+            .insert(FORWARDED_BY_HEADER, self.config.id.into());
         call(self.channel(leader)?, request)
             .await
             .map_err(|status| forwarding_failure(leader, status))
@@ -523,7 +526,7 @@ impl Api {
                     // first attempt answers the second from its cache.
                     let applied = self
                         .node
-                        .propose_in_session(as_caller?, ctx.session)
+                        .propose_handed_over(as_caller?, ctx.session, ctx.forwarded_by)
                         .await
                         .map_err(to_status)?;
                     convert(applied).map(Served::Here)

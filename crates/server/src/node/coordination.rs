@@ -221,6 +221,21 @@ impl NodeHandle {
         self.node.propose(Proposal { request, session }).await
     }
 
+    /// [`NodeHandle::propose_in_session`] for a write that follower `origin` handed over
+    /// (when known): `origin` hears of the commit at once, so it can answer its client.
+    pub async fn propose_handed_over(
+        &self,
+        request: Request,
+        session: Option<SessionSeq>,
+        origin: Option<NodeId>,
+    ) -> Result<Applied<ApplyOutput>, Error> {
+        let proposal = Proposal { request, session };
+        match origin {
+            Some(origin) => self.node.propose_for(proposal, origin).await,
+            None => self.node.propose(proposal).await,
+        }
+    }
+
     /// Waits until the state machine has applied up to a quorum-confirmed commit index.
     pub async fn read_index(&self) -> Result<(), Error> {
         self.node.read_index().await

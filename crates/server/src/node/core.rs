@@ -713,6 +713,16 @@ impl<M: ReplicatedMachine, S: NodeStore> NodeCore<M, S> {
         Ok(token)
     }
 
+    /// [`NodeCore::propose`] for a client of follower `origin` (a write it handed to this
+    /// leader): `origin` hears of the commit at once, with the entry, so it can answer its
+    /// client without waiting for what the leader holds back.
+    pub fn propose_for(&mut self, command: M::Command, origin: NodeId) -> Result<Token, Error> {
+        let token = self.propose(command)?;
+        let index = self.raw.last_index();
+        self.raw.hasten_commit_notice(origin, index);
+        Ok(token)
+    }
+
     /// Proposes a command nobody waits for (a leader's own duty); returns its index.
     pub fn propose_untracked(&mut self, command: M::Command) -> Option<u64> {
         let data = Bytes::from(entries::machine_entry(M::encode_at(command, self.now_ms)));

@@ -113,6 +113,8 @@ pub(crate) enum NodeRequest<M: ReplicatedMachine, R> {
     /// Replicate `command`; the reply comes once it is applied (or lost).
     Propose {
         command: M::Command,
+        /// The member whose client waits for this write, when a follower handed it over.
+        origin: Option<NodeId>,
         reply: ProposeReply<M::Output>,
     },
     /// Answer once the machine has applied up to a quorum-confirmed commit index.
@@ -326,8 +328,27 @@ impl<M: ReplicatedMachine, R> Handle<M, R> {
     }
 
     pub async fn propose(&self, command: M::Command) -> Result<Applied<M::Output>, Error> {
-        self.ask(|reply| NodeRequest::Propose { command, reply })
-            .await
+        self.ask(|reply| NodeRequest::Propose {
+            command,
+            origin: None,
+            reply,
+        })
+        .await
+    }
+
+    /// [`Handle::propose`] for a write follower `origin` handed over: `origin` hears of the
+    /// commit at once ([`NodeCore::propose_for`]).
+    pub async fn propose_for(
+        &self,
+        command: M::Command,
+        origin: NodeId,
+    ) -> Result<Applied<M::Output>, Error> {
+        self.ask(|reply| NodeRequest::Propose {
+            command,
+            origin: Some(origin),
+            reply,
+        })
+        .await
     }
 
     pub async fn read_index(&self) -> Result<(), Error> {
@@ -935,12 +956,22 @@ impl<M: ReplicatedMachine, D: ShellDuties<M>> Driver<M, D> {
         let core = &mut self.core;
         let waiters = &mut self.shell.waiters;
         match request {
-            NodeRequest::Propose { command, reply } => match core.propose(command) {
-                Ok(token) => waiters.command(token, reply),
-                Err(error) => {
-                    let _ = reply.send(Err(error));
+            NodeRequest::Propose {
+                command,
+                origin,
+                reply,
+            } => {
+                let proposed = match origin {
+                    Some(origin) => core.propose_for(command, origin),
+                    None => core.propose(command),
+                };
+                match proposed {
+                    Ok(token) => waiters.command(token, reply),
+                    Err(error) => {
+                        let _ = reply.send(Err(error));
+                    }
                 }
-            },
+            }
             NodeRequest::ReadIndex { reply } => match core.read_index() {
                 Ok(token) => {
                     waiters.read(token, reply);
