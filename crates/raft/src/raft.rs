@@ -1268,7 +1268,10 @@ impl<S: Storage> Raft<S> {
         let ids: Vec<NodeId> = self.progress.keys().copied().collect();
         let spares = self.spare_followers();
         for id in ids {
-            if !spares.contains(&id) {
+            // A spare whose client waits for a new entry gets it now, with the quorum, so
+            // that its own sync overlaps theirs instead of following the commit.
+            let pr = &self.progress[&id];
+            if !spares.contains(&id) || pr.commit_wanted >= pr.next_index {
                 self.send_append(id);
             }
         }

@@ -804,8 +804,9 @@ fn when_the_follower_counted_on_is_silent_the_spare_gets_the_entry_within_two_ti
     );
 }
 
-/// A write a follower handed to the leader: that follower hears of the commit at once, with
-/// the entry, even when it is the spare and the commit notice would otherwise wait.
+/// A write a follower handed to the leader: that follower gets the entry with the quorum's
+/// (its sync overlaps theirs) and hears of the commit at once, even when it is the spare
+/// and the commit notice would otherwise wait.
 #[test]
 fn a_follower_waiting_for_a_write_hears_of_its_commit_at_once() {
     let mut net = Net::with_config(3, quorum_first_config);
@@ -817,6 +818,14 @@ fn a_follower_waiting_for_a_write_hears_of_its_commit_at_once() {
             .propose(Bytes::from(format!("through {waiting}")))
             .expect("leader");
         net.node(1).hasten_commit_notice(waiting, index);
+        let first = net.collect();
+        assert!(
+            first.iter().any(|m| m.to == waiting),
+            "round {round}: member {waiting}, whose client waits, gets the entry at once: {first:?}"
+        );
+        for m in first {
+            net.node(m.to).step(m).expect("a valid append");
+        }
         net.settle();
         assert_eq!(net.node(1).commit_index(), index, "round {round}");
         assert_eq!(
