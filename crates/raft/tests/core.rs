@@ -702,7 +702,7 @@ fn a_commit_with_three_voters_takes_eight_messages_and_reaches_every_follower() 
     }
 }
 
-/// The server's settings: new entries to a quorum first, commit notices deferred. Heartbeats
+/// The quorum-first settings: new entries to a quorum first, commit notices deferred. Heartbeats
 /// every 5 ticks, so that what the tests below see within a tick or two is not a heartbeat.
 fn quorum_first_config(id: u64) -> Config {
     let mut config = config(id);
@@ -712,12 +712,12 @@ fn quorum_first_config(id: u64) -> Config {
     config
 }
 
-/// With the server's settings and three voters, a commit takes two messages: the entry to
+/// With the quorum-first settings and three voters, a commit takes two messages: the entry to
 /// the follower the quorum counts on (the lowest id among equals) and its acknowledgement.
 /// The spare gets committed entries in batches of `SPARE_LAG_ENTRIES_MAX`, the first follower
 /// the commit index with the next entry; the leader's next tick sends both what they lack.
 #[test]
-fn with_the_servers_settings_a_commit_takes_two_messages_and_every_follower_learns_it() {
+fn with_quorum_first_a_commit_takes_two_messages_and_every_follower_learns_it() {
     let mut net = Net::with_config(3, quorum_first_config);
     net.elect(1);
     net.settle();

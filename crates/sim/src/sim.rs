@@ -59,9 +59,9 @@ pub struct SwarmParams {
     /// The node core's runs serve reads from a leader lease (`Config::lease_read_ms`, the
     /// server's `--lease-reads`), sized by [`SwarmParams::lease_read_ms`].
     pub lease_reads: bool,
-    /// `Config::replicate_to_quorum_first`, which the server turns on.
+    /// `Config::replicate_to_quorum_first` (off in the server for now).
     pub quorum_first: bool,
-    /// `Config::defer_commit_notice`, which the server turns on.
+    /// `Config::defer_commit_notice` (off in the server for now).
     pub defer_commit_notice: bool,
 }
 
@@ -118,7 +118,8 @@ impl SwarmParams {
         }
         // Drawn last, so every other parameter of a seed stays what it was before.
         params.lease_reads = params.check_quorum && rng.range(0, 2) == 0;
-        // The server's settings in three seeds of four, the core's defaults in the fourth.
+        // Each on in three seeds of four: the replication a server may turn on is the one
+        // to exercise most.
         params.quorum_first = rng.range(0, 4) != 0;
         params.defer_commit_notice = rng.range(0, 4) != 0;
         params
