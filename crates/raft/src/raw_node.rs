@@ -147,13 +147,13 @@ impl<S: Storage> RawNode<S> {
         self.raft.transfer_leader(target)
     }
 
-    /// Whether a Ready would carry anything.
     /// Follower `to` hears that `index` committed as soon as it does (see
     /// [`crate::Config::defer_commit_notice`]): a client that wrote through it waits there.
     pub fn hasten_commit_notice(&mut self, to: NodeId, index: Index) {
         self.raft.hasten_commit_notice(to, index);
     }
 
+    /// Whether a Ready would carry anything.
     pub fn has_ready(&self) -> bool {
         let r = &self.raft;
         r.soft_state() != self.prev_soft_state
