@@ -46,16 +46,19 @@ pub struct Config {
     /// A commit index that advances while a follower already holds every entry is not sent
     /// to it at once: the next `Append` or heartbeat carries it, or the leader's next tick.
     /// Saves each caught-up follower a message, a wake-up and an acknowledgement per commit;
-    /// its serializable reads and watches lag by at most a tick. Off by default, and in the
-    /// server for now (docs/performance.md, "A quorum first").
+    /// its serializable reads lag by at most a tick. An awaited follower
+    /// ([`crate::RawNode::set_awaited`]) hears of each commit at once. Off by default; the
+    /// server turns it on (docs/performance.md, "A quorum first").
     pub defer_commit_notice: bool,
-    /// A leader sends a new entry at once only to the followers it needs for a quorum (those
-    /// with the highest match index). The others, the spares, get committed entries in
-    /// batches: once one lacks [`crate::SPARE_LAG_ENTRIES_MAX`] of them, at the leader's next
-    /// tick, before a read it asked for is answered, and everything at once when an entry has
-    /// waited a whole tick without committing (the followers counted on are not answering).
+    /// A leader sends a new entry at once only to the followers it needs for a quorum
+    /// (awaited ones first, then those with the highest match index; an awaited follower,
+    /// [`crate::RawNode::set_awaited`], is never a spare). The others, the spares, get
+    /// committed entries in batches: once one lacks [`crate::SPARE_LAG_ENTRIES_MAX`] of them,
+    /// at the leader's next tick, before a read it asked for is answered, and everything at
+    /// once when an entry has waited a whole tick without committing (the followers counted
+    /// on are not answering).
     /// At one request in flight, two disk syncs then run at once instead of three, and the
-    /// commit waits for the second of two. Off by default, and in the server for now.
+    /// commit waits for the second of two. Off by default; the server turns it on.
     pub replicate_to_quorum_first: bool,
     /// Seed of the PRNG behind election timeouts. Give each node its own.
     pub seed: u64,

@@ -52,6 +52,8 @@ pub struct Progress {
     /// A commit index this follower is to hear of as soon as it is reached, held back or not
     /// (a write through it waits for it there); 0 for none.
     pub commit_wanted: Index,
+    /// Clients of this follower wait for what it applies (its latest response said so).
+    pub awaited: bool,
 }
 
 impl Progress {
@@ -67,6 +69,7 @@ impl Progress {
             lease_acked_ms: None,
             commit_sent: 0,
             commit_wanted: 0,
+            awaited: false,
         }
     }
 

@@ -124,6 +124,9 @@ pub struct Raft<S> {
     /// The last index at the previous leader tick if it was not committed then
     /// (`replicate_to_quorum_first`'s stall check).
     uncommitted_at_last_tick: Option<Index>,
+    /// Clients of this node wait for what it applies ([`Raft::set_awaited`]); every response
+    /// to a leader says so.
+    awaited: bool,
     /// The application's clock, in milliseconds ([`Raft::set_now_ms`]); only lease reads
     /// use it.
     now_ms: u64,
@@ -179,6 +182,7 @@ impl<S: Storage> Raft<S> {
             reads_awaiting_commit: Vec::new(),
             incoming_snapshot: None,
             uncommitted_at_last_tick: None,
+            awaited: false,
             broadcast_pending: false,
             now_ms: 0,
             // A node that never went past the bootstrap term never acknowledged a leader (the
@@ -533,6 +537,7 @@ impl<S: Storage> Raft<S> {
                         reject: true,
                         hint_index: 0,
                         hint_term: 0,
+                        awaited: self.awaited,
                     };
                     self.send(m.from, body);
                 }
@@ -862,7 +867,8 @@ impl<S: Storage> Raft<S> {
                 self.election_elapsed = 0;
                 self.leader = Some(m.from);
                 self.log.commit_to(commit.min(self.log.last_index()));
-                self.send(m.from, MessageBody::HeartbeatResponse { context });
+                let awaited = self.awaited;
+                self.send(m.from, MessageBody::HeartbeatResponse { context, awaited });
             }
             MessageBody::SnapshotChunk {
                 meta,
@@ -912,6 +918,7 @@ impl<S: Storage> Raft<S> {
                 reject: false,
                 hint_index: 0,
                 hint_term: 0,
+                awaited: self.awaited,
             };
             self.send(from, body);
             return;
@@ -924,6 +931,7 @@ impl<S: Storage> Raft<S> {
                     reject: false,
                     hint_index: 0,
                     hint_term: 0,
+                    awaited: self.awaited,
                 };
                 self.send(from, body);
             }
@@ -937,6 +945,7 @@ impl<S: Storage> Raft<S> {
                     reject: true,
                     hint_index,
                     hint_term,
+                    awaited: self.awaited,
                 };
                 self.send(from, body);
             }
@@ -1069,6 +1078,7 @@ impl<S: Storage> Raft<S> {
                 reject,
                 hint_index,
                 hint_term,
+                awaited,
             } => {
                 // Success names the last entry the follower matched, a rejection echoes the
                 // previous index this leader sent: neither can be past the leader's own log.
@@ -1094,9 +1104,14 @@ impl<S: Storage> Raft<S> {
                         },
                     });
                 }
+                let newly_awaited = self.note_awaited(m.from, awaited);
                 self.handle_append_response(m.from, index, reject, hint_index, hint_term);
+                if newly_awaited {
+                    self.send_owed(m.from);
+                }
             }
-            MessageBody::HeartbeatResponse { context } => {
+            MessageBody::HeartbeatResponse { context, awaited } => {
+                let newly_awaited = self.note_awaited(m.from, awaited);
                 let Some(pr) = self.progress.get_mut(&m.from) else {
                     return Err(Error::UnknownPeer(m.from));
                 };
@@ -1115,6 +1130,9 @@ impl<S: Storage> Raft<S> {
                     self.send_snapshot_chunk(m.from);
                 } else if needs_more {
                     self.send_append(m.from);
+                }
+                if newly_awaited {
+                    self.send_owed(m.from);
                 }
                 match context.as_deref().map(lease_round_of) {
                     Some(Some(round)) => self.ack_lease_round(m.from, round),
@@ -1278,9 +1296,10 @@ impl<S: Storage> Raft<S> {
     }
 
     /// With `replicate_to_quorum_first`, the followers a new entry does not go to at once:
-    /// every voter beyond the fewest that make a quorum with the leader, those chosen by the
-    /// highest match index (then the lowest id). None in a joint configuration, during a
-    /// leadership transfer, or while fewer than that many followers are in replicate mode.
+    /// every voter beyond the fewest that make a quorum with the leader, those chosen awaited
+    /// first, then by the highest match index, then by the lowest id; never an awaited one.
+    /// None in a joint configuration, during a leadership transfer, or while fewer than that
+    /// many followers are in replicate mode.
     fn spare_followers(&self) -> Vec<NodeId> {
         if !self.config.replicate_to_quorum_first
             || self.role != Role::Leader
@@ -1291,24 +1310,49 @@ impl<S: Storage> Raft<S> {
             return Vec::new();
         }
         let followers_needed = self.conf.voters.len() / 2;
-        let mut replicating: Vec<(Index, NodeId)> = self
+        let mut replicating: Vec<(bool, Index, NodeId)> = self
             .conf
             .voters
             .iter()
             .filter(|&&id| id != self.id)
             .filter_map(|&id| {
                 let pr = self.progress.get(&id)?;
-                matches!(pr.mode, ReplicationMode::Replicate).then_some((pr.match_index, id))
+                matches!(pr.mode, ReplicationMode::Replicate).then_some((
+                    pr.awaited,
+                    pr.match_index,
+                    id,
+                ))
             })
             .collect();
         if replicating.len() <= followers_needed {
             return Vec::new();
         }
-        replicating.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+        // Awaited followers get every entry at once anyway, so they are counted on first.
+        replicating.sort_by(|a, b| b.0.cmp(&a.0).then(b.1.cmp(&a.1)).then(a.2.cmp(&b.2)));
         replicating[followers_needed..]
             .iter()
-            .map(|&(_, id)| id)
+            .filter(|&&(awaited, _, _)| !awaited)
+            .map(|&(_, _, id)| id)
             .collect()
+    }
+
+    /// Records whether follower `from` is awaited (its latest response says); true when it
+    /// just became so, and may lack what this leader held back from it.
+    fn note_awaited(&mut self, from: NodeId, awaited: bool) -> bool {
+        let Some(pr) = self.progress.get_mut(&from) else {
+            return false;
+        };
+        let newly = awaited && !pr.awaited;
+        pr.awaited = awaited;
+        newly
+    }
+
+    /// Says whether clients of this node wait for what it applies (watches and other
+    /// subscriptions on a follower). A leader holds nothing back from an awaited follower:
+    /// it is never a spare of `replicate_to_quorum_first`, and hears of each commit at once
+    /// whatever `defer_commit_notice` says. The leader learns it from this node's responses.
+    pub fn set_awaited(&mut self, awaited: bool) {
+        self.awaited = awaited;
     }
 
     /// Broadcasts appends held back for batching, if any (called before building a Ready).
@@ -1376,7 +1420,10 @@ impl<S: Storage> Raft<S> {
             let send = if spares.contains(&id) {
                 wanted || self.spare_lags_too_far(pr)
             } else {
-                wanted || pr.next_index <= last_index || !self.config.defer_commit_notice
+                wanted
+                    || pr.awaited
+                    || pr.next_index <= last_index
+                    || !self.config.defer_commit_notice
             };
             if send {
                 self.send_append(id);

@@ -153,6 +153,12 @@ impl<S: Storage> RawNode<S> {
         self.raft.hasten_commit_notice(to, index);
     }
 
+    /// Whether clients of this node wait for what it applies (see
+    /// [`crate::Config::replicate_to_quorum_first`]); its responses tell the leader.
+    pub fn set_awaited(&mut self, awaited: bool) {
+        self.raft.set_awaited(awaited);
+    }
+
     /// Whether a Ready would carry anything.
     pub fn has_ready(&self) -> bool {
         let r = &self.raft;

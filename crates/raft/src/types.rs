@@ -224,11 +224,15 @@ pub enum MessageBody {
     /// `index` echoes the rejected `prev_index` and (`hint_index`, `hint_term`) point at the
     /// last entry of the follower's log that might match, so the leader can skip a whole term
     /// of conflicting entries in one round trip.
+    ///
+    /// `awaited` says clients of this follower wait for what it applies (see
+    /// [`crate::RawNode::set_awaited`]).
     AppendResponse {
         index: Index,
         reject: bool,
         hint_index: Index,
         hint_term: Term,
+        awaited: bool,
     },
     /// Candidate → voter. `pre` marks a PreVote round, which changes no state on the voter.
     /// `transfer` marks an election started by a leadership transfer, which voters honour even
@@ -248,8 +252,10 @@ pub enum MessageBody {
         commit: Index,
         context: Option<Bytes>,
     },
+    /// Follower → leader; `awaited` as in `AppendResponse`.
     HeartbeatResponse {
         context: Option<Bytes>,
+        awaited: bool,
     },
     /// Leader → follower: one chunk of a snapshot. Chunks are sent in order, one at a time.
     /// Every chunk carries `image_crc32c`, the crc32c of the whole image (`Snapshot::data`):

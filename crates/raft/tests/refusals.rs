@@ -149,8 +149,12 @@ fn every_kind_of_message_from_a_non_member_is_refused() {
             reject: false,
             hint_index: 0,
             hint_term: 0,
+            awaited: false,
         },
-        MessageBody::HeartbeatResponse { context: None },
+        MessageBody::HeartbeatResponse {
+            context: None,
+            awaited: false,
+        },
         MessageBody::SnapshotResponse {
             snapshot_index: last,
             next_offset: 0,
@@ -366,6 +370,7 @@ fn an_append_response_hint_past_the_rejected_index_is_refused() {
             reject,
             hint_index,
             hint_term: 0,
+            awaited: false,
         };
         let before = observe(net.node(1));
         let answer = net.node(1).step(msg(2, 1, term, body));
@@ -398,6 +403,7 @@ fn an_append_response_hint_past_the_rejected_index_is_refused() {
         reject: true,
         hint_index: MAX_INDEX,
         hint_term: 0,
+        awaited: false,
     };
     let answer = net.node(1).step(msg(2, 1, term, body));
     assert_eq!(
@@ -417,6 +423,7 @@ fn an_append_response_hint_past_the_rejected_index_is_refused() {
         reject: true,
         hint_index: 0,
         hint_term: term + 1,
+        awaited: false,
     };
     let reason = Refusal::TermAhead {
         field: "hint_term",

@@ -122,6 +122,7 @@ fn sample_message(seq: u64) -> Message {
             reject: seq.is_multiple_of(3),
             hint_index: 4,
             hint_term: 1,
+            awaited: seq.is_multiple_of(2),
         },
         2 => MessageBody::Vote {
             pre: true,

@@ -680,6 +680,7 @@ impl CoreSimulation {
             Event::Tick(id) => {
                 if let Some(core) = self.nodes.get_mut(&id).and_then(|n| n.core.as_mut()) {
                     core.set_time(at);
+                    core.set_awaited(SwarmParams::awaited_at(self.seed, id, at));
                     core.tick();
                 }
                 self.turn(id);

@@ -18,6 +18,8 @@ pub const BASE_TICK_MS: u64 = 10;
 /// Election timeout T, in ticks (timeouts fall in [T, 2T)).
 pub const ELECTION_TICKS: u64 = 10;
 pub const HEARTBEAT_TICKS: u64 = 2;
+/// How long a node stays awaited or not ([`SwarmParams::awaited_at`]), in virtual ms.
+pub const AWAITED_PERIOD_MS: u64 = 500;
 /// How many trace lines a failure report shows.
 pub const TRACE_TAIL_LINES: usize = 60;
 
@@ -59,9 +61,9 @@ pub struct SwarmParams {
     /// The node core's runs serve reads from a leader lease (`Config::lease_read_ms`, the
     /// server's `--lease-reads`), sized by [`SwarmParams::lease_read_ms`].
     pub lease_reads: bool,
-    /// `Config::replicate_to_quorum_first` (off in the server for now).
+    /// `Config::replicate_to_quorum_first` (on in the server).
     pub quorum_first: bool,
-    /// `Config::defer_commit_notice` (off in the server for now).
+    /// `Config::defer_commit_notice` (on in the server).
     pub defer_commit_notice: bool,
 }
 
@@ -138,6 +140,18 @@ impl SwarmParams {
             .wrapping_mul(0x9E37_79B9_7F4A_7C15)
             .wrapping_add(restarts.wrapping_mul(0xC2B2_AE3D_27D4_EB4F));
         (start ^ (start >> 29)).wrapping_mul(0x1656_67B1_9E37_79F9) >> 62 != 0
+    }
+
+    /// Whether node `id` of `seed`'s run is awaited (clients wait there for what it applies,
+    /// `RawNode::set_awaited`) at virtual time `now_ms`: it changes every
+    /// [`AWAITED_PERIOD_MS`], on for about half of the periods. A hash, not a draw, so the
+    /// seed's other parameters stay what they were.
+    pub fn awaited_at(seed: u64, id: u64, now_ms: u64) -> bool {
+        let period = now_ms / AWAITED_PERIOD_MS;
+        let mixed = (seed ^ id.rotate_left(32))
+            .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+            .wrapping_add(period.wrapping_mul(0xC2B2_AE3D_27D4_EB4F));
+        (mixed ^ (mixed >> 31)).wrapping_mul(0x1656_67B1_9E37_79F9) >> 63 != 0
     }
 
     /// The lease as the server sizes it ([`conclave_server::config::ServerConfig::lease_read_ms`]),
@@ -450,6 +464,7 @@ impl Simulation {
         match event {
             Event::Tick(id) => {
                 if let Some(raw) = self.nodes.get_mut(&id).and_then(|n| n.raw.as_mut()) {
+                    raw.set_awaited(SwarmParams::awaited_at(self.seed, id, at));
                     raw.tick();
                 }
                 self.process(id);

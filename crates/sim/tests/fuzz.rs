@@ -212,6 +212,7 @@ impl Forged {
                 reject: f1,
                 hint_index: self.b.index(at),
                 hint_term: self.c.term(at),
+                awaited: f2,
             },
             2 => MessageBody::Vote {
                 pre: f1,
@@ -229,6 +230,7 @@ impl Forged {
             },
             5 => MessageBody::HeartbeatResponse {
                 context: f1.then_some(context),
+                awaited: f2,
             },
             6 => {
                 let data = Bytes::from(self.data.clone());

@@ -436,6 +436,7 @@ async fn a_forged_append_response_with_the_largest_hint_index_is_dropped() {
                 reject,
                 hint_index: u64::MAX,
                 hint_term: term,
+                awaited: false,
             },
         })
         .await;

@@ -213,6 +213,7 @@ pub struct Api {
 impl Api {
     pub fn new(node: NodeHandle, config: ServerConfig) -> Arc<Api> {
         let limits = Arc::new(limits::Limits::new(config.client_limits.clone()));
+        let watch_hub = Arc::new(watch_hub::WatchHub::counting_into(node.subscriptions()));
         Arc::new(Api {
             cluster_id: config.cluster_id(),
             node,
@@ -222,7 +223,7 @@ impl Api {
             limits,
             peer_calls: std::sync::OnceLock::new(),
             pending_calls: peer_calls::PendingCalls::default(),
-            watch_hub: Arc::default(),
+            watch_hub,
         })
     }
 

@@ -341,6 +341,9 @@ pub struct WatchHub {
     next_id: AtomicU64,
     /// Set once the hub task runs (started by the first subscription).
     started: AtomicBool,
+    /// Live subscriptions, shared with the node's driver (see
+    /// [`crate::node::NodeHandle::subscriptions`]).
+    subscriptions: Arc<AtomicUsize>,
 }
 
 /// One subscription's place in the hub: its queue, and its entries, removed when this is
@@ -407,6 +410,7 @@ impl Drop for Subscription {
         // Out of the registry first, so the hub queues nothing more here, then give back
         // what is still queued.
         self.hub.registry().remove(&self.interest, self.id);
+        self.hub.subscriptions.fetch_sub(1, Ordering::Relaxed);
         let mut left = 0;
         while self.receiver.try_recv().is_ok() {
             left += 1;
@@ -416,6 +420,14 @@ impl Drop for Subscription {
 }
 
 impl WatchHub {
+    /// A hub that keeps its count of live subscriptions in `subscriptions`.
+    pub fn counting_into(subscriptions: Arc<AtomicUsize>) -> WatchHub {
+        WatchHub {
+            subscriptions,
+            ..WatchHub::default()
+        }
+    }
+
     fn registry(&self) -> MutexGuard<'_, Registry> {
         // Plain bookkeeping behind the lock; a panic elsewhere leaves it consistent.
         self.registry
@@ -451,6 +463,7 @@ impl WatchHub {
         let (sender, receiver) = mpsc::channel(capacity);
         let slow = Arc::new(AtomicBool::new(false));
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        self.subscriptions.fetch_add(1, Ordering::Relaxed);
         self.registry().add(&interest, || Entry {
             id,
             delivery,
@@ -939,18 +952,52 @@ mod tests {
         let hub = Arc::new(WatchHub::default());
         let (events, _) = broadcast::channel(WATCH_QUEUE_BATCHES_MAX + 16);
         let watch = hub.subscribe(keys("a", ""), Delivery::Every, || events.subscribe(), 0);
+        overflow_until_dropped(&hub, &events, 0).await;
+        assert!(watch.fell_behind());
+    }
+
+    /// Sends one batch for key "a" more than a queue holds, then waits until the hub has
+    /// dropped entries down to `entries_left`.
+    async fn overflow_until_dropped(
+        hub: &WatchHub,
+        events: &broadcast::Sender<AppliedEvents>,
+        entries_left: usize,
+    ) {
         for revision in 1..=(WATCH_QUEUE_BATCHES_MAX as i64 + 1) {
             events
                 .send(batch(revision, vec![put("a", revision)]))
                 .unwrap();
         }
         tokio::time::timeout(Duration::from_secs(10), async {
-            while hub.entry_count() > 0 {
+            while hub.entry_count() > entries_left {
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
         })
         .await
         .expect("the hub drops the watch whose queue is full");
-        assert!(watch.fell_behind());
+    }
+
+    /// The driver tells the leader this member is awaited while the count is above zero: it
+    /// counts each live subscription once, through a resync too, and none once dropped.
+    #[tokio::test]
+    async fn live_subscriptions_are_counted_for_the_driver() {
+        let count = Arc::new(AtomicUsize::new(0));
+        let hub = Arc::new(WatchHub::counting_into(count.clone()));
+        let (events, _) = broadcast::channel(WATCH_QUEUE_BATCHES_MAX + 16);
+        let mut watch = hub.subscribe(keys("a", ""), Delivery::Every, || events.subscribe(), 0);
+        let wait = hub.subscribe(keys("b", ""), Delivery::Signal, || events.subscribe(), 0);
+        assert_eq!(count.load(Ordering::Relaxed), 2);
+        overflow_until_dropped(&hub, &events, 1).await;
+        assert_eq!(
+            count.load(Ordering::Relaxed),
+            2,
+            "a dropped-behind subscription still has its client"
+        );
+        while !matches!(watch.next().await, Some(HubMessage::Resync)) {}
+        assert_eq!(count.load(Ordering::Relaxed), 2, "a resync registers anew");
+        drop(watch);
+        assert_eq!(count.load(Ordering::Relaxed), 1);
+        drop(wait);
+        assert_eq!(count.load(Ordering::Relaxed), 0);
     }
 }

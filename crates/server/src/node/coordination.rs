@@ -191,6 +191,13 @@ impl NodeHandle {
         &self.node.metrics
     }
 
+    /// The count of clients' subscriptions to this member's applied events, which the watch
+    /// hub keeps and the driver reads (a follower with any asks its leader to hold nothing
+    /// back from it).
+    pub fn subscriptions(&self) -> std::sync::Arc<std::sync::atomic::AtomicUsize> {
+        self.node.subscriptions.clone()
+    }
+
     /// The Raft driver thread's runtime (see `PeerListenerState::receive_on`).
     pub fn driver_runtime(&self) -> tokio::runtime::Handle {
         self.node.driver_runtime.clone()

@@ -665,6 +665,13 @@ impl<M: ReplicatedMachine, S: NodeStore> NodeCore<M, S> {
         self.raw.set_now_ms(now_ms);
     }
 
+    /// Says whether clients of this member wait for what it applies (watches, lock waits,
+    /// election and topic streams): a leader then holds back nothing from it (see
+    /// `RawNode::set_awaited`).
+    pub fn set_awaited(&mut self, awaited: bool) {
+        self.raw.set_awaited(awaited);
+    }
+
     /// One Raft tick.
     pub fn tick(&mut self) {
         self.raw.tick();

@@ -8,6 +8,7 @@
 //! through [`ShellDuties`].
 
 use std::collections::{BTreeSet, HashMap};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -284,6 +285,9 @@ pub(crate) struct Handle<M: ReplicatedMachine, R> {
     /// The driver thread's runtime: tasks spawned on it run on the driver's thread, between
     /// its turns (the peer listener reads connections there).
     pub driver_runtime: tokio::runtime::Handle,
+    /// Clients' subscriptions to this member's applied events, counted by the API (see
+    /// `Shell::subscriptions`).
+    pub subscriptions: Arc<AtomicUsize>,
 }
 
 impl<M: ReplicatedMachine, R> Clone for Handle<M, R> {
@@ -295,6 +299,7 @@ impl<M: ReplicatedMachine, R> Clone for Handle<M, R> {
             applied_waits: self.applied_waits.clone(),
             machine: self.machine.clone(),
             driver_runtime: self.driver_runtime.clone(),
+            subscriptions: self.subscriptions.clone(),
         }
     }
 }
@@ -511,6 +516,9 @@ struct Shell<O> {
     lease_reads_counted: u64,
     /// When the last clock-divergence warning was logged.
     clock_warned: Option<Instant>,
+    /// Clients' subscriptions to this member's applied events (the API's watch hub counts
+    /// them): while there are any, the member tells its leader to hold nothing back from it.
+    subscriptions: Arc<AtomicUsize>,
 }
 
 /// At most one WARN about late heartbeats this often; the counter counts every one.
@@ -590,13 +598,12 @@ fn raft_config(config: &ServerConfig) -> Result<RaftConfig, Error> {
     raft_config.max_uncommitted_bytes = (config.request_bytes_max as u64) * 64;
     raft_config.max_snapshot_bytes = config.snapshot_bytes_max;
     raft_config.lease_read_ms = config.lease_read_ms();
-    // Off: they took the 1-client put row to about 2x etcd's, but a spare follower's
-    // watchers then saw events up to a tick late (watch p99 about 11 ms against etcd's 2.5-4.6
-    // in the benchmark of record), and every follower's after a burst of writes ends. They
-    // wait for a flush shorter than a tick and a spare chosen among members no client waits
-    // on (docs/performance.md, "A quorum first"). The simulator runs seeds with and without.
-    raft_config.defer_commit_notice = false;
-    raft_config.replicate_to_quorum_first = false;
+    // A follower whose clients wait for what it applies (watches, lock waits, streams) says
+    // so in its responses and is never held back (`Shell::subscriptions`); the others get
+    // committed entries in batches and commit indexes late, which saves the disk and the
+    // leader work on every write (docs/performance.md, "A quorum first").
+    raft_config.defer_commit_notice = true;
+    raft_config.replicate_to_quorum_first = true;
     raft_config.seed = election_seed(config.id);
     raft_config
         .validate()
@@ -637,6 +644,7 @@ pub(crate) fn spawn<M: ReplicatedMachine, D: ShellDuties<M>>(
     )
     .with_snapshot_image_bytes(snapshot_bytes);
     let metrics = Arc::new(NodeMetrics::default());
+    let subscriptions = Arc::new(AtomicUsize::new(0));
     let mut duties = duties;
     duties.attach_metrics(&metrics);
     let shell = Shell {
@@ -646,6 +654,7 @@ pub(crate) fn spawn<M: ReplicatedMachine, D: ShellDuties<M>>(
         late_warned: None,
         lease_reads_counted: 0,
         clock_warned: None,
+        subscriptions: subscriptions.clone(),
         config,
         transport,
         status: status_sender,
@@ -691,6 +700,7 @@ pub(crate) fn spawn<M: ReplicatedMachine, D: ShellDuties<M>>(
         applied_waits,
         machine,
         driver_runtime,
+        subscriptions,
     };
     Ok((handle, thread))
 }
@@ -845,6 +855,8 @@ impl<M: ReplicatedMachine, D: ShellDuties<M>> Driver<M, D> {
                 }
             }
             self.core.set_time(now_ms());
+            self.core
+                .set_awaited(self.shell.subscriptions.load(Ordering::Relaxed) > 0);
             let mut io = TransportIo {
                 transport: &mut self.shell.transport,
                 deferred: &mut self.shell.deferred,

@@ -41,8 +41,9 @@ pub const MAX_PEER_FRAME_BYTES: usize = 64 * 1024 * 1024;
 /// The version of the body encoding this node speaks. A frame with any other version closes
 /// the connection, so a mixed-version cluster fails loudly instead of misreading messages.
 /// Version 2 added the authenticated handshake (challenge, proof, keepalive); version 3 the
-/// dialer's vote-withholding window in the Hello.
-pub const WIRE_VERSION: u8 = 3;
+/// dialer's vote-withholding window in the Hello; version 4 the `awaited` flag of a
+/// follower's responses.
+pub const WIRE_VERSION: u8 = 4;
 
 /// Bytes before the body: length and checksum.
 pub const FRAME_HEADER_BYTES: usize = 8;
@@ -513,6 +514,23 @@ mod tests {
         assert_eq!(&wire[FRAME_HEADER_BYTES..], &body);
         assert_eq!(&wire[..4], &(body.len() as u32).to_be_bytes());
         assert_eq!(&wire[4..8], &crc32c::crc32c(&body).to_be_bytes());
+
+        let response = Message {
+            from: 2,
+            to: 1,
+            term: 5,
+            body: MessageBody::AppendResponse {
+                index: 11,
+                reject: false,
+                hint_index: 0,
+                hint_term: 0,
+                awaited: true,
+            },
+        };
+        let mut wire = Vec::new();
+        encode_message(&response, &mut wire).expect("encodes");
+        let body = [WIRE_VERSION, KIND_MESSAGE, 2, 1, 5, 1, 11, 0, 0, 0, 1];
+        assert_eq!(&wire[FRAME_HEADER_BYTES..], &body);
     }
 
     #[test]
@@ -642,14 +660,22 @@ mod tests {
                                 .collect(),
                         }
                     }),
-                (any::<u64>(), any::<bool>(), any::<u64>(), any::<u64>()).prop_map(
-                    |(index, reject, hint_index, hint_term)| MessageBody::AppendResponse {
-                        index,
-                        reject,
-                        hint_index,
-                        hint_term,
-                    }
-                ),
+                (
+                    any::<u64>(),
+                    any::<bool>(),
+                    any::<u64>(),
+                    any::<u64>(),
+                    any::<bool>()
+                )
+                    .prop_map(|(index, reject, hint_index, hint_term, awaited)| {
+                        MessageBody::AppendResponse {
+                            index,
+                            reject,
+                            hint_index,
+                            hint_term,
+                            awaited,
+                        }
+                    }),
                 (
                     any::<u64>(),
                     proptest::option::of(proptest::collection::vec(any::<u8>(), 0..16))

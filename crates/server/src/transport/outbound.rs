@@ -598,7 +598,7 @@ fn estimated_size_bytes(message: &Message) -> u64 {
         MessageBody::SnapshotChunk { data, meta, .. } => {
             data.len() as u64 + 8 * meta.conf_state.members().len() as u64
         }
-        MessageBody::Heartbeat { context, .. } | MessageBody::HeartbeatResponse { context } => {
+        MessageBody::Heartbeat { context, .. } | MessageBody::HeartbeatResponse { context, .. } => {
             context.as_ref().map_or(0, |context| context.len() as u64)
         }
         MessageBody::ReadIndexRequest { context }
