@@ -1160,6 +1160,10 @@ impl<M: ReplicatedMachine, S: NodeStore> NodeCore<M, S> {
         let batch_bytes: usize = ready.committed_entries.iter().map(|e| e.data.len()).sum();
         self.applied_bytes = self.applied_bytes.saturating_add(batch_bytes as u64);
         let mut answers = Vec::new();
+        // Members a change earlier in this batch added: the core's configuration takes them
+        // in only at advance, and a record update after the change must still find them (a
+        // follower that gets entries in batches applies both in one turn).
+        let mut added_in_batch = BTreeSet::new();
         {
             let mut machine = self
                 .machine
@@ -1170,6 +1174,7 @@ impl<M: ReplicatedMachine, S: NodeStore> NodeCore<M, S> {
                 if entry.kind == EntryKind::ConfChange {
                     // The core applies it at advance; the shell follows with the peers.
                     if let Some(ConfChange::Enter(steps)) = ConfChange::decode(&entry.data) {
+                        added_in_batch.extend(conf_change_added_ids(&steps));
                         self.member_id_high =
                             conf_change_added_ids(&steps).fold(self.member_id_high, NodeId::max);
                         for step in steps {
@@ -1201,7 +1206,8 @@ impl<M: ReplicatedMachine, S: NodeStore> NodeCore<M, S> {
                     EntryBody::MemberUpdate(Some(member)) => {
                         let present = self.members.contains_key(&member.id)
                             && !self.removals.contains(&member.id)
-                            && self.raw.conf_state().contains(member.id);
+                            && (self.raw.conf_state().contains(member.id)
+                                || added_in_batch.contains(&member.id));
                         if present {
                             self.members.insert(member.id, member);
                             self.members_changed = true;
@@ -1729,6 +1735,33 @@ mod tests {
         assert!(!core.members().contains_key(&3));
         assert_eq!(core.member_id_high(), 3, "restored from the snapshot");
         assert_eq!(add_learner(&mut core, "127.0.0.1:7004"), 4);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A follower that gets entries in batches (a quorum-first spare) applies a membership
+    /// change and the new member's record update in one turn; the update must find the
+    /// member its own batch added, though the core's configuration takes it in only after.
+    #[test]
+    fn a_record_update_applied_in_the_same_batch_as_its_members_addition_is_kept() {
+        let dir = temp_dir("member-update-same-batch");
+        let mut core = open_leader(&dir);
+        let (_, id) = core
+            .propose_new_member("127.0.0.1:7002".into())
+            .expect("record proposed");
+        run(&mut core);
+        core.change_membership(vec![ConfChangeStep::AddLearner(id)])
+            .expect("change proposed");
+        let announced = Member {
+            name: "two".into(),
+            client_addr: "127.0.0.1:8002".into(),
+            ..member(id)
+        };
+        core.propose_member_update(&announced)
+            .expect("update proposed");
+        // One turn commits and applies both entries.
+        run(&mut core);
+        assert!(core.raw().conf_state().contains(id));
+        assert_eq!(core.members().get(&id), Some(&announced));
         let _ = std::fs::remove_dir_all(&dir);
     }
 
