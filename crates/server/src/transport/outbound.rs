@@ -187,9 +187,14 @@ pub struct CallTicket {
 impl PeerCalls {
     /// Queues `call` for `peer`. It is written on the link's current connection or a later
     /// one of the same epoch, or never; [`PeerCalls::link_failed`] says when it may be lost.
+    /// On a link that is down the call is given up at once (the epoch moves, so it is never
+    /// written and `link_failed` resolves now): it would otherwise wait for the link's next
+    /// connect attempt, up to `reconnect_backoff_max_ms` away, while its caller may by then
+    /// know a new leader to call (a dead leader's link stays down).
     /// Errors (operating): `UnknownPeer`, `PeerQueueFull`.
     pub fn call(&self, peer: NodeId, call: PeerCall) -> Result<CallTicket, Error> {
         let queue = self.queue(peer)?;
+        let connected = queue.counters.connected.load(Ordering::Acquire);
         let epoch = queue.counters.link_epoch.load(Ordering::Acquire);
         queue
             .queue
@@ -198,6 +203,9 @@ impl PeerCalls {
                 epoch: Some(epoch),
             })
             .map_err(|_| Error::PeerQueueFull { peer })?;
+        if !connected {
+            queue.counters.link_failed();
+        }
         Ok(CallTicket { peer, epoch })
     }
 
@@ -655,12 +663,12 @@ impl PeerLink {
             info!(peer = self.peer, address = %self.address, "connected to peer");
             failures_in_row = 0;
             self.counters.connections.fetch_add(1, Ordering::Relaxed);
-            self.counters.connected.store(true, Ordering::Relaxed);
+            self.counters.connected.store(true, Ordering::Release);
             let connected_at = Instant::now();
             self.lane.connected(direct, tls);
             let outcome = self.pump(stream, &mut queue).await;
             self.lane.disconnected();
-            self.counters.connected.store(false, Ordering::Relaxed);
+            self.counters.connected.store(false, Ordering::Release);
             self.counters.link_failed();
             match outcome {
                 Ok(LinkEnd::QueueClosed) => return,
