@@ -78,7 +78,8 @@ pub enum Refusal {
     NotAMember,
     /// A vote request or vote answer from a node that does not vote in this configuration.
     NotAVoter,
-    /// Only the leader this node follows may send this (TimeoutNow, ReadIndexResponse).
+    /// Only the leader this node follows may send this (TimeoutNow, ReadIndexResponse, and
+    /// a leader's messages of the term from anyone else).
     NotTheLeader,
     /// The message term is past [`crate::MAX_TERM`].
     TermTooLarge { term: Term },

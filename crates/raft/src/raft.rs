@@ -528,10 +528,12 @@ impl<S: Storage> Raft<S> {
             }
         } else if m.term < self.term {
             match m.body {
-                MessageBody::Append { .. } | MessageBody::Heartbeat { .. }
-                    if self.config.check_quorum || self.config.pre_vote =>
-                {
-                    // A stale leader learns our term from this and steps down.
+                MessageBody::Append { .. } | MessageBody::Heartbeat { .. } => {
+                    // A stale leader learns our term from this and steps down. Answered
+                    // whatever the settings: a node whose term ran ahead and that cannot
+                    // campaign (a learner in its own configuration, which still lists
+                    // removed members whose vote requests raised its term) would otherwise
+                    // ignore the leader of a lower term forever.
                     let body = MessageBody::AppendResponse {
                         index: 0,
                         reject: true,
@@ -604,9 +606,7 @@ impl<S: Storage> Raft<S> {
             MessageBody::Append { .. }
             | MessageBody::Heartbeat { .. }
             | MessageBody::SnapshotChunk { .. } => {
-                if !self.may_lead(m.from) {
-                    return Err(Refusal::NotAMember);
-                }
+                self.check_leader(m)?;
             }
             // Only the leader this node follows, in its term, hands out reads or transfers.
             MessageBody::TimeoutNow | MessageBody::ReadIndexResponse { .. } => {
@@ -629,16 +629,51 @@ impl<S: Storage> Raft<S> {
         Ok(())
     }
 
-    /// Whether `from` may act as this node's leader. A member may. So may a node named in a
-    /// membership change this node holds but has not applied yet (the change that adds a
-    /// new leader is in flight). A node that does not vote in its own configuration (a
-    /// joining node, which starts knowing no member at all, or a learner that caught up
-    /// from a snapshot taken before the leader joined) accepts any leader: it cannot vote
-    /// or count toward a commit, and it learns the membership from what it is sent.
-    fn may_lead(&self, from: NodeId) -> bool {
-        self.conf.contains(from)
-            || !self.conf.is_voter(self.id)
-            || self.named_in_unapplied_conf_change(from)
+    /// Whether the sender of this Append, Heartbeat or SnapshotChunk may act as this node's
+    /// leader (the refusal says why not). A member may, and so may anyone while this node
+    /// does not vote in its own configuration (a joining node starts knowing no member at
+    /// all, and a learner may have caught up from a snapshot taken before its leader joined):
+    /// it cannot vote or count toward a commit, and it learns the membership from what it is
+    /// sent.
+    ///
+    /// A voter follows a node outside its configuration as Raft asks (whoever leads this
+    /// term or a later one), with two exceptions:
+    /// - the message is of this node's term and this node already follows (or is) another
+    ///   leader of that term: one term has at most one leader;
+    /// - the other voters of its configuration are not a quorum without it, and it holds no
+    ///   change naming the sender: every change after its configuration needed its own
+    ///   acknowledgement, so it holds them all, and a leader it does not know cannot exist
+    ///   (a cluster of one refuses every stranger).
+    ///
+    /// Otherwise a voter that was away while the change adding the current leader committed
+    /// learns that change only from that leader: refusing it kept such a voter out for good,
+    /// and the cluster stalled once the voter was needed for a quorum. What keeps strangers
+    /// from speaking for a leader is the peer handshake, which only a holder of the
+    /// cluster's peer secret passes (docs/security.md).
+    fn check_leader(&self, m: &Message) -> Result<(), Refusal> {
+        if self.conf.contains(m.from) || !self.conf.is_voter(self.id) {
+            return Ok(());
+        }
+        if m.term == self.term && self.leader.is_some_and(|leader| leader != m.from) {
+            return Err(Refusal::NotTheLeader);
+        }
+        if self.others_are_a_quorum() || self.named_in_unapplied_conf_change(m.from) {
+            Ok(())
+        } else {
+            Err(Refusal::NotAMember)
+        }
+    }
+
+    /// Whether the voters of the configuration other than this node make a quorum of it.
+    fn others_are_a_quorum(&self) -> bool {
+        let others: BTreeMap<NodeId, bool> = self
+            .conf
+            .voters
+            .iter()
+            .chain(self.conf.voters_outgoing.iter())
+            .map(|&id| (id, id != self.id))
+            .collect();
+        quorum::vote_result(&self.conf, &others) == VoteResult::Won
     }
 
     fn named_in_unapplied_conf_change(&self, id: NodeId) -> bool {

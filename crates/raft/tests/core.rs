@@ -56,6 +56,41 @@ fn check_quorum_makes_an_isolated_leader_step_down() {
     assert_eq!(net.node(1).role(), Role::Follower);
 }
 
+/// Raft §5.1: a node answers a stale leader's message with its own term, and the leader steps
+/// down. Also with neither PreVote nor CheckQuorum, where a node whose term ran ahead would
+/// otherwise wait to depose the leader by campaigning, which a node that is a learner in its
+/// own configuration never does: it ignored its leader forever.
+#[test]
+fn a_stale_leader_learns_the_higher_term_from_the_answer_to_its_heartbeat() {
+    fn plain(id: u64) -> Config {
+        let mut config = config(id);
+        config.pre_vote = false;
+        config.check_quorum = false;
+        config
+    }
+    let mut net = Net::with_config(3, plain);
+    net.elect(1);
+    let term = net.node(1).term();
+    net.isolate(3);
+    net.node(3).campaign().expect("the term can grow");
+    net.node(3).campaign().expect("the term can grow");
+    net.settle();
+    let ahead = net.node(3).term();
+    assert!(ahead > term);
+    net.heal();
+    // Only the leader ticks, so node 3 never campaigns: only its answers can tell node 1.
+    for _ in 0..2 {
+        net.node(1).tick();
+        net.settle();
+    }
+    assert!(
+        net.node(1).term() >= ahead,
+        "the leader at term {} never learned term {ahead}",
+        net.node(1).term()
+    );
+    assert_ne!(net.node(1).role(), Role::Leader);
+}
+
 /// For nodes started from stores past the bootstrap term, as after a restart: with CheckQuorum
 /// they would withhold their votes for an election timeout (`lease_reads.rs` tests that), and
 /// the tests that use this are about the log, not about when a vote may be granted.

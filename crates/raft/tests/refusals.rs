@@ -140,7 +140,24 @@ fn every_kind_of_message_from_a_non_member_is_refused() {
             index: last,
         },
     ];
-    for body in to_follower {
+    // A leader's messages at the term the follower is in, where it follows member 1: a
+    // second leader of one term cannot be honest. (At a later term a stranger is followed
+    // as Raft asks: see `a_voter_whose_configuration_predates_its_leader_follows_it`.)
+    let (leaders, others): (Vec<_>, Vec<_>) = to_follower.into_iter().partition(|body| {
+        matches!(
+            body,
+            MessageBody::Heartbeat { .. } | MessageBody::SnapshotChunk { .. }
+        )
+    });
+    let follower_term = net.node(2).term();
+    for body in leaders {
+        assert_refused(
+            &mut net,
+            msg(9, 2, follower_term, body),
+            Refusal::NotTheLeader,
+        );
+    }
+    for body in others {
         assert_refused(&mut net, msg(9, 2, term + 1, body), Refusal::NotAMember);
     }
     let to_leader = [
@@ -764,7 +781,8 @@ fn a_snapshot_without_voters_is_refused() {
 }
 
 /// A node joining with an empty configuration knows no member yet: it must still accept the
-/// leader's snapshot and appends, and then refuse strangers like everyone else.
+/// leader's snapshot and appends, and then, as a voter, refuse a stranger that claims to lead
+/// the term its leader leads.
 #[test]
 fn a_joining_node_accepts_its_leader_and_then_refuses_strangers() {
     let mut net = Net::new(3);
@@ -783,12 +801,76 @@ fn a_joining_node_accepts_its_leader_and_then_refuses_strangers() {
         commit: 0,
         context: None,
     };
+    assert_refused(&mut net, msg(9, 4, term, heartbeat), Refusal::NotTheLeader);
+    assert_still_commits(&mut net, &[1, 2, 3, 4]);
+}
+
+/// A voter that was cut off while a new member joined, and that new member came to lead,
+/// holds a configuration without its leader; it learns the change only from that leader.
+/// It used to refuse it as a stranger, stayed out for good, and once its vote was needed
+/// for a quorum the cluster could commit nothing more.
+#[test]
+fn a_voter_whose_configuration_predates_its_leader_follows_it() {
+    let mut net = Net::new(3);
+    net.nodes.insert(
+        4,
+        RawNode::new(config(4), MemStorage::default()).expect("valid"),
+    );
+    net.elect(1);
+    net.isolate(3);
+    net.node(1)
+        .propose_conf_change(vec![conclave_raft::ConfChangeStep::AddVoter(4)])
+        .expect("accepted");
+    net.tick_all(10);
+    assert!(net.node(1).conf_state().is_voter(4), "node 4 did not join");
+    assert!(!net.node(3).conf_state().contains(4), "node 3 was cut off");
+    net.node(1)
+        .transfer_leader(4)
+        .expect("a voter to hand over to");
+    net.tick_all(5);
+    assert_eq!(net.leaders(), vec![4], "node 4 took over");
+
+    net.heal();
+    net.tick_all(10);
+    assert!(
+        net.node(3).conf_state().is_voter(4),
+        "node 3 never learned of its leader's addition: {:?}",
+        net.node(3).conf_state()
+    );
+    assert_eq!(net.node(3).leader(), Some(4));
+    // With member 1 gone, members 2, 3 and 4 are the only quorum: it needs node 3.
+    net.isolate(1);
+    let index = net
+        .node(4)
+        .propose(Bytes::from_static(b"with 3"))
+        .expect("still the leader");
+    net.tick_all(3);
+    for id in [2, 3, 4] {
+        assert!(
+            net.node(id).commit_index() >= index,
+            "node {id} did not commit the entry that needed node 3"
+        );
+    }
+}
+
+/// A voter that alone is a quorum of its configuration acknowledged every change after it,
+/// so a leader it holds no change for cannot exist: it refuses one even at a later term.
+#[test]
+fn a_voter_that_alone_is_a_quorum_refuses_a_leader_it_does_not_know() {
+    // Two voters: neither is a quorum without the other.
+    let mut net = Net::new(2);
+    net.elect(1);
+    let term = net.node(2).term();
+    let heartbeat = MessageBody::Heartbeat {
+        commit: 0,
+        context: None,
+    };
     assert_refused(
         &mut net,
-        msg(9, 4, term + 1, heartbeat),
+        msg(9, 2, term + 1, heartbeat),
         Refusal::NotAMember,
     );
-    assert_still_commits(&mut net, &[1, 2, 3, 4]);
+    assert_still_commits(&mut net, &[1, 2]);
 }
 
 /// A membership-change entry that does not decode would stop every node that applies it; a

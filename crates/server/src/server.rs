@@ -91,14 +91,15 @@ pub async fn run(config: ServerConfig, shutdown: impl Future<Output = ()>) -> Re
         }
     }
     let reload = reload_on_hangup(client_tls.clone(), transport_config.tls.clone());
+    let listener_state = PeerListenerState::new();
+    let announced = listener_state.announced();
     let mut transport = PeerTransport::new(transport_config.clone())?;
     for member in config.members.iter().filter(|m| m.id != config.id) {
         transport.add_peer(member.id, member.peer_addr.clone())?;
     }
+    transport.route_unrecorded_by(listener_state.announced());
     let (inbound_sender, inbound) = mpsc::channel(config.driver_queue_messages_max);
     let (stop_peers, peers_stopped) = oneshot::channel::<()>();
-    let listener_state = PeerListenerState::new();
-    let announced = listener_state.announced();
 
     let (calls_sender, calls_inbound) =
         mpsc::channel(crate::api::peer_calls::PEER_CALLS_QUEUED_MAX);
@@ -299,6 +300,7 @@ pub fn transport_config(config: &ServerConfig) -> Result<TransportConfig, Error>
     if let Some(me) = config.this_member() {
         transport.own_name = me.name.clone();
         transport.own_client_address = me.client_addr.clone();
+        transport.own_peer_address = me.peer_addr.clone();
     }
     transport.vote_withheld_ms = config.vote_withheld_ms();
     transport.lease_read_ms = config.lease_read_ms();

@@ -798,6 +798,7 @@ async fn handshaken_with(
         dialer_name: &hello.name,
         dialer_client_address: &hello.client_address,
         dialer_vote_withheld_ms: hello.vote_withheld_ms,
+        dialer_peer_address: &hello.peer_address,
     };
     buffer.clear();
     let proof = Frame::HelloProof(HelloProof {
@@ -821,6 +822,7 @@ fn good_hello() -> Hello {
         name: "node1".into(),
         client_address: "127.0.0.1:2379".into(),
         vote_withheld_ms: 140,
+        peer_address: "127.0.0.1:2380".into(),
     }
 }
 

@@ -8,7 +8,10 @@
 //!
 //! - From non-members (ids no configuration ever holds): nothing may panic and the
 //!   simulator's safety checkers, liveness included, must stay green. The core refuses every
-//!   such message.
+//!   such message. A leader's messages (Append, Heartbeat, SnapshotChunk) from a stranger go
+//!   only to a node that follows a leader, at its term: Raft has a voter follow whoever leads
+//!   a later term, member or not (a voter whose configuration predates its leader depends on
+//!   it), so at a later term a stranger's are forgeries in a member's place, below.
 //! - Claiming to come from a member: only "no panic" can be required. A member is trusted to
 //!   speak Raft (until peers authenticate, anyone who can forge a member's id is that
 //!   member), so a forged Append with a plausible term can replace uncommitted entries or
@@ -355,12 +358,27 @@ fn run_with_forgeries(seed: u64, forged: &[Forged], members_forge: bool) -> (Sim
             commit: target.commit_index(),
             term: target.term(),
         };
+        let follows_a_leader = target.leader().is_some();
         let from = if members_forge {
             1 + forgery.sender as u64 % 3
         } else {
             STRANGERS[forgery.sender % STRANGERS.len()]
         };
-        sim.inject(forgery.message(from, anchor));
+        let mut message = forgery.message(from, anchor);
+        let leads = matches!(
+            message.body,
+            MessageBody::Append { .. }
+                | MessageBody::Heartbeat { .. }
+                | MessageBody::SnapshotChunk { .. }
+        );
+        if leads && !members_forge {
+            // A second leader of the term the target follows someone in.
+            if !follows_a_leader {
+                continue;
+            }
+            message.term = anchor.term;
+        }
+        sim.inject(message);
         injected += 1;
     }
     sim.run();

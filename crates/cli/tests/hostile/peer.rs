@@ -63,6 +63,7 @@ impl RawPeer {
             name: String::new(),
             client_address: String::new(),
             vote_withheld_ms: 0,
+            peer_address: String::new(),
         }))
         .await;
         let challenge = match peer.next().await {
@@ -79,6 +80,7 @@ impl RawPeer {
             dialer_name: "",
             dialer_client_address: "",
             dialer_vote_withheld_ms: 0,
+            dialer_peer_address: "",
         };
         peer.send_frame(&Frame::HelloProof(HelloProof {
             proof: transcript.dialer_proof(key),
@@ -283,6 +285,7 @@ async fn a_peer_without_the_secret_is_refused_before_any_message() {
         name: String::new(),
         client_address: String::new(),
         vote_withheld_ms: 0,
+        peer_address: String::new(),
     }))
     .await;
     raw.send_frame(&Frame::HelloProof(HelloProof { proof: [0; 32] }))
@@ -617,6 +620,7 @@ async fn forged_hellos_held_idle_do_not_keep_a_restarted_member_out() {
                         name: String::new(),
                         client_address: String::new(),
                         vote_withheld_ms: 0,
+                        peer_address: String::new(),
                     });
                     frame::encode_frame(&hello, &mut wire).expect("encodes");
                     let _ = stream.write_all(&wire).await;

@@ -454,6 +454,7 @@ pub async fn record_member_attributes(
                 crate::transport::PeerAttributes {
                     name: me.name.clone(),
                     client_address: me.client_addr.clone(),
+                    peer_address: me.peer_addr.clone(),
                 },
             )
         });

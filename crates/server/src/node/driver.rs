@@ -498,6 +498,8 @@ struct Shell<O> {
     transport: PeerTransport,
     /// See [`TransportIo::deferred`]; empty between turns.
     deferred: Vec<Message>,
+    /// See [`TransportIo::unrouted`]; empty between turns.
+    unrouted: Vec<Message>,
     status: watch::Sender<NodeStatus>,
     /// Ends every applied-index wait when the driver goes, however it goes.
     applied_waits: StopWaitsOnDrop,
@@ -532,6 +534,9 @@ struct TransportIo<'a> {
     /// turn's answers are out: they are on no client's path, and on the direct lane each
     /// costs the driver a system call before it applies and answers.
     deferred: &'a mut Vec<Message>,
+    /// Messages to nodes the transport has no link to, sent after the turn by
+    /// `Driver::route_unrecorded` (a leader this member holds no record of yet).
+    unrouted: &'a mut Vec<Message>,
     metrics: &'a NodeMetrics,
     fsync_warn_ms: u64,
     step_started: Option<Instant>,
@@ -541,6 +546,10 @@ impl ReadyIo for TransportIo<'_> {
     fn send(&mut self, message: Message) {
         if matches!(&message.body, MessageBody::Append { entries, .. } if entries.is_empty()) {
             self.deferred.push(message);
+            return;
+        }
+        if !self.transport.has_peer(message.to) {
+            self.unrouted.push(message);
             return;
         }
         if let Err(error) = self.transport.send(message) {
@@ -649,6 +658,7 @@ pub(crate) fn spawn<M: ReplicatedMachine, D: ShellDuties<M>>(
     duties.attach_metrics(&metrics);
     let shell = Shell {
         deferred: Vec::new(),
+        unrouted: Vec::new(),
         metrics: metrics.clone(),
         last_leader: None,
         late_warned: None,
@@ -860,6 +870,7 @@ impl<M: ReplicatedMachine, D: ShellDuties<M>> Driver<M, D> {
             let mut io = TransportIo {
                 transport: &mut self.shell.transport,
                 deferred: &mut self.shell.deferred,
+                unrouted: &mut self.shell.unrouted,
                 metrics: &self.shell.metrics,
                 fsync_warn_ms: self.shell.config.wal_fsync_warn_ms,
                 step_started: None,
@@ -868,10 +879,15 @@ impl<M: ReplicatedMachine, D: ShellDuties<M>> Driver<M, D> {
             debug_assert_eq!(end, TurnEnd::Done, "the transport never stops the core");
             self.deliver_outputs();
             for message in self.shell.deferred.drain(..) {
-                if let Err(error) = self.shell.transport.send(message) {
-                    tracing::debug!(%error, "peer message not sent");
+                if self.shell.transport.has_peer(message.to) {
+                    if let Err(error) = self.shell.transport.send(message) {
+                        tracing::debug!(%error, "peer message not sent");
+                    }
+                } else {
+                    self.shell.unrouted.push(message);
                 }
             }
+            self.route_unrecorded();
             self.maybe_snapshot()?;
             self.publish_status();
             if let Some(since) = stopping_since {
@@ -1063,6 +1079,28 @@ impl<M: ReplicatedMachine, D: ShellDuties<M>> Driver<M, D> {
         for member in members.values().filter(|m| m.id != me) {
             if let Err(error) = transport.add_peer(member.id, member.peer_addr.clone()) {
                 tracing::warn!(id = member.id, %error, "peer not added");
+            }
+        }
+    }
+
+    /// Sends the turn's messages to nodes without a link: a node this member holds no record
+    /// of gets one to the peer address it announced in its authenticated handshake
+    /// (`PeerTransport::add_announced_peer`). That node is a leader the core followed
+    /// although this member's configuration predates it (it was away while the leader was
+    /// added); without an answer the leader would never learn how far behind this member is,
+    /// and this member would never catch up. The link goes at the next `sync_peers`, and comes
+    /// back on the next message if the node is still unrecorded then.
+    fn route_unrecorded(&mut self) {
+        if self.shell.unrouted.is_empty() {
+            return;
+        }
+        let _runtime = self.shell.peer_runtime.enter();
+        let members = self.core.members();
+        let transport = &mut self.shell.transport;
+        for message in self.shell.unrouted.drain(..) {
+            transport.add_announced_peer(message.to, |id| members.contains_key(&id));
+            if let Err(error) = transport.send(message) {
+                tracing::debug!(%error, "peer message not sent");
             }
         }
     }

@@ -4,7 +4,8 @@
 //! ```text
 //!  dialer                                              listener
 //!    Hello { cluster, from, to, dialer_nonce, attrs } ──►      (attrs: name, client
-//!                                                               address, vote window)
+//!                                                               address, vote window,
+//!                                                               peer address)
 //!                 ◄── HelloChallenge { listener_nonce, listener_proof }
 //!    HelloProof { dialer_proof }                      ──►
 //!                 ◄── HelloAccepted | HelloRejected
@@ -140,6 +141,7 @@ pub struct Transcript<'a> {
     pub dialer_name: &'a str,
     pub dialer_client_address: &'a str,
     pub dialer_vote_withheld_ms: u64,
+    pub dialer_peer_address: &'a str,
 }
 
 impl Transcript<'_> {
@@ -160,6 +162,8 @@ impl Transcript<'_> {
             mac.update(field.as_bytes());
         }
         mac.update(&self.dialer_vote_withheld_ms.to_be_bytes());
+        mac.update(&(self.dialer_peer_address.len() as u64).to_be_bytes());
+        mac.update(self.dialer_peer_address.as_bytes());
         mac
     }
 
@@ -222,6 +226,7 @@ mod tests {
             dialer_name: "a",
             dialer_client_address: "127.0.0.1:2379",
             dialer_vote_withheld_ms: 140,
+            dialer_peer_address: "127.0.0.1:2380",
         }
     }
 
@@ -253,6 +258,12 @@ mod tests {
         let mut hastier = t;
         hastier.dialer_vote_withheld_ms = 40;
         assert!(!hastier.verify_dialer(&key, &proof), "another vote window");
+        let mut elsewhere = t;
+        elsewhere.dialer_peer_address = "10.0.0.1:2380";
+        assert!(
+            !elsewhere.verify_dialer(&key, &proof),
+            "another peer address"
+        );
         assert!(t.verify_listener(&key, &t.listener_proof(&key)));
     }
 

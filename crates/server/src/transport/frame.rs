@@ -42,8 +42,8 @@ pub const MAX_PEER_FRAME_BYTES: usize = 64 * 1024 * 1024;
 /// the connection, so a mixed-version cluster fails loudly instead of misreading messages.
 /// Version 2 added the authenticated handshake (challenge, proof, keepalive); version 3 the
 /// dialer's vote-withholding window in the Hello; version 4 the `awaited` flag of a
-/// follower's responses.
-pub const WIRE_VERSION: u8 = 4;
+/// follower's responses; version 5 the dialer's peer address in the Hello.
+pub const WIRE_VERSION: u8 = 5;
 
 /// Bytes before the body: length and checksum.
 pub const FRAME_HEADER_BYTES: usize = 8;
@@ -62,7 +62,7 @@ const KIND_CALL: u8 = 8;
 const KIND_ANSWER: u8 = 9;
 
 /// The largest handshake frame a listener reads before the dialer has proved itself, so an
-/// unauthenticated connection cannot make it reserve a large buffer. A Hello carries two
+/// unauthenticated connection cannot make it reserve a large buffer. A Hello carries three
 /// short strings besides fixed-size fields.
 pub const HANDSHAKE_FRAME_BYTES_MAX: usize = 4096;
 
@@ -85,6 +85,10 @@ pub struct Hello {
     /// milliseconds of its ticks (`(election ticks - 1) * tick`); a listener that reads from
     /// a lease refuses a dialer whose window is shorter than its own (0: not announced).
     pub vote_withheld_ms: u64,
+    /// The dialer's own peer address (`host:port`), where the listener can answer a dialer
+    /// it holds no member record of (a leader added while the listener was away); empty when
+    /// the dialer has none to publish.
+    pub peer_address: String,
 }
 
 /// The listener's answer to a [`Hello`]: its own nonce and its proof of the peer key.
@@ -431,6 +435,7 @@ mod tests {
                 name: "a".into(),
                 client_address: "127.0.0.1:2379".into(),
                 vote_withheld_ms: 140,
+                peer_address: "127.0.0.1:2380".into(),
             }),
             Frame::HelloChallenge(HelloChallenge {
                 cluster_id: 7,

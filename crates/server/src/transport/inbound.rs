@@ -58,6 +58,9 @@ pub const DROP_WARN_INTERVAL_MS: u64 = 1000;
 pub struct PeerAttributes {
     pub name: String,
     pub client_address: String,
+    /// Where the member listens for peers; the driver dials it there when it must answer a
+    /// member it holds no record of (see `PeerTransport::route_unrecorded_by`).
+    pub peer_address: String,
 }
 
 /// Counters of what the listener refused or dropped; all only grow.
@@ -533,6 +536,7 @@ impl Connection {
             dialer_name: &hello.name,
             dialer_client_address: &hello.client_address,
             dialer_vote_withheld_ms: hello.vote_withheld_ms,
+            dialer_peer_address: &hello.peer_address,
         };
         let challenge = HelloChallenge {
             cluster_id: config.cluster_id,
@@ -579,12 +583,16 @@ impl Connection {
         };
         write_frame(reader, &Frame::HelloAccepted(accepted)).await?;
         debug!(peer = hello.from, "peer authenticated");
-        if !hello.name.is_empty() || !hello.client_address.is_empty() {
+        if !hello.name.is_empty()
+            || !hello.client_address.is_empty()
+            || !hello.peer_address.is_empty()
+        {
             self.state.announce(
                 hello.from,
                 PeerAttributes {
                     name: hello.name.clone(),
                     client_address: hello.client_address.clone(),
+                    peer_address: hello.peer_address.clone(),
                 },
             );
         }

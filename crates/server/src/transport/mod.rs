@@ -106,6 +106,9 @@ pub struct TransportConfig {
     /// can record them (empty: nothing to announce).
     pub own_name: String,
     pub own_client_address: String,
+    /// This node's peer address (`host:port`), announced in every Hello so that a member
+    /// holding no record of this node yet can answer it (empty: nothing to announce).
+    pub own_peer_address: String,
     /// How long this member withholds its vote after it heard from a leader or started, as
     /// its ticks measure it (`(election ticks - 1) * tick_ms`); announced in every Hello.
     /// 0 announces nothing.
@@ -149,6 +152,7 @@ impl TransportConfig {
             peer_key: PeerKey::weak_from_cluster_id(cluster_id),
             own_name: String::new(),
             own_client_address: String::new(),
+            own_peer_address: String::new(),
             vote_withheld_ms: 0,
             lease_read_ms: 0,
             tls: None,

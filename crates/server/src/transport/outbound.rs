@@ -12,7 +12,7 @@
 //!            task to finish first
 //! ```
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::io::Write as _;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
@@ -22,16 +22,16 @@ use conclave_raft::{Message, MessageBody, NodeId};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::net::tcp::{ReadHalf, WriteHalf};
-use tokio::sync::{Notify, mpsc};
+use tokio::sync::{Notify, mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio_rustls::rustls::ClientConnection;
 use tracing::{debug, info, warn};
 
-use super::TransportConfig;
 use super::auth::{self, Transcript};
 use super::frame::{
     self, Frame, FrameReader, HANDSHAKE_FRAME_BYTES_MAX, Hello, HelloProof, PeerCall,
 };
+use super::{PeerAttributes, TransportConfig};
 use crate::error::Error;
 
 /// Messages taken from the queue in one go; they are encoded into one buffer and written with
@@ -60,7 +60,16 @@ pub struct PeerTransport {
     peers: HashMap<NodeId, Peer>,
     /// The same queues, for [`PeerCalls`] held outside the driver.
     call_queues: Arc<RwLock<HashMap<NodeId, CallQueue>>>,
+    /// What authenticated dialers announced about themselves (the peer listener's record),
+    /// for reaching a node this member holds no record of; see
+    /// [`PeerTransport::route_unrecorded_by`].
+    announced: Option<watch::Receiver<BTreeMap<NodeId, PeerAttributes>>>,
 }
+
+/// At most this many links to nodes this member holds no member record of (see
+/// [`PeerTransport::add_announced_peer`]). An honest cluster needs one: the leader added
+/// while this member was away, until this member applies that addition.
+pub const UNRECORDED_PEER_LINKS_MAX: usize = 4;
 
 struct Peer {
     address: String,
@@ -311,7 +320,64 @@ impl PeerTransport {
             config: Arc::new(config),
             peers: HashMap::new(),
             call_queues: Arc::new(RwLock::new(HashMap::new())),
+            announced: None,
         })
+    }
+
+    /// Lets [`PeerTransport::add_announced_peer`] dial nodes at the peer address they
+    /// announced in an authenticated handshake (`PeerListenerState::announced`). A member
+    /// that was away while another was added and came to lead learns of the newcomer only
+    /// from the newcomer's own messages, and must answer them before it holds its record.
+    pub fn route_unrecorded_by(
+        &mut self,
+        announced: watch::Receiver<BTreeMap<NodeId, PeerAttributes>>,
+    ) {
+        self.announced = Some(announced);
+    }
+
+    /// Whether messages to `peer` have a link.
+    pub fn has_peer(&self, peer: NodeId) -> bool {
+        self.peers.contains_key(&peer)
+    }
+
+    /// Starts a link to `peer`, which is none of `recorded` (the members this node holds
+    /// records of), at the peer address it announced when it last authenticated here. Does
+    /// nothing and returns false when it announced none, when a link exists, or when
+    /// [`UNRECORDED_PEER_LINKS_MAX`] links to unrecorded nodes are up already. Must be called
+    /// inside a tokio runtime.
+    pub fn add_announced_peer(&mut self, peer: NodeId, recorded: impl Fn(NodeId) -> bool) -> bool {
+        if recorded(peer) || self.peers.contains_key(&peer) {
+            return false;
+        }
+        let Some(attributes) = self
+            .announced
+            .as_ref()
+            .and_then(|announced| announced.borrow().get(&peer).cloned())
+        else {
+            return false;
+        };
+        if attributes.peer_address.is_empty()
+            || self.peers.keys().filter(|id| !recorded(**id)).count() >= UNRECORDED_PEER_LINKS_MAX
+        {
+            return false;
+        }
+        if let Some(tls) = &self.config.tls
+            && !attributes.name.is_empty()
+        {
+            tls.note_member_name(peer, &attributes.name);
+        }
+        if self
+            .add_peer(peer, attributes.peer_address.clone())
+            .is_err()
+        {
+            return false;
+        }
+        info!(
+            peer,
+            address = %attributes.peer_address,
+            "dialing a node this member holds no record of, at the address it announced"
+        );
+        true
     }
 
     /// A handle that sends [`PeerCall`]s to the peers this transport has.
@@ -749,6 +815,7 @@ impl PeerLink {
             name: self.config.own_name.clone(),
             client_address: self.config.own_client_address.clone(),
             vote_withheld_ms: self.config.vote_withheld_ms,
+            peer_address: self.config.own_peer_address.clone(),
         };
         let mut buffer = Vec::new();
         frame::encode_frame(&Frame::Hello(hello), &mut buffer)?;
@@ -796,6 +863,7 @@ impl PeerLink {
             dialer_name: &self.config.own_name,
             dialer_client_address: &self.config.own_client_address,
             dialer_vote_withheld_ms: self.config.vote_withheld_ms,
+            dialer_peer_address: &self.config.own_peer_address,
         };
         if !transcript.verify_listener(&self.config.peer_key, &challenge.proof) {
             return Err(Error::PeerAuthentication {
