@@ -780,21 +780,31 @@ fn a_snapshot_without_voters_is_refused() {
     assert_refused(&mut case.net, message, Refusal::SnapshotWithoutVoters);
 }
 
-/// A node joining with an empty configuration knows no member yet: it must still accept the
-/// leader's snapshot and appends, and then, as a voter, refuse a stranger that claims to lead
-/// the term its leader leads.
-#[test]
-fn a_joining_node_accepts_its_leader_and_then_refuses_strangers() {
+/// Members 1 to 3, led by 1, add node 4 (started with an empty configuration) as a voter,
+/// with member `cut_off` isolated meanwhile if given.
+fn three_members_add_a_fourth(cut_off: Option<u64>) -> Net {
     let mut net = Net::new(3);
     net.nodes.insert(
         4,
         RawNode::new(config(4), MemStorage::default()).expect("valid"),
     );
     net.elect(1);
+    if let Some(id) = cut_off {
+        net.isolate(id);
+    }
     net.node(1)
         .propose_conf_change(vec![conclave_raft::ConfChangeStep::AddVoter(4)])
         .expect("accepted");
     net.tick_all(10);
+    net
+}
+
+/// A node joining with an empty configuration knows no member yet: it must still accept the
+/// leader's snapshot and appends, and then, as a voter, refuse a stranger that claims to lead
+/// the term its leader leads.
+#[test]
+fn a_joining_node_accepts_its_leader_and_then_refuses_strangers() {
+    let mut net = three_members_add_a_fourth(None);
     assert!(net.node(4).conf_state().is_voter(4), "node 4 did not join");
     let term = net.node(4).term();
     let heartbeat = MessageBody::Heartbeat {
@@ -811,17 +821,7 @@ fn a_joining_node_accepts_its_leader_and_then_refuses_strangers() {
 /// for a quorum the cluster could commit nothing more.
 #[test]
 fn a_voter_whose_configuration_predates_its_leader_follows_it() {
-    let mut net = Net::new(3);
-    net.nodes.insert(
-        4,
-        RawNode::new(config(4), MemStorage::default()).expect("valid"),
-    );
-    net.elect(1);
-    net.isolate(3);
-    net.node(1)
-        .propose_conf_change(vec![conclave_raft::ConfChangeStep::AddVoter(4)])
-        .expect("accepted");
-    net.tick_all(10);
+    let mut net = three_members_add_a_fourth(Some(3));
     assert!(net.node(1).conf_state().is_voter(4), "node 4 did not join");
     assert!(!net.node(3).conf_state().contains(4), "node 3 was cut off");
     net.node(1)
