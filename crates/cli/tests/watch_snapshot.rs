@@ -2,7 +2,9 @@
 //! every revision the snapshot covered: real `conclave serve` processes, one of them paused
 //! (SIGSTOP) while the leader writes and compacts its log past it. Both with a write after
 //! the catch-up and without one (docs/faults.md, findings 1 and 6). And a waiting call there
-//! (an inbox long poll) is woken by the install.
+//! (an inbox long poll) is woken by the install. And a watch opened on a member after a spell
+//! with no subscription there, while the member published none of its applied batches, misses
+//! nothing either.
 
 mod common;
 
@@ -10,12 +12,12 @@ use std::collections::BTreeSet;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::Cluster;
+use common::{Cluster, http_get};
 use conclave_proto::etcdserverpb::lease_client::LeaseClient;
 use conclave_proto::etcdserverpb::watch_client::WatchClient;
 use conclave_proto::etcdserverpb::watch_request::RequestUnion;
 use conclave_proto::etcdserverpb::{
-    LeaseGrantRequest, PutRequest, WatchCreateRequest, WatchRequest,
+    LeaseGrantRequest, PutRequest, WatchCreateRequest, WatchRequest, WatchResponse,
 };
 use tokio::sync::mpsc;
 use tonic::codegen::tokio_stream::wrappers::ReceiverStream;
@@ -52,27 +54,16 @@ async fn a_watcher_on_a_member_that_installs_a_snapshot_misses_no_revision() {
     let leader = cluster.wait_for_leader(Duration::from_secs(5)).await;
     let follower = (1..=3).find(|&id| id != leader).expect("a follower");
 
-    let (requests, receiver) = mpsc::channel(4);
-    requests
-        .send(WatchRequest {
-            request_union: Some(RequestUnion::CreateRequest(WatchCreateRequest {
-                key: "gap/".into(),
-                range_end: "gap0".into(),
-                ..Default::default()
-            })),
-        })
-        .await
-        .expect("queue the create");
-    let channel = Channel::from_shared(cluster.endpoint(follower))
-        .expect("valid endpoint")
-        .connect_lazy();
-    let mut watch = WatchClient::new(channel)
-        .watch(ReceiverStream::new(receiver))
-        .await
-        .expect("a watch stream")
-        .into_inner();
-    let created = watch.message().await.expect("created").expect("a response");
-    assert!(created.created && !created.canceled, "{created:?}");
+    let (_requests, mut watch, _) = open_watch(
+        &cluster,
+        follower,
+        WatchCreateRequest {
+            key: "gap/".into(),
+            range_end: "gap0".into(),
+            ..Default::default()
+        },
+    )
+    .await;
 
     let mut kv = cluster.kv(leader).await;
     kv.put(put("gap/before")).await.expect("put before");
@@ -152,27 +143,16 @@ async fn a_watcher_gets_the_revisions_of_an_installed_snapshot_with_no_later_wri
     let leader = cluster.wait_for_leader(Duration::from_secs(5)).await;
     let follower = (1..=3).find(|&id| id != leader).expect("a follower");
 
-    let (requests, receiver) = mpsc::channel(4);
-    requests
-        .send(WatchRequest {
-            request_union: Some(RequestUnion::CreateRequest(WatchCreateRequest {
-                key: "quiet/".into(),
-                range_end: "quiet0".into(),
-                ..Default::default()
-            })),
-        })
-        .await
-        .expect("queue the create");
-    let channel = Channel::from_shared(cluster.endpoint(follower))
-        .expect("valid endpoint")
-        .connect_lazy();
-    let mut watch = WatchClient::new(channel)
-        .watch(ReceiverStream::new(receiver))
-        .await
-        .expect("a watch stream")
-        .into_inner();
-    let created = watch.message().await.expect("created").expect("a response");
-    assert!(created.created && !created.canceled, "{created:?}");
+    let (requests, mut watch, _) = open_watch(
+        &cluster,
+        follower,
+        WatchCreateRequest {
+            key: "quiet/".into(),
+            range_end: "quiet0".into(),
+            ..Default::default()
+        },
+    )
+    .await;
 
     let mut kv = cluster.kv(leader).await;
     kv.put(put("quiet/before")).await.expect("put before");
@@ -339,4 +319,163 @@ async fn an_inbox_wait_is_answered_by_a_snapshot_install() {
          {wait_ms} ms)"
     );
     println!("the inbox on member {follower} answered {waited:?} after its member resumed");
+}
+
+/// Puts in each step of the quiet-spell test.
+const STEP_PUTS: usize = 10;
+
+/// Opens a watch on member `id` and waits until it is created; the member's revision then is
+/// the last the watch does not report. Dropping both halves ends it.
+async fn open_watch(
+    cluster: &Cluster,
+    id: u64,
+    create: WatchCreateRequest,
+) -> (
+    mpsc::Sender<WatchRequest>,
+    tonic::Streaming<WatchResponse>,
+    i64,
+) {
+    let (requests, receiver) = mpsc::channel(4);
+    requests
+        .send(WatchRequest {
+            request_union: Some(RequestUnion::CreateRequest(create)),
+        })
+        .await
+        .expect("queue the create");
+    let channel = Channel::from_shared(cluster.endpoint(id))
+        .expect("valid endpoint")
+        .connect_lazy();
+    let mut watch = WatchClient::new(channel)
+        .watch(ReceiverStream::new(receiver))
+        .await
+        .expect("a watch stream")
+        .into_inner();
+    let created = watch.message().await.expect("created").expect("a response");
+    assert!(created.created && !created.canceled, "{created:?}");
+    let revision = created.header.as_ref().map_or(0, |header| header.revision);
+    (requests, watch, revision)
+}
+
+/// The revisions of the next `count` events on `watch`.
+async fn next_revisions(
+    watch: &mut tonic::Streaming<WatchResponse>,
+    count: usize,
+    what: &str,
+) -> Vec<i64> {
+    let mut revisions = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while revisions.len() < count {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let Ok(message) = tokio::time::timeout(left, watch.message()).await else {
+            panic!("{what}: {} of {count} events within 10 s", revisions.len());
+        };
+        let response = message.expect("the stream open").expect("a response");
+        assert!(!response.canceled, "{what}: {response:?}");
+        revisions.extend(
+            response
+                .events
+                .iter()
+                .map(|event| event.kv.as_ref().map_or(0, |kv| kv.mod_revision)),
+        );
+    }
+    assert_eq!(revisions.len(), count, "{what}: no event twice");
+    revisions
+}
+
+/// Member `id`'s `conclave_subscriptions` gauge.
+async fn subscriptions(cluster: &Cluster, id: u64) -> u64 {
+    let url = format!("{}/metrics", cluster.metrics_url(id));
+    let Some((200, body)) = http_get(&url).await else {
+        panic!("scrape of member {id} failed");
+    };
+    body.lines()
+        .find_map(|line| line.strip_prefix("conclave_subscriptions "))
+        .and_then(|value| value.trim().parse().ok())
+        .unwrap_or_else(|| panic!("conclave_subscriptions missing from member {id}"))
+}
+
+/// Puts `count` keys under `prefix` through `kv`; their revisions.
+async fn put_keys(
+    kv: &mut conclave_proto::etcdserverpb::kv_client::KvClient<Channel>,
+    prefix: &str,
+    count: usize,
+) -> Vec<i64> {
+    let mut revisions = Vec::new();
+    for i in 0..count {
+        let answer = kv
+            .put(put(&format!("{prefix}{i:02}")))
+            .await
+            .expect("put")
+            .into_inner();
+        revisions.push(answer.header.expect("a header").revision);
+    }
+    revisions
+}
+
+/// A member publishes its applied batches to its watch hub only while a client subscribes
+/// there (`conclave_subscriptions` above 0), so that a hub a past watch started does not wake
+/// for every write for good. A watch opened after such a spell, from now or from a revision
+/// inside the spell, must still get every event after where it starts, on the leader and on
+/// a follower.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_watch_opened_after_a_spell_without_subscriptions_misses_no_revision() {
+    let cluster = Cluster::start(3).await;
+    let leader = cluster.wait_for_leader(Duration::from_secs(5)).await;
+    let follower = (1..=3).find(|&id| id != leader).expect("a follower");
+    let mut kv = cluster.kv(leader).await;
+    for member in [follower, leader] {
+        let prefix = format!("spell{member}/");
+        let create = |start_revision| WatchCreateRequest {
+            key: prefix.clone().into(),
+            range_end: format!("spell{member}0").into(),
+            start_revision,
+            ..Default::default()
+        };
+        // A first watch starts the member's hub, then goes.
+        let (requests, mut first, _) = open_watch(&cluster, member, create(0)).await;
+        let written = put_keys(&mut kv, &format!("{prefix}a"), 1).await;
+        assert_eq!(
+            next_revisions(&mut first, 1, "the first watch").await,
+            written
+        );
+        drop((requests, first));
+        let start = Instant::now();
+        while subscriptions(&cluster, member).await != 0 {
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "member {member} still counts a subscription 10 s after its watch closed"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+
+        // The spell: writes the member applies with nobody subscribed.
+        let spell = put_keys(&mut kv, &format!("{prefix}b"), STEP_PUTS).await;
+        // A watch from now alone, then one from inside the spell beside it. A follower may
+        // not have applied the whole spell yet when the watch starts: "now" is its revision.
+        let (_from_now_requests, mut from_now, now) = open_watch(&cluster, member, create(0)).await;
+        let after = put_keys(&mut kv, &format!("{prefix}c"), STEP_PUTS).await;
+        let expected: Vec<i64> = (spell.iter().chain(&after))
+            .copied()
+            .filter(|&revision| revision > now)
+            .collect();
+        assert_eq!(
+            next_revisions(&mut from_now, expected.len(), "the watch from now").await,
+            expected,
+            "member {member}: the watch opened after the spell, at revision {now}"
+        );
+        let (_back_requests, mut from_spell, _) =
+            open_watch(&cluster, member, create(spell[0])).await;
+        let last = put_keys(&mut kv, &format!("{prefix}d"), STEP_PUTS).await;
+        assert_eq!(
+            next_revisions(&mut from_now, STEP_PUTS, "the watch from now").await,
+            last,
+            "member {member}: the watch from now, with a second watch beside it"
+        );
+        let expected: Vec<i64> = [spell, after, last].concat();
+        assert_eq!(
+            next_revisions(&mut from_spell, expected.len(), "the watch from the spell").await,
+            expected,
+            "member {member}: the watch from a revision inside the spell"
+        );
+    }
 }

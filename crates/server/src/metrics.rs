@@ -417,6 +417,12 @@ pub fn render(api: &Api, peers: &PeerListenerState) -> String {
         gauge(figures.sessions as i64),
     );
     registry.register(
+        "conclave_subscriptions",
+        "Clients' live subscriptions to this member's applied events: watches, election \
+         observers, and calls waiting for a change (lock, campaign, queue claim, inbox).",
+        gauge(api.node.subscriptions().load(Ordering::Relaxed) as i64),
+    );
+    registry.register(
         "conclave_wal_fsyncs_slow",
         "WAL fsyncs slower than wal_fsync_warn_ms (each logged at WARN).",
         metrics.wal_fsyncs_slow.clone(),

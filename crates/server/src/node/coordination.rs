@@ -356,6 +356,7 @@ pub fn spawn(
         leader: LeaderDuties::new(&state_config),
         events: events.clone(),
         metrics: None,
+        subscriptions: None,
     };
     let machine = StateMachine::new(state_config);
     let (node, thread) = driver::spawn(config, machine, duties, transport, inbound, shutdown)?;
@@ -377,6 +378,23 @@ struct CoordinationDuties {
     /// applied: a task counting them from the broadcast woke on every applied batch, a
     /// wake-up per write on every member.
     metrics: Option<std::sync::Arc<crate::metrics::NodeMetrics>>,
+    /// Clients' subscriptions to applied events (`Shell::subscriptions`). With none, a batch is
+    /// not published: the watch hub's task, once started by a member's first watch, would
+    /// otherwise wake for every applied batch for good, a thread wake-up per write on every
+    /// member. Nothing is missed by it: a subscription registers and reads the state under
+    /// the state's read lock, and the count is read after the batch was applied under the
+    /// write lock, so a subscription either was counted before the batch was published or
+    /// read a state that holds it; the hub sees the revisions it did not get pass and resyncs
+    /// (`WatchHub::run`).
+    subscriptions: Option<std::sync::Arc<std::sync::atomic::AtomicUsize>>,
+}
+
+impl CoordinationDuties {
+    fn anyone_subscribed(&self) -> bool {
+        self.subscriptions
+            .as_ref()
+            .is_none_or(|count| count.load(std::sync::atomic::Ordering::Relaxed) > 0)
+    }
 }
 
 impl Duties<StateMachine, WalStorage> for CoordinationDuties {
@@ -404,6 +422,9 @@ impl Duties<StateMachine, WalStorage> for CoordinationDuties {
                 }
             }
         }
+        if !self.anyone_subscribed() {
+            return;
+        }
         // No receiver is fine: nobody watches.
         let _ = self.events.send(AppliedEvents {
             revision,
@@ -428,6 +449,13 @@ impl ShellDuties<StateMachine> for CoordinationDuties {
 
     fn attach_metrics(&mut self, metrics: &std::sync::Arc<crate::metrics::NodeMetrics>) {
         self.metrics = Some(metrics.clone());
+    }
+
+    fn attach_subscriptions(
+        &mut self,
+        subscriptions: &std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    ) {
+        self.subscriptions = Some(subscriptions.clone());
     }
 
     fn request(
@@ -486,5 +514,68 @@ impl ShellDuties<StateMachine> for CoordinationDuties {
                 let _ = reply.send(self.leader.lease_renewal_ages_ms(core, &ids));
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use conclave_state::{EventKind, KeyValue, WatchEvent};
+
+    use super::*;
+
+    fn put_applied(revision: i64) -> ApplyOutput {
+        ApplyOutput {
+            revision,
+            result: Ok(conclave_state::Response::Compacted),
+            events: vec![Event::Kv(WatchEvent {
+                kind: EventKind::Put,
+                kv: KeyValue {
+                    key: b"k".to_vec().into(),
+                    mod_revision: revision,
+                    ..KeyValue::default()
+                },
+                prev_kv: None,
+            })],
+            duplicate: false,
+        }
+    }
+
+    #[test]
+    fn applied_batches_are_published_only_while_someone_subscribes() {
+        let (events, mut published) = broadcast::channel(16);
+        let subscriptions = Arc::new(AtomicUsize::new(0));
+        let mut duties = CoordinationDuties {
+            leader: LeaderDuties::new(&conclave_state::Config::default()),
+            events,
+            metrics: None,
+            subscriptions: None,
+        };
+        duties.attach_subscriptions(&subscriptions);
+        let apply = |duties: &mut CoordinationDuties, revision| {
+            Duties::<StateMachine, WalStorage>::applied(duties, &put_applied(revision));
+            Duties::<StateMachine, WalStorage>::batch_applied(duties);
+        };
+
+        // A watch came and went: the hub's receiver is still there, and must not wake.
+        apply(&mut duties, 2);
+        assert!(
+            published.try_recv().is_err(),
+            "a batch was published with nobody subscribed"
+        );
+
+        subscriptions.fetch_add(1, Ordering::Relaxed);
+        apply(&mut duties, 3);
+        let batch = published.try_recv().expect("the batch, with a subscriber");
+        assert_eq!(batch.revision, 3);
+        assert_eq!(batch.events.len(), 1, "only this batch's events");
+
+        subscriptions.fetch_sub(1, Ordering::Relaxed);
+        apply(&mut duties, 4);
+        assert!(
+            published.try_recv().is_err(),
+            "published after the last one left"
+        );
     }
 }

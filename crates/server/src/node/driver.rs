@@ -179,6 +179,10 @@ pub(crate) trait ShellDuties<M: ReplicatedMachine>:
     /// Hands over the node's metrics, once, before the driver runs: duties that count what
     /// they apply do it on the driver's thread instead of waking a task per applied batch.
     fn attach_metrics(&mut self, _metrics: &Arc<NodeMetrics>) {}
+
+    /// Hands over the count of clients' subscriptions to applied events, once, before the
+    /// driver runs: duties that publish applied events skip it while nobody is subscribed.
+    fn attach_subscriptions(&mut self, _subscriptions: &Arc<AtomicUsize>) {}
 }
 
 /// Who waits for a settled proposal: a machine command wants its output; a new member's
@@ -656,6 +660,7 @@ pub(crate) fn spawn<M: ReplicatedMachine, D: ShellDuties<M>>(
     let subscriptions = Arc::new(AtomicUsize::new(0));
     let mut duties = duties;
     duties.attach_metrics(&metrics);
+    duties.attach_subscriptions(&subscriptions);
     let shell = Shell {
         deferred: Vec::new(),
         unrouted: Vec::new(),
