@@ -24,7 +24,7 @@
 //! has seen from the history, a waiting call checks the state again.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use bytes::Bytes;
@@ -333,7 +333,6 @@ impl super::Api {
 }
 
 /// One member's subscriptions to its applied events and the task that feeds them.
-#[derive(Default)]
 pub struct WatchHub {
     registry: Mutex<Registry>,
     /// Batches in the queues of `Every` subscriptions, not yet taken.
@@ -341,9 +340,31 @@ pub struct WatchHub {
     next_id: AtomicU64,
     /// Set once the hub task runs (started by the first subscription).
     started: AtomicBool,
+    /// The revision a subscription read when it registered on a member with none, or
+    /// [`NO_RESTART`]: the member published no batch meanwhile (the driver skips them while
+    /// nobody subscribes), so the hub's last revision is stale, and the revisions between are
+    /// in what that subscription read. The hub starts counting from here at its next batch,
+    /// rather than taking the revisions it did not see pass for a gap and resyncing.
+    restart_at: AtomicI64,
     /// Live subscriptions, shared with the node's driver (see
     /// [`crate::node::NodeHandle::subscriptions`]).
     subscriptions: Arc<AtomicUsize>,
+}
+
+/// [`WatchHub::restart_at`] when no subscription restarted the count.
+const NO_RESTART: i64 = i64::MIN;
+
+impl Default for WatchHub {
+    fn default() -> WatchHub {
+        WatchHub {
+            registry: Mutex::default(),
+            queued: AtomicUsize::new(0),
+            next_id: AtomicU64::new(0),
+            started: AtomicBool::new(false),
+            restart_at: AtomicI64::new(NO_RESTART),
+            subscriptions: Arc::default(),
+        }
+    }
 }
 
 /// One subscription's place in the hub: its queue, and its entries, removed when this is
@@ -377,7 +398,9 @@ impl Subscription {
         if !self.fell_behind() {
             return None;
         }
-        let fresh = self.hub.register(self.interest.clone(), self.delivery);
+        let fresh = self
+            .hub
+            .register(self.interest.clone(), self.delivery, None);
         drop(std::mem::replace(self, fresh));
         Some(HubMessage::Resync)
     }
@@ -452,10 +475,17 @@ impl WatchHub {
         if !self.started.swap(true, Ordering::AcqRel) {
             tokio::spawn(self.clone().run(subscribe(), revision));
         }
-        self.register(interest, delivery)
+        self.register(interest, delivery, Some(revision))
     }
 
-    fn register(self: &Arc<Self>, interest: Interest, delivery: Delivery) -> Subscription {
+    /// Adds a subscription; `read_at` is the revision its caller read under the state's read
+    /// lock, if it holds that lock now.
+    fn register(
+        self: &Arc<Self>,
+        interest: Interest,
+        delivery: Delivery,
+        read_at: Option<i64>,
+    ) -> Subscription {
         let capacity = match delivery {
             Delivery::Every => WATCH_QUEUE_BATCHES_MAX,
             Delivery::Signal => 1,
@@ -463,7 +493,10 @@ impl WatchHub {
         let (sender, receiver) = mpsc::channel(capacity);
         let slow = Arc::new(AtomicBool::new(false));
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        self.subscriptions.fetch_add(1, Ordering::Relaxed);
+        let first = self.subscriptions.fetch_add(1, Ordering::Relaxed) == 0;
+        if first && let Some(revision) = read_at {
+            self.restart_at.store(revision, Ordering::Release);
+        }
         self.registry().add(&interest, || Entry {
             id,
             delivery,
@@ -489,7 +522,12 @@ impl WatchHub {
         // The last revision this hub has seen pass; `None` after it fell behind the broadcast.
         let mut seen = Some(revision);
         loop {
-            match live.recv().await {
+            let received = live.recv().await;
+            let restart = self.restart_at.swap(NO_RESTART, Ordering::AcqRel);
+            if restart != NO_RESTART {
+                seen = Some(restart);
+            }
+            match received {
                 Ok(batch) => {
                     let skipped =
                         seen.is_some_and(|seen| super::watch::skips_revisions(seen, &batch));
@@ -930,6 +968,29 @@ mod tests {
         events.send(batch(21, vec![put("b", 21)])).unwrap();
         assert_eq!(received(&mut key_a).await, vec![11, -1]);
         assert_eq!(received(&mut key_b).await, vec![-1, 21]);
+    }
+
+    #[tokio::test]
+    async fn a_subscription_after_a_spell_without_any_starts_the_count_where_it_read() {
+        let hub = Arc::new(WatchHub::default());
+        let (events, _) = broadcast::channel(16);
+        let first = hub.subscribe(keys("a", ""), Delivery::Every, || events.subscribe(), 10);
+        events.send(batch(11, vec![put("a", 11)])).unwrap();
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        drop(first);
+        // Revisions 12 to 15 are applied with nobody subscribed: the driver publishes none.
+        // The next subscription read revision 15, so 16 continues what it has.
+        let mut next = hub.subscribe(keys("a", ""), Delivery::Every, || events.subscribe(), 15);
+        events.send(batch(16, vec![put("a", 16)])).unwrap();
+        assert_eq!(
+            received(&mut next).await,
+            vec![16],
+            "no resync for the spell"
+        );
+        // A snapshot installed later still jumps, and still resyncs.
+        events.send(batch(30, Vec::new())).unwrap();
+        events.send(batch(31, vec![put("a", 31)])).unwrap();
+        assert_eq!(received(&mut next).await, vec![-1, 31]);
     }
 
     #[tokio::test]

@@ -384,8 +384,9 @@ struct CoordinationDuties {
     /// member. Nothing is missed by it: a subscription registers and reads the state under
     /// the state's read lock, and the count is read after the batch was applied under the
     /// write lock, so a subscription either was counted before the batch was published or
-    /// read a state that holds it; the hub sees the revisions it did not get pass and resyncs
-    /// (`WatchHub::run`).
+    /// read a state that holds it. The first subscription after such a spell tells the hub
+    /// the revision it read, where the hub's count of revisions starts again
+    /// (`WatchHub::restart_at`).
     subscriptions: Option<std::sync::Arc<std::sync::atomic::AtomicUsize>>,
 }
 
