@@ -17,6 +17,10 @@
 //! task wake-ups per put, and it halved the cluster's put rate (docs/performance.md). The hub
 //! takes the one wake-up per batch and hands a subscription only the batches it has events in.
 //!
+//! While a member has no subscription at all its driver publishes no batch (the hub's task
+//! would wake for each one, for good, after the first watch); the first subscription after
+//! such a spell tells the hub the revision it read, and the hub counts revisions from there.
+//!
 //! A subscription that sees only some batches can no longer tell on its own that revisions
 //! went by without passing through the broadcast (a follower installing a snapshot, or the
 //! hub falling behind the broadcast). The hub checks that on the whole stream and sends every
